@@ -1,0 +1,36 @@
+"""Every DHT key and subkey format Swarmtrain uses, in one place."""
+
+from __future__ import annotations
+
+SIGNED_SUBKEY_PREFIX = "swt:"  # subkeys of signed records: this prefix, then the owner's peer id
+
+
+def signed_subkey(peer_id: str) -> str:
+    return SIGNED_SUBKEY_PREFIX + peer_id
+
+
+def owner_of_subkey(subkey: object) -> str | None:
+    """The peer id a signed subkey names, or None when the subkey is not one of ours."""
+    if isinstance(subkey, str) and subkey.startswith(SIGNED_SUBKEY_PREFIX):
+        return subkey[len(SIGNED_SUBKEY_PREFIX) :]
+    return None
+
+
+def spec_key(coordinator_peer_id: str) -> str:
+    """The run spec a coordinator publishes (one subkey: the coordinator's own)."""
+    return f"swarmtrain/coordinator/{coordinator_peer_id}/spec"
+
+
+def servers_key(run_id: str, stage: int) -> str:
+    """Announcements of the servers of one stage, a subkey per server."""
+    return f"swarmtrain/run/{run_id}/stage/{stage}/servers"
+
+
+def trainers_key(run_id: str) -> str:
+    """Announcements of the run's trainers, a subkey per trainer."""
+    return f"swarmtrain/run/{run_id}/trainers"
+
+
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The prefix under which hivemind's averager matches the replicas of one stage."""
+    return f"swarmtrain_{run_id}_stage{stage}"

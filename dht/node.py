@@ -1,0 +1,160 @@
+"""The peer's DHT node: hivemind's DHT with Swarmtrain's identity, signed records and deadlines.
+
+This is the one module that imports `hivemind.DHT`. Create it before any gRPC channel or server
+in the process: hivemind forks, and gRPC does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgpack
+from hivemind import DHT
+from hivemind.dht.routing import DHTID
+from hivemind.utils import get_dht_time
+from pydantic import ValidationError
+
+from dht import envelope, keys
+from dht.identity import Identity
+from dht.records import Record
+from dht.validator import SignedRecordValidator
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
+
+
+class DHTStartError(RuntimeError):
+    """The DHT node could not start or reach its initial peers; the message says what to check."""
+
+
+async def _count_neighbours(_dht, node) -> int:
+    """Runs inside the DHT process: how many peers the routing table knows."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+class SwarmDHT:
+    """A running hivemind DHT node that stores and reads Swarmtrain's signed, typed records."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        startup_timeout: float = 20.0,
+        request_timeout: float = 5.0,
+    ):
+        self.identity = identity
+        self.request_timeout = request_timeout
+        self._key_path = identity.write_libp2p_key()
+        kwargs = dict(
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            identity_path=self._key_path,
+            check_if_identity_free=False,  # hivemind's check reads RSA keys only; we lock the key file instead
+            record_validators=[SignedRecordValidator()],
+            start=False,
+            await_ready=False,
+            wait_timeout=request_timeout,
+            bootstrap_timeout=startup_timeout,
+        )
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = list(announce_maddrs)
+        self.dht = DHT(**kwargs)
+        started = time.monotonic()
+        try:
+            self.dht.run_in_background(await_ready=True, timeout=startup_timeout)
+        except Exception as e:
+            self._cleanup_key()
+            with contextlib.suppress(Exception):
+                self.dht.shutdown()
+            where = ", ".join(initial_peers) if initial_peers else "its listen addresses"
+            raise DHTStartError(
+                f"could not start the DHT node and reach {where} within {startup_timeout:.0f} s "
+                f"({type(e).__name__}: {e or 'timed out'}); check that the address is right and the peer is running"
+            ) from None
+        if initial_peers and not self._has_neighbours():
+            self.shutdown()
+            raise DHTStartError(
+                f"no peer answered at {', '.join(initial_peers)} within {time.monotonic() - started:.0f} s; "
+                "check that the address is right and the peer is running"
+            )
+
+    def _has_neighbours(self) -> bool:
+        return self.dht.run_coroutine(_count_neighbours) > 0
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def replicate_p2p(self):
+        return self.dht.replicate_p2p()
+
+    # ---- signed records -------------------------------------------------------------------
+    def _seal(self, key: str, expiration_time: float, record: Record) -> tuple[str, bytes]:
+        subkey = keys.signed_subkey(self.peer_id)
+        payload = record.model_dump_json().encode()
+        key_id = DHTID.generate(source=key).to_bytes()
+        subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
+        return subkey, envelope.seal(self.identity, key_id, subkey_bytes, expiration_time, payload)
+
+    def store(self, key: str, record: Record, ttl: float) -> bool:
+        """Store `record` under `key` with this peer's signed subkey, for `ttl` seconds."""
+        expiration = get_dht_time() + ttl
+        subkey, value = self._seal(key, expiration, record)
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        return bool(future.result(timeout=self.request_timeout * 2))
+
+    def get(self, key: str, model: type[R]) -> dict[str, R]:
+        """Every validly signed, well-formed record under `key`, by owner peer id."""
+        future = self.dht.get(key, latest=True, return_future=True)
+        found = future.result(timeout=self.request_timeout * 2)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        key_id = DHTID.generate(source=key).to_bytes()
+        now = get_dht_time()
+        records: dict[str, R] = {}
+        for subkey, item in found.value.items():
+            owner = keys.owner_of_subkey(subkey)
+            if owner is None or item.expiration_time < now:
+                continue  # unsigned entries under our keys are never used
+            subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
+            payload = envelope.open_envelope(owner, key_id, subkey_bytes, item.expiration_time, item.value) if isinstance(item.value, bytes) else None
+            if payload is None:
+                logger.warning("ignored a record under %s with a bad signature (claims owner %s)", key, owner)
+                continue
+            try:
+                records[owner] = model.model_validate_json(payload)
+            except ValidationError as e:
+                logger.warning("ignored a malformed %s from %s: %s", model.__name__, owner, e)
+        return records
+
+    async def astore(self, key: str, record: Record, ttl: float) -> bool:
+        return await asyncio.wait_for(asyncio.to_thread(self.store, key, record, ttl), self.request_timeout * 2)
+
+    async def aget(self, key: str, model: type[R]) -> dict[str, R]:
+        return await asyncio.wait_for(asyncio.to_thread(self.get, key, model), self.request_timeout * 2)
+
+    def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
+        """Store an arbitrary value without signing it (for tests of what the validators refuse)."""
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        return bool(future.result(timeout=self.request_timeout * 2))
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.dht.is_alive():
+                self.dht.shutdown()
+        self._cleanup_key()
+
+    def _cleanup_key(self) -> None:
+        shutil.rmtree(os.path.dirname(self._key_path), ignore_errors=True)

@@ -1,0 +1,50 @@
+"""Typed, versioned DHT records. Unknown fields are ignored so older and newer peers read each other."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    version: int = 1  # bumped when a field changes meaning; readers ignore fields they do not know
+
+
+class RunSpecRecord(Record):
+    """The run spec as the coordinator published it (a JSON-able dict, validated by the runtime)."""
+
+    spec: dict[str, Any]
+    coordinator_maddrs: list[str] = Field(default_factory=list)  # where the coordinator's DHT node listens
+    published: float = 0.0  # unix time of publication
+
+
+class ServerRecord(Record):
+    """A stage server's announcement: where it serves, how fast, and where its optimizer is."""
+
+    stage: int
+    endpoint: str  # host:port of its gRPC server, as others should dial it
+    throughput: float  # measured samples/s for forward+backward
+    load: float = 0.0  # requests running or queued
+    epoch: int = 0  # optimizer steps taken by this stage
+    samples: int = 0  # samples accumulated since the last step
+    samples_stepped: int = 0  # samples accounted by finished steps
+    averaging_epoch: int = -1  # the epoch this server is averaging for right now, else -1
+    state: Literal["joining", "serving", "leaving"] = "serving"
+    started: float = 0.0  # unix time the server started
+    updated: float = 0.0  # unix time of this announcement
+
+
+class TrainerRecord(Record):
+    """A trainer's announcement: what it has done so far."""
+
+    samples: int = 0  # micro-batch samples completed (forward and backward through every stage)
+    micro_batches: int = 0
+    samples_per_second: float = 0.0
+    train_loss: float | None = None  # recent mean training loss
+    val_loss: float | None = None  # last validation loss, if this trainer evaluates
+    epoch: int = 0  # highest stage epoch seen
+    started: float = 0.0
+    updated: float = 0.0

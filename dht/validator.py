@@ -1,0 +1,40 @@
+"""A hivemind record validator: records under a signed subkey must carry their owner's signature."""
+
+from __future__ import annotations
+
+import msgpack
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from dht import envelope, keys
+
+
+class SignedRecordValidator(RecordValidatorBase):
+    """Rejects a record whose subkey names a peer (`swt:<peer id>`) unless that peer signed it.
+
+    The signature covers the key's DHT id, the subkey, the expiration time and the payload, so a
+    record cannot be moved to another key, another owner, or a later expiry. Records under other
+    subkeys (hivemind's own matchmaking entries) pass through; Swarmtrain's readers ignore them.
+    """
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = msgpack.unpackb(record.subkey, raw=False)
+        except Exception:
+            return True  # not a subkey of ours: leave it to hivemind
+        owner = keys.owner_of_subkey(subkey)
+        if owner is None:
+            return True
+        try:
+            value = msgpack.unpackb(record.value, raw=False)  # hivemind serializes the stored value once more
+        except Exception:
+            return False
+        if not isinstance(value, bytes):
+            return False
+        return envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value) is not None
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SignedRecordValidator)

@@ -1,0 +1,1 @@
+"""Swarmtrain peer runtime."""
