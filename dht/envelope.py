@@ -13,18 +13,29 @@ _DOMAIN = b"swarmtrain-record-v1\x00"
 
 def _message(key_id: bytes, subkey_bytes: bytes, expiration_time: float, payload: bytes) -> bytes:
     return b"".join(
-        [_DOMAIN, struct.pack(">I", len(key_id)), key_id, struct.pack(">I", len(subkey_bytes)), subkey_bytes,
-         struct.pack(">d", expiration_time), payload]
+        [
+            _DOMAIN,
+            struct.pack(">I", len(key_id)),
+            key_id,
+            struct.pack(">I", len(subkey_bytes)),
+            subkey_bytes,
+            struct.pack(">d", expiration_time),
+            payload,
+        ]
     )
 
 
-def seal(identity: identity_lib.Identity, key_id: bytes, subkey_bytes: bytes, expiration_time: float, payload: bytes) -> bytes:
+def seal(
+    identity: identity_lib.Identity, key_id: bytes, subkey_bytes: bytes, expiration_time: float, payload: bytes
+) -> bytes:
     """Wrap `payload` with the owner's signature over where and until when it is stored."""
     signature = identity.sign(_message(key_id, subkey_bytes, expiration_time, payload))
     return msgpack.packb({"v": 1, "p": payload, "s": signature}, use_bin_type=True)
 
 
-def open_envelope(owner_peer_id: str, key_id: bytes, subkey_bytes: bytes, expiration_time: float, value: bytes) -> bytes | None:
+def open_envelope(
+    owner_peer_id: str, key_id: bytes, subkey_bytes: bytes, expiration_time: float, value: bytes
+) -> bytes | None:
     """The payload if `value` is an envelope signed by `owner_peer_id` for this place, else None."""
     try:
         envelope = msgpack.unpackb(value, raw=False)

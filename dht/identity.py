@@ -64,7 +64,9 @@ class Identity:
     def __init__(self, private_key: Ed25519PrivateKey, path: Path | None = None):
         self.private_key = private_key
         self.path = path
-        self.public_bytes = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.public_bytes = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
         self.peer_id = peer_id_from_public_bytes(self.public_bytes)
         self._lock_file = None
 

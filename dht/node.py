@@ -129,7 +129,11 @@ class SwarmDHT:
             if owner is None or item.expiration_time < now:
                 continue  # unsigned entries under our keys are never used
             subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
-            payload = envelope.open_envelope(owner, key_id, subkey_bytes, item.expiration_time, item.value) if isinstance(item.value, bytes) else None
+            payload = (
+                envelope.open_envelope(owner, key_id, subkey_bytes, item.expiration_time, item.value)
+                if isinstance(item.value, bytes)
+                else None
+            )
             if payload is None:
                 logger.warning("ignored a record under %s with a bad signature (claims owner %s)", key, owner)
                 continue

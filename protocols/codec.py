@@ -18,7 +18,14 @@ _TO_WIRE_DTYPE = {
     torch.uint8: tensor_pb2.UINT8,
 }
 _FROM_WIRE_DTYPE = {v: k for k, v in _TO_WIRE_DTYPE.items()}
-_ELEMENT_SIZE = {tensor_pb2.FLOAT32: 4, tensor_pb2.FLOAT16: 2, tensor_pb2.BFLOAT16: 2, tensor_pb2.INT64: 8, tensor_pb2.INT32: 4, tensor_pb2.UINT8: 1}
+_ELEMENT_SIZE = {
+    tensor_pb2.FLOAT32: 4,
+    tensor_pb2.FLOAT16: 2,
+    tensor_pb2.BFLOAT16: 2,
+    tensor_pb2.INT64: 8,
+    tensor_pb2.INT32: 4,
+    tensor_pb2.UINT8: 1,
+}
 _CODEC_BY_NAME = {"none": tensor_pb2.NONE, "fp16": tensor_pb2.FP16, "bf16": tensor_pb2.BF16}
 _CODEC_ELEMENT_SIZE = {tensor_pb2.FP16: 2, tensor_pb2.BF16: 2}
 

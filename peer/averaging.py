@@ -1,0 +1,104 @@
+"""Gradient averaging among the replicas of one stage, with hivemind's DecentralizedAverager.
+
+The one module of the runtime that imports hivemind's averaging. Replicas are matched through
+the DHT under one prefix per stage; the group key carries the epoch, so replicas at different
+optimizer steps never average together, and the target group size is set to the number of live
+replicas before each round, so a full group starts at once instead of waiting out the window.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.utils import MPFuture
+
+from dht.node import SwarmDHT
+from peer.config import AveragingConfig
+
+logger = logging.getLogger(__name__)
+EPOCH_BITS = 16
+
+
+class _StageAverager(DecentralizedAverager):
+    """hivemind's averager plus a way to change the target group size between rounds."""
+
+    def set_target_group_size(self, size: int, timeout: float) -> None:
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result(timeout=timeout)
+
+    async def _set_target_group_size(self, size: int, future: MPFuture) -> None:
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = size
+        matchmaking.potential_leaders.target_group_size = size
+        matchmaking.group_key_manager.target_group_size = size
+        future.set_result(None)
+
+
+@dataclass
+class RoundResult:
+    gradients: list[torch.Tensor]  # the group's sample-weighted mean gradients
+    group_samples: int  # samples accounted by the whole group
+    group_size: int
+
+
+class GradientAverager:
+    """Averages a stage's gradients with its replicas; must be created on the main thread."""
+
+    def __init__(self, dht: SwarmDHT, prefix: str, template: list[torch.Tensor], cfg: AveragingConfig):
+        self.cfg = cfg
+        previous = signal.getsignal(signal.SIGINT)
+        self._averager = _StageAverager(
+            [torch.zeros_like(t) for t in template],
+            dht=dht.dht,
+            prefix=prefix,
+            start=True,
+            target_group_size=cfg.max_group_size,
+            min_group_size=2,
+            min_matchmaking_time=cfg.min_matchmaking_time,
+            request_timeout=min(cfg.request_timeout, cfg.min_matchmaking_time / 2),
+            allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout / 2,
+            allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's
+        )
+        signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
+
+    def average(
+        self, gradients: list[torch.Tensor], samples: int, epoch: int, expected_group: int
+    ) -> RoundResult | None:
+        """One round with the replicas at `epoch`; None when no group formed in time."""
+        size = max(2, min(expected_group, self.cfg.max_group_size))
+        self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
+        self._averager.set_group_bits(format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b"))
+        with self._averager.get_tensors() as tensors:
+            for dst, src in zip(tensors, gradients, strict=True):
+                dst.copy_(src)
+        try:
+            gathered = self._averager.step(
+                gather={"epoch": epoch, "samples": samples},
+                weight=float(samples),
+                timeout=self.cfg.averaging_timeout,
+                allow_retries=True,
+            )
+        except Exception as e:  # a failed round must not take the server down
+            logger.warning("averaging for step %d failed: %s", epoch, e)
+            return None
+        if not gathered:
+            return None
+        infos = [g for g in gathered.values() if isinstance(g, dict)]
+        if len(infos) != len(gathered) or any(info.get("epoch") != epoch for info in infos):
+            logger.warning("averaging group for step %d mixed epochs: %s", epoch, infos)
+            return None
+        with self._averager.get_tensors() as tensors:
+            averaged = [t.clone() for t in tensors]
+        return RoundResult(averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered))
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except Exception as e:
+            logger.debug("averager shutdown: %s", e)

@@ -1,0 +1,201 @@
+"""The `peer` command: coordinator, join, status, keygen, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import sys
+import tomllib
+
+from dht.identity import Identity, IdentityError, default_identity_path
+from dht.node import DHTStartError
+from peer.config import ConfigError, PeerConfig, RunSpec, set_path
+
+# flag -> PeerConfig field; every flag is also settable in a peer config file or with --set
+_FLAG_FIELDS = {
+    "host": "network.host",
+    "port": "network.port",
+    "announce_host": "network.announce_host",
+    "threads": "threads",
+    "data": "trainer.data",
+    "seed": "trainer.seed",
+    "max_micro_batches": "trainer.max_micro_batches",
+    "max_inflight": "trainer.max_inflight",
+    "eval_every": "trainer.eval_every",
+    "log_file": "trainer.log_file",
+    "progress": "trainer.progress",
+}
+
+
+def _add_peer_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--identity", help=f"this peer's Ed25519 key (created on first use; default {default_identity_path()})"
+    )
+    p.add_argument("--config", help="a TOML file of peer settings (see docs/run-spec.md); flags override it")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override any peer setting, e.g. --set network.record_ttl=20 (VALUE in TOML syntax)",
+    )
+    p.add_argument("--host", help="address to listen on for gRPC and the DHT (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="gRPC port (default: any free one)")
+    p.add_argument("--dht-port", type=int, help="DHT (libp2p) port (default: any free one)")
+    p.add_argument("--announce-host", help="address other machines dial to reach this one (public IP or name)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+
+
+def _peer_config(args: argparse.Namespace) -> PeerConfig:
+    cfg = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
+    for flag, path in _FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None and value is not False:
+            set_path(cfg, path, value)
+    host = getattr(args, "host", None) or "0.0.0.0"
+    dht_port = getattr(args, "dht_port", None)
+    if args.host is not None or dht_port is not None:
+        cfg.network.dht_host_maddrs = [f"/ip4/{host}/tcp/{dht_port or 0}"]
+    if getattr(args, "announce_host", None):
+        if not dht_port:
+            raise ConfigError("--announce-host needs --dht-port too, so the announced DHT address has a fixed port")
+        cfg.network.dht_announce_maddrs = [f"/ip4/{args.announce_host}/tcp/{dht_port}"]
+    if args.identity:
+        cfg.identity = args.identity
+    for item in args.set:
+        field, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        set_path(cfg, field.strip(), value)
+    return cfg
+
+
+def _identity(cfg: PeerConfig) -> Identity:
+    identity = Identity.load_or_create(cfg.identity or None)
+    identity.lock()
+    return identity
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("peer").setLevel(logging.INFO)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peer", description="Swarmtrain: train one model on computers lent by many people."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("coordinator", help="start a run: first DHT node, publishes the signed run spec")
+    p.add_argument("spec", help="the run spec, a TOML file (see examples/run.toml)")
+    p.add_argument("--info-file", default="", help="also write the multiaddrs and join line to this JSON file")
+    _add_peer_flags(p)
+
+    p = sub.add_parser("join", help="join a run as a stage server (default) or a trainer")
+    p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
+    p.add_argument("--role", choices=["server", "trainer"], default="server")
+    p.add_argument("--stage", type=int, help="serve this stage (default: the one with the least throughput)")
+    p.add_argument("--data", help="trainer: a text file or directory (default: Python's standard library)")
+    p.add_argument("--seed", type=int, help="trainer: seed of the micro-batch order")
+    p.add_argument("--max-micro-batches", type=int, help="trainer: stop after this many micro-batches")
+    p.add_argument("--max-inflight", type=int, help="trainer: micro-batches in the pipeline at once")
+    p.add_argument("--eval-every", type=int, help="trainer: validate every N optimizer steps")
+    p.add_argument("--log-file", help="trainer: write JSON lines of losses here")
+    p.add_argument("--progress", action="store_true", default=None, help="trainer: print progress lines")
+    _add_peer_flags(p)
+
+    p = sub.add_parser("status", help="print a table of a run's stages, servers and trainers")
+    p.add_argument("maddr", help="a multiaddr of the run's coordinator")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the DHT and the spec")
+
+    p = sub.add_parser("keygen", help="create this peer's Ed25519 identity and print its peer id")
+    p.add_argument("--identity", help=f"where to write the key (default {default_identity_path()})")
+
+    p = sub.add_parser("demo", help="run a whole small swarm on this machine and train for a few minutes")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps to train (default: the demo spec's)")
+    p.add_argument("--workdir", default="", help="keep logs and keys here (default: a temporary directory)")
+    p.add_argument("--spec", default="", help="a run spec to use instead of the demo's")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    mp.set_start_method("fork", force=True)  # hivemind needs fork; gRPC objects are created after its processes
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return _dispatch(args) or 0
+    except ConfigError as e:
+        print(f"peer {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (IdentityError, DHTStartError) as e:
+        print(f"peer {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from peer.swarm import RunNotFound
+
+        if isinstance(e, RunNotFound):
+            print(f"peer {args.command}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _dispatch(args: argparse.Namespace) -> int | None:
+    if args.command == "keygen":
+        path = args.identity or default_identity_path()
+        identity = Identity.load_or_create(path)
+        print(f"identity {path}\npeer id {identity.peer_id}")
+        return 0
+    if args.command == "demo":
+        from peer.demo import run_demo
+
+        return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
+    if args.command == "status":
+        return _status(args)
+    cfg = _peer_config(args)
+    from peer.join import set_threads
+
+    set_threads(cfg.threads)
+    if args.command == "coordinator":
+        from peer.coordinator import run_coordinator
+
+        spec = RunSpec.from_toml(args.spec)
+        run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file)
+        return 0
+    from peer.join import run_server, run_trainer
+
+    if args.role == "trainer":
+        if args.stage is not None:
+            raise ConfigError("--stage is for servers; a trainer uses every stage")
+        return run_trainer(args.maddr, cfg, _identity(cfg))
+    run_server(args.maddr, cfg, _identity(cfg), args.stage)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from dht.node import SwarmDHT
+    from peer.status import gather, render
+    from peer.swarm import coordinator_peer_id, fetch_spec
+
+    coordinator = coordinator_peer_id(args.maddr)
+    dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
+    try:
+        spec = fetch_spec(dht, coordinator, timeout=args.timeout)
+        render(spec, gather(dht, spec))
+    finally:
+        dht.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

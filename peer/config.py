@@ -1,0 +1,299 @@
+"""Configuration as data: the run spec (shared by every peer of a run) and a peer's own settings.
+
+Both are dataclasses with defaults, loaded from TOML and overridable by command-line flags.
+A mistake is refused with a ConfigError naming the field and the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message starts with the field's dotted name."""
+
+
+# ---------------------------------------------------------------------------------------------
+# run spec: what the coordinator publishes, signed, and every peer of the run follows
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # byte-level by default
+    hidden_size: int = 192  # width of the residual stream
+    num_layers: int = 4  # transformer blocks in the whole model
+    num_heads: int = 6  # attention heads; hidden_size must divide evenly
+    intermediate_size: int = 512  # SwiGLU inner width
+    max_seq_len: int = 128  # longest sequence the rotary tables cover
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+
+@dataclass
+class StagesConfig:
+    num_stages: int = 2  # pipeline stages the blocks are split into
+    boundaries: list[int] = field(default_factory=list)  # first block of stages 1..N-1; empty: split evenly
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 16  # sequences per micro-batch a trainer sends
+    seq_len: int = 128  # tokens (bytes) per sequence
+    target_batch_size: int = 64  # samples per global optimizer step, summed over all replicas of a stage
+    total_steps: int = 300  # length of the learning-rate schedule; trainers stop when a stage reaches it
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    warmup_steps: int = 20  # linear warmup, in optimizer steps
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    eps: float = 1e-8  # AdamW epsilon
+
+
+@dataclass
+class CompressionConfig:
+    activations: str = "none"  # hidden states and their gradients between stages: none, fp16, bf16
+
+
+@dataclass
+class AveragingConfig:
+    min_matchmaking_time: float = 2.0  # s a group leader waits for the stage's other replicas
+    request_timeout: float = 1.0  # s for one matchmaking request
+    averaging_timeout: float = 20.0  # s for a whole round (matchmaking + all-reduce) before giving up
+    max_group_size: int = 32  # most replicas averaged in one group
+
+
+@dataclass
+class RunSpec:
+    name: str = "swarmtrain"  # the run's id in DHT keys: letters, digits, '-' and '_'
+    seed: int = 0  # initial weights of every stage come from this seed
+    model: ModelConfig = field(default_factory=ModelConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+
+    def stage_blocks(self, stage: int) -> range:
+        """The transformer blocks held by `stage`."""
+        bounds = [0, *self.block_boundaries(), self.model.num_layers]
+        return range(bounds[stage], bounds[stage + 1])
+
+    def block_boundaries(self) -> list[int]:
+        if self.stages.boundaries:
+            return list(self.stages.boundaries)
+        n, layers = self.stages.num_stages, self.model.num_layers
+        return [round(i * layers / n) for i in range(1, n)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of the spec, to tell two versions apart."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        spec = from_dict(cls, data, "")
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunSpec:
+        return cls.from_dict(load_toml(path))
+
+    def validate(self) -> None:
+        m, s, t = self.model, self.stages, self.training
+        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
+            raise ConfigError(f"name: must be letters, digits, '-' or '_', got {self.name!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
+            _positive(f"model.{name}", getattr(m, name))
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+        if (m.hidden_size // m.num_heads) % 2:
+            raise ConfigError("model.num_heads: head size hidden_size/num_heads must be even for rotary embeddings")
+        _positive("stages.num_stages", s.num_stages)
+        if s.num_stages > m.num_layers:
+            raise ConfigError(f"stages.num_stages: {s.num_stages} stages cannot split {m.num_layers} blocks")
+        if s.boundaries:
+            if len(s.boundaries) != s.num_stages - 1:
+                raise ConfigError(f"stages.boundaries: needs {s.num_stages - 1} entries, got {len(s.boundaries)}")
+            bounds = [0, *s.boundaries, m.num_layers]
+            if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+                raise ConfigError(
+                    f"stages.boundaries: must rise strictly within 1..{m.num_layers - 1}, got {s.boundaries}"
+                )
+        for name in ("micro_batch_size", "seq_len", "target_batch_size", "total_steps"):
+            _positive(f"training.{name}", getattr(t, name))
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"training.seq_len: {t.seq_len} is longer than model.max_seq_len {m.max_seq_len}")
+        if t.target_batch_size < t.micro_batch_size:
+            raise ConfigError(
+                f"training.target_batch_size: {t.target_batch_size} is smaller than one micro-batch ({t.micro_batch_size})"
+            )
+        if not t.lr > 0:
+            raise ConfigError(f"training.lr: must be positive, got {t.lr}")
+        if t.warmup_steps < 0:
+            raise ConfigError(f"training.warmup_steps: must be >= 0, got {t.warmup_steps}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
+        if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
+        if self.compression.activations not in ("none", "fp16", "bf16"):
+            raise ConfigError(
+                f"compression.activations: must be one of none, fp16, bf16, got {self.compression.activations!r}"
+            )
+        a = self.averaging
+        for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
+            if not getattr(a, name) > 0:
+                raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
+        if a.max_group_size < 2:
+            raise ConfigError(f"averaging.max_group_size: must be at least 2, got {a.max_group_size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# a peer's own settings: where it listens, its limits and deadlines
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class NetworkConfig:
+    host: str = "0.0.0.0"  # address the gRPC server listens on
+    port: int = 0  # gRPC port; 0 picks a free one
+    announce_host: str = ""  # address others dial for gRPC; empty: the host, or 127.0.0.1 when host is 0.0.0.0
+    dht_host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # DHT listen multiaddrs
+    dht_announce_maddrs: list[str] = field(default_factory=list)  # DHT multiaddrs to announce (public address)
+    dht_startup_timeout: float = 20.0  # s to start the DHT node and reach the initial peers
+    dht_request_timeout: float = 5.0  # s for one DHT store or get
+    announce_period: float = 2.0  # s between refreshes of this peer's DHT record
+    record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
+    progress_period: float = 0.2  # s between a server's looks at its stage's progress
+
+
+@dataclass
+class ServerConfig:
+    max_tensor_elements: int = 16 * 1024 * 1024  # largest tensor accepted in a request
+    max_message_bytes: int = 256 * 1024 * 1024  # largest (streamed) request accepted
+    chunk_bytes: int = 2 * 1024 * 1024  # messages above this travel as a stream of chunks this size
+    max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
+    activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
+    fingerprint_history: int = 64  # optimizer steps remembered for replicas to compare
+    state_load_timeout: float = 60.0  # s to download a stage's state from a peer
+    shutdown_grace: float = 5.0  # s to finish running requests on exit
+
+
+@dataclass
+class TrainerConfig:
+    data: str = ""  # a text file or directory of files to train on; empty: Python's standard library
+    seed: int = 0  # order of this trainer's micro-batches (give each trainer its own)
+    max_inflight: int = 2  # micro-batches in the pipeline at once
+    max_micro_batches: int = 0  # stop after this many micro-batches (0: run until the schedule ends)
+    request_timeout: float = 30.0  # s deadline for one forward or backward call
+    connect_timeout: float = 5.0  # s to wait for a server to accept a connection
+    max_retries: int = 8  # tries of one call on replicas before the micro-batch is given up
+    ban_time: float = 5.0  # s a failing server is avoided (doubling on repeated failures)
+    no_server_wait: float = 60.0  # s to wait for a stage with no live server before giving up
+    eval_every: int = 0  # steps between validation runs (0: never)
+    eval_batches: int = 4  # micro-batches of held-out data per validation run
+    log_file: str = ""  # JSON lines: one per finished micro-batch and per validation
+    progress: bool = False  # print a progress line every few seconds
+    refresh_period: float = 1.0  # s between refreshes of the server list
+
+
+@dataclass
+class PeerConfig:
+    identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
+    threads: int = 0  # torch threads; 0: torch's default
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PeerConfig:
+        return from_dict(cls, data, "")
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> PeerConfig:
+        return cls.from_dict(load_toml(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def _positive(name: str, value: Any) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name}: must be positive, got {value}")
+
+
+def from_dict(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from nested dicts, checking names and types; ConfigError names the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'spec'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(names))})")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            values[f.name] = _convert(hints[f.name], data[f.name], prefix + f.name)
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, name + ".")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(options[0], value, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_convert(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{name}: unsupported field type {hint}")
+
+
+def set_path(obj: Any, dotted: str, value: Any) -> None:
+    """Override one field (e.g. 'network.port') of a config dataclass with a flag's value, type-checked."""
+    *parents, last = dotted.split(".")
+    target = obj
+    for part in parents:
+        target = getattr(target, part)
+    hints = typing.get_type_hints(type(target))
+    if last not in hints:
+        raise ConfigError(f"{dotted}: unknown field")
+    setattr(target, last, _convert(hints[last], value, dotted))

@@ -1,0 +1,98 @@
+"""The coordinator: first DHT node of a run; publishes the signed run spec and reports the run's state.
+
+It is not on the data path: servers and trainers talk to each other directly, so training goes
+on while the coordinator is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+from dht import keys
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from dht.records import ServerRecord, TrainerRecord
+from peer.config import PeerConfig, RunSpec
+from peer.swarm import publish_spec
+
+logger = logging.getLogger(__name__)
+SPEC_TTL = 120.0  # s the published spec lives unless republished
+SPEC_REPUBLISH = 30.0  # s between republications
+
+
+def dht_maddrs(cfg: PeerConfig) -> tuple[list[str], list[str]]:
+    return list(cfg.network.dht_host_maddrs), list(cfg.network.dht_announce_maddrs)
+
+
+def join_line(maddr: str) -> str:
+    return f"peer join {maddr}"
+
+
+def pick_join_maddr(maddrs: list[str]) -> str:
+    """Prefer an address others can dial: non-loopback IPv4 first, loopback last."""
+    ranked = sorted(maddrs, key=lambda m: ("/ip4/127." in m or "/ip6/" in m, m))
+    return ranked[0]
+
+
+def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
+    stages = []
+    for stage in range(spec.stages.num_stages):
+        servers = dht.get(keys.servers_key(spec.name, stage), ServerRecord)
+        serving = [r for r in servers.values() if r.state == "serving"]
+        stages.append(
+            {
+                "servers": len(serving),
+                "step": max((r.epoch for r in serving), default=0),
+                "throughput": sum(r.throughput for r in serving),
+            }
+        )
+    trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
+    return {"stages": stages, "trainers": len(trainers), "samples": sum(t.samples for t in trainers.values())}
+
+
+def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "") -> None:
+    host_maddrs, announce_maddrs = dht_maddrs(cfg)
+    dht = SwarmDHT(
+        identity, [], host_maddrs, announce_maddrs, cfg.network.dht_startup_timeout, cfg.network.dht_request_timeout
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if not publish_spec(dht, spec, SPEC_TTL):
+            logger.warning("the run spec was not stored on any DHT node yet; will retry")
+        maddrs = dht.visible_maddrs()
+        join = join_line(pick_join_maddr(maddrs))
+        print(f"Coordinator of run '{spec.name}' is up (peer id {identity.peer_id}).", flush=True)
+        print("It listens on:", flush=True)
+        for m in maddrs:
+            print(f"  {m}", flush=True)
+        print(f"To join, run on another machine:\n  {join}\n  {join} --role trainer", flush=True)
+        if info_file:
+            with open(info_file + ".tmp", "w") as f:
+                json.dump({"maddrs": maddrs, "join": join, "peer_id": identity.peer_id, "run": spec.name}, f)
+            os.replace(info_file + ".tmp", info_file)
+        last_publish = time.monotonic()
+        while not stop.wait(10.0):
+            if time.monotonic() - last_publish > SPEC_REPUBLISH:
+                publish_spec(dht, spec, SPEC_TTL)
+                last_publish = time.monotonic()
+            try:
+                summary = swarm_summary(dht, spec)
+            except Exception as e:
+                logger.debug("summary failed: %s", e)
+                continue
+            stages = ", ".join(
+                f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
+            )
+            print(
+                f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples",
+                flush=True,
+            )
+    finally:
+        dht.shutdown()

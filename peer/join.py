@@ -1,0 +1,132 @@
+"""`peer join`: read and verify the run spec, then serve a stage or train."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+
+from dht import keys
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from peer.config import PeerConfig, RunSpec
+from peer.corpus import load_corpus
+from peer.swarm import choose_stage, coordinator_peer_id, fetch_spec
+
+logger = logging.getLogger(__name__)
+
+
+def connect(maddr: str, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, RunSpec]:
+    """Join the DHT through `maddr` and read the spec signed by the coordinator the address names."""
+    coordinator = coordinator_peer_id(maddr)
+    net = cfg.network
+    dht = SwarmDHT(
+        identity,
+        [maddr],
+        net.dht_host_maddrs,
+        net.dht_announce_maddrs,
+        net.dht_startup_timeout,
+        net.dht_request_timeout,
+    )
+    try:
+        spec = fetch_spec(dht, coordinator, timeout=net.dht_startup_timeout)
+    except BaseException:
+        dht.shutdown()
+        raise
+    return dht, spec
+
+
+async def _until_signalled(start, stop) -> None:
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    try:
+        await start()
+        await event.wait()
+    finally:
+        await stop()
+
+
+def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | None) -> None:
+    from peer.averaging import GradientAverager
+    from peer.runtime import StageRuntime
+    from peer.server import StageServer
+
+    dht, spec = connect(maddr, cfg, identity)
+    averager = None
+    try:
+        n = spec.stages.num_stages
+        if stage is not None and not 0 <= stage < n:
+            raise SystemExit(f"peer join: --stage {stage} does not exist: run '{spec.name}' has stages 0..{n - 1}")
+        if stage is None:
+            stage = choose_stage(dht, spec)
+        blocks = spec.stage_blocks(stage)
+        print(
+            f"Joined run '{spec.name}' (spec signed by its coordinator). Serving stage {stage} of {n} "
+            f"(blocks {blocks.start}-{blocks.stop - 1}).",
+            flush=True,
+        )
+        runtime = StageRuntime(spec, stage, cfg.server.activation_cache_size, cfg.server.fingerprint_history)
+        rate = runtime.benchmark(spec.training.micro_batch_size, spec.training.seq_len)
+        print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
+        # hivemind's averager forks: create it before any gRPC channel or server
+        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec.averaging)
+        server = StageServer(spec, stage, cfg, dht, runtime, averager)
+
+        async def start():
+            await server.start()
+            print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
+
+        async def stop():
+            print("Leaving the swarm...", flush=True)
+            await server.stop()
+
+        asyncio.run(_until_signalled(start, stop))
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+
+
+def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
+    from peer.trainer import Trainer
+
+    corpus = load_corpus(cfg.trainer.data)
+    dht, spec = connect(maddr, cfg, identity)
+    try:
+        print(
+            f"Joined run '{spec.name}' as a trainer on {corpus.source} "
+            f"({len(corpus.train) / 1e6:.1f} MB train, {len(corpus.validation) / 1e6:.1f} MB held out).",
+            flush=True,
+        )
+        trainer = Trainer(spec, cfg, dht, corpus)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            task = asyncio.current_task()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, task.cancel)
+            return await trainer.run()
+
+        try:
+            summary = asyncio.run(main())
+        except asyncio.CancelledError:
+            print("Stopped.", flush=True)
+            return 1
+        val = f", validation loss {summary.val_losses[-1][1]:.3f}" if summary.val_losses else ""
+        print(
+            f"Done: {summary.micro_batches} micro-batches ({summary.samples} samples) in {summary.seconds:.0f} s, "
+            f"reached step {summary.epoch}{val}; {summary.failed_micro_batches} given up.",
+            flush=True,
+        )
+        return 0 if summary.failed_micro_batches == 0 else 3
+    finally:
+        dht.shutdown()
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)

@@ -1,0 +1,283 @@
+"""A stage server: serves one pipeline stage over gRPC and keeps its optimizer in step with the stage's replicas.
+
+Step protocol. Each server announces in the DHT its epoch (optimizer steps taken) and the samples
+it has accumulated since. When the replicas at one epoch together reach the run's target batch
+size, the server that notices first flags `averaging_epoch` in its record and starts a round; the
+others see the flag within one progress period and join. The round runs on the torch thread, so
+no forward or backward of the stage runs while it lasts: every replica steps from the same
+gradients at the same moment of its own request stream, and the samples each contributed are
+counted exactly once. A server alone at its epoch steps at once, inside the backward that crossed
+the target, so one server per stage reproduces plain gradient accumulation exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from peer.averaging import GradientAverager
+from peer.client import StageClient, server_options
+from peer.config import PeerConfig, RunSpec
+from peer.runtime import StageRuntime
+from peer.servicer import StageServicer
+from protocols import stage_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def announce_host(cfg_host: str, announce: str) -> str:
+    """The address other machines should dial: --announce-host, else the listen host, else this machine's name."""
+    if announce:
+        return announce
+    if cfg_host not in ("0.0.0.0", "::", ""):
+        return cfg_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class StageServer:
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        cfg: PeerConfig,
+        dht: SwarmDHT,
+        runtime: StageRuntime,
+        averager: GradientAverager | None,
+    ):
+        self.spec, self.run_id, self.stage, self.cfg = spec, spec.name, stage, cfg
+        self.dht, self.runtime, self.averager = dht, runtime, averager
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes)
+        self.inflight = 0
+        self.leaving = False
+        self.state = "joining"
+        self.stepping = False
+        self.averaging_epoch = -1
+        self.peers: dict[str, ServerRecord] = {}  # other servers of this stage, from the DHT
+        self.started = time.time()
+        self.endpoint = ""
+        self.grpc_server: grpc.aio.Server | None = None
+        self._publish_lock = asyncio.Lock()
+        self._last_published: tuple | None = None
+        self._last_publish_time = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self.steps_averaged = self.steps_alone = 0
+
+    # ---- torch thread ---------------------------------------------------------------------
+    async def run_torch(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def _backward_job(self, uid, inputs, grad_outputs, targets):
+        epoch = self.runtime.epoch
+        grad_inputs, loss = self.runtime.backward(uid, inputs, grad_outputs, targets)
+        return grad_inputs, loss, epoch
+
+    async def backward(self, uid, inputs, grad_outputs, targets):
+        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets)
+        self._maybe_step()  # queued on the torch thread before this response leaves
+        return result
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _others_at_epoch(self) -> list[ServerRecord]:
+        return [r for r in self.peers.values() if r.epoch == self.runtime.epoch and r.state == "serving"]
+
+    def _maybe_step(self) -> None:
+        if self.stepping or self.state != "serving":
+            return
+        others = self._others_at_epoch()
+        total = self.runtime.samples_accumulated + sum(r.samples for r in others)
+        flagged = any(r.averaging_epoch == self.runtime.epoch for r in others)
+        if total >= self.spec.training.target_batch_size or flagged:
+            self._start_step(1 + len(others))
+
+    def _start_step(self, group_size: int) -> None:
+        self.stepping = True
+        epoch = self.runtime.epoch
+        self.averaging_epoch = epoch if group_size > 1 else -1
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, group_size, epoch)
+        self._tasks.append(asyncio.create_task(self._finish_step(future, group_size)))
+        if group_size > 1:
+            self._tasks.append(asyncio.create_task(self.publish(force=True)))
+
+    def _step_job(self, group_size: int, epoch: int):
+        started = time.perf_counter()
+        grads, samples = self.runtime.take_gradients()
+        group_samples, members = samples, 1
+        if group_size > 1 and self.averager is not None:
+            result = self.averager.average(grads, samples, epoch, group_size)
+            if result is None:
+                logger.warning(
+                    "stage %d step %d: no averaging group formed; stepping with own %d samples",
+                    self.stage,
+                    epoch,
+                    samples,
+                )
+            else:
+                grads, group_samples, members = result.gradients, result.group_samples, result.group_size
+        self.runtime.apply_step(grads, group_samples)
+        return group_samples, members, time.perf_counter() - started
+
+    async def _finish_step(self, future, group_size: int) -> None:
+        try:
+            group_samples, members, seconds = await future
+            if members > 1:
+                self.steps_averaged += 1
+            else:
+                self.steps_alone += 1
+            logger.info(
+                "stage %d step %d: %d samples, averaged with %d peer(s) in %.2f s",
+                self.stage,
+                self.runtime.epoch,
+                group_samples,
+                members - 1,
+                seconds,
+            )
+        except Exception:
+            logger.exception("stage %d: optimizer step failed", self.stage)
+        finally:
+            self.stepping = False
+            self.averaging_epoch = -1
+        await self.publish(force=True)
+        self._maybe_step()
+
+    # ---- DHT presence ---------------------------------------------------------------------
+    def record(self) -> ServerRecord:
+        rt = self.runtime
+        return ServerRecord(
+            stage=self.stage,
+            endpoint=self.endpoint,
+            throughput=rt.throughput,
+            load=float(self.inflight),
+            epoch=rt.epoch,
+            samples=rt.samples_accumulated,
+            samples_stepped=rt.samples_stepped,
+            averaging_epoch=self.averaging_epoch,
+            state="leaving" if self.leaving else self.state,
+            started=self.started,
+            updated=time.time(),
+        )
+
+    async def publish(self, force: bool = False) -> None:
+        record = self.record()
+        signature = (record.epoch, record.samples, record.averaging_epoch, record.state, round(record.load))
+        stale = time.monotonic() - self._last_publish_time > self.cfg.network.announce_period
+        if not force and not stale and signature == self._last_published:
+            return
+        async with self._publish_lock:
+            try:
+                await self.dht.astore(
+                    keys.servers_key(self.run_id, self.stage), self.record(), self.cfg.network.record_ttl
+                )
+                self._last_published, self._last_publish_time = signature, time.monotonic()
+            except Exception as e:
+                logger.warning("could not announce in the DHT: %s", e)
+
+    async def refresh_peers(self) -> None:
+        try:
+            records = await self.dht.aget(keys.servers_key(self.run_id, self.stage), ServerRecord)
+        except Exception as e:
+            logger.debug("could not read the stage's servers: %s", e)
+            return
+        self.peers = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and r.stage == self.stage}
+
+    async def _progress_loop(self) -> None:
+        period = self.cfg.network.progress_period
+        while not self.leaving:
+            await asyncio.sleep(period)
+            await self.refresh_peers()
+            if not self.stepping and self.state == "serving":
+                ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
+                if ahead:
+                    await self._resync(max(ahead, key=lambda r: r.epoch))
+                self._maybe_step()
+            await self.publish()
+
+    # ---- state ----------------------------------------------------------------------------
+    async def load_state_from_peers(self) -> bool:
+        """Load parameters and optimizer state from the most advanced serving replica; False if none answered."""
+        await self.refresh_peers()
+        donors = sorted((r for r in self.peers.values() if r.state == "serving"), key=lambda r: -r.epoch)
+        for donor in donors:
+            started = time.perf_counter()
+            try:
+                metadata, tensors = await self.client.get_state(
+                    donor.endpoint, self.run_id, self.stage, self.cfg.server.state_load_timeout
+                )
+                await self.run_torch(self.runtime.load_state, metadata, tensors)
+                logger.info(
+                    "loaded stage %d state (step %d) from %s in %.1f s",
+                    self.stage,
+                    self.runtime.epoch,
+                    donor.endpoint,
+                    time.perf_counter() - started,
+                )
+                return True
+            except Exception as e:
+                logger.warning("could not load state from %s: %s", donor.endpoint, e)
+        return False
+
+    async def _resync(self, leader: ServerRecord) -> None:
+        """This replica fell behind (missed a round): take the state of one ahead of it, keeping its accumulator."""
+        logger.warning(
+            "stage %d: at step %d while %s is at %d; loading its state",
+            self.stage,
+            self.runtime.epoch,
+            leader.endpoint,
+            leader.epoch,
+        )
+        self.stepping = True
+        try:
+            metadata, tensors = await self.client.get_state(
+                leader.endpoint, self.run_id, self.stage, self.cfg.server.state_load_timeout
+            )
+            await self.run_torch(self.runtime.load_state, metadata, tensors)
+        except Exception as e:
+            logger.warning("resync from %s failed: %s", leader.endpoint, e)
+        finally:
+            self.stepping = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        net = self.cfg.network
+        self.grpc_server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
+        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self), self.grpc_server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
+        port = self.grpc_server.add_insecure_port(f"{net.host}:{net.port}")
+        if port == 0:
+            raise OSError(f"could not listen on {net.host}:{net.port}")
+        await self.grpc_server.start()
+        self.endpoint = f"{announce_host(net.host, net.announce_host)}:{port}"
+        await self.publish(force=True)  # as 'joining': not routed to yet
+        if not await self.load_state_from_peers():
+            logger.info("stage %d: no replica to load from; starting from the run's seed", self.stage)
+        self.state = "serving"
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.publish(force=True)
+        self._tasks.append(asyncio.create_task(self._progress_loop()))
+
+    async def stop(self) -> None:
+        """Leave cleanly: announce 'leaving', finish running requests, stop."""
+        self.leaving = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.publish(force=True), self.cfg.network.dht_request_timeout)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(self.cfg.server.shutdown_grace)
+        for task in self._tasks:
+            task.cancel()
+        await self.client.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)

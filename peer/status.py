@@ -1,0 +1,68 @@
+"""`peer status`: a table of a run's stages, servers and trainers, read from the DHT."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import ServerRecord, TrainerRecord
+from peer.config import RunSpec
+
+
+def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
+    stages = [dht.get(keys.servers_key(spec.name, s), ServerRecord) for s in range(spec.stages.num_stages)]
+    trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
+    return {"stages": stages, "trainers": trainers}
+
+
+def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
+    console = console or Console(width=None if Console().is_terminal else 140)
+    now = time.time()
+    stages: list[dict[str, ServerRecord]] = state["stages"]
+    trainers: dict[str, TrainerRecord] = state["trainers"]
+    global_step = max((r.epoch for servers in stages for r in servers.values()), default=0)
+    samples = sum(t.samples for t in trainers.values())
+    console.print(
+        f"[bold]Run '{spec.name}'[/bold]: global step {global_step}/{spec.training.total_steps}, "
+        f"{samples} samples trained, target batch {spec.training.target_batch_size} samples"
+    )
+    table = Table(title="Stages and servers")
+    for column in ("stage", "blocks", "server", "endpoint", "state", "samples/s", "load", "step", "age"):
+        table.add_column(column)
+    for stage, servers in enumerate(stages):
+        blocks = spec.stage_blocks(stage)
+        if not servers:
+            table.add_row(str(stage), f"{blocks.start}-{blocks.stop - 1}", "[red]none[/red]", "", "", "", "", "", "")
+        for pid, r in sorted(servers.items(), key=lambda kv: kv[1].endpoint):
+            table.add_row(
+                str(stage),
+                f"{blocks.start}-{blocks.stop - 1}",
+                pid[-8:],
+                r.endpoint,
+                r.state,
+                f"{r.throughput:.1f}",
+                f"{r.load:.0f}",
+                str(r.epoch),
+                f"{now - r.started:.0f} s",
+            )
+    console.print(table)
+    ttable = Table(title="Trainers")
+    for column in ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age"):
+        ttable.add_column(column)
+    for pid, t in sorted(trainers.items()):
+        ttable.add_row(
+            pid[-8:],
+            str(t.samples),
+            f"{t.samples_per_second:.1f}",
+            f"{t.train_loss:.3f}" if t.train_loss is not None else "-",
+            f"{t.val_loss:.3f}" if t.val_loss is not None else "-",
+            str(t.epoch),
+            f"{now - t.started:.0f} s",
+        )
+    if not trainers:
+        ttable.add_row("none", "", "", "", "", "", "")
+    console.print(ttable)

@@ -1,0 +1,64 @@
+"""Finding a run in the DHT: the coordinator's signed spec, and which stage needs a server most."""
+
+from __future__ import annotations
+
+import time
+
+from dht import keys
+from dht.identity import IdentityError, public_key_from_peer_id
+from dht.node import SwarmDHT
+from dht.records import RunSpecRecord, ServerRecord
+from peer.config import ConfigError, RunSpec
+
+
+class RunNotFound(RuntimeError):
+    """No valid run spec could be read; the message says what was tried."""
+
+
+def coordinator_peer_id(maddr: str) -> str:
+    """The coordinator's peer id (its Ed25519 public key) from the `/p2p/...` part of its multiaddr."""
+    parts = maddr.strip().split("/")
+    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
+        raise RunNotFound(f"{maddr!r} has no /p2p/<peer id> part; copy the whole address the coordinator printed")
+    peer_id = parts[parts.index("p2p") + 1]
+    try:
+        public_key_from_peer_id(peer_id)
+    except IdentityError as e:
+        raise RunNotFound(f"{maddr!r}: {e}") from None
+    return peer_id
+
+
+def publish_spec(dht: SwarmDHT, spec: RunSpec, ttl: float) -> bool:
+    record = RunSpecRecord(spec=spec.to_dict(), coordinator_maddrs=dht.visible_maddrs(), published=time.time())
+    return dht.store(keys.spec_key(dht.peer_id), record, ttl)
+
+
+def fetch_spec(dht: SwarmDHT, coordinator: str, timeout: float) -> RunSpec:
+    """Read the spec signed by `coordinator`; records signed by anyone else are never used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = dht.get(keys.spec_key(coordinator), RunSpecRecord)
+        record = records.get(coordinator)  # only the coordinator's own signed subkey counts
+        if record is not None:
+            try:
+                return RunSpec.from_dict(record.spec)
+            except ConfigError as e:
+                raise RunNotFound(f"the coordinator's run spec is invalid: {e}") from None
+        if time.monotonic() > deadline:
+            raise RunNotFound(
+                f"no run spec signed by coordinator {coordinator} was found in the DHT within {timeout:.0f} s"
+            )
+        time.sleep(0.5)
+
+
+def stage_servers(dht: SwarmDHT, spec: RunSpec, stage: int) -> dict[str, ServerRecord]:
+    return {pid: r for pid, r in dht.get(keys.servers_key(spec.name, stage), ServerRecord).items() if r.stage == stage}
+
+
+def choose_stage(dht: SwarmDHT, spec: RunSpec) -> int:
+    """The stage with the least total announced throughput (the lowest index on ties)."""
+    totals = []
+    for stage in range(spec.stages.num_stages):
+        servers = stage_servers(dht, spec, stage)
+        totals.append(sum(r.throughput for r in servers.values() if r.state != "leaving"))
+    return min(range(len(totals)), key=lambda s: (totals[s], s))

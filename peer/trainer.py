@@ -1,0 +1,325 @@
+"""A trainer: routes micro-batches of its data through the stages, forward then backward.
+
+Each call goes to one live server of the stage, chosen at random by throughput and latency. A
+call that fails, times out or returns a bad tensor bans that server for a while and goes to
+another replica of the same stage; backward is stateless (it carries the stage's inputs), so any
+replica can serve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import TrainerRecord
+from peer.client import StageClient
+from peer.config import PeerConfig, RunSpec
+from peer.corpus import Corpus, Sampler, validation_batches
+from peer.router import NoServer, Router
+from protocols import codec, stage_pb2
+
+logger = logging.getLogger(__name__)
+_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class MicroBatchFailed(RuntimeError):
+    """A micro-batch could not pass a stage on any replica within the retries."""
+
+
+class BadAnswer(RuntimeError):
+    """A server answered with a tensor that cannot be right (wrong shape, NaN or Inf)."""
+
+
+@dataclass
+class TrainerSummary:
+    samples: int = 0
+    micro_batches: int = 0
+    failed_micro_batches: int = 0
+    epoch: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, corpus: Corpus):
+        self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
+        t = spec.training
+        self.num_stages = spec.stages.num_stages
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg.ban_time, rng_seed=self.tcfg.seed)
+        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes)
+        self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=self.tcfg.seed)
+        self.val = (
+            validation_batches(corpus, t.seq_len, t.micro_batch_size, self.tcfg.eval_batches)
+            if self.tcfg.eval_every
+            else []
+        )
+        self.codec = codec.codec_from_name(spec.compression.activations)
+        self.summary = TrainerSummary()
+        self.recent: collections.deque[tuple[float, int, float]] = collections.deque(
+            maxlen=256
+        )  # (time, samples, loss)
+        self.started = time.time()
+        self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
+        self._last_eval_epoch = 0
+        self._last_progress = 0.0
+
+    # ---- calls with rerouting -------------------------------------------------------------
+    async def _call(self, stage: int, method: str, request, prefer: str | None = None):
+        exclude: set[str] = set()
+        waiting_since = None
+        attempts = 0
+        while True:
+            try:
+                pid, record = self.router.choose(stage, exclude, prefer)
+            except NoServer:
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since > self.tcfg.no_server_wait:
+                    raise MicroBatchFailed(
+                        f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s"
+                    ) from None
+                logger.warning("waiting for a server of stage %d", stage)
+                exclude.clear()
+                await asyncio.sleep(1.0)
+                await self.router.refresh()
+                continue
+            started = time.monotonic()
+            try:
+                call = self.client.forward if method == "forward" else self.client.backward
+                response = await call(record.endpoint, request, timeout=self.tcfg.request_timeout)
+                self._check_answer(stage, method, request, response)
+                self.router.report_success(pid, time.monotonic() - started)
+                return response, pid
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _CALLER_FAULTS:
+                    raise MicroBatchFailed(
+                        f"stage {stage} refused our {method}: {e.code().name}: {e.details()}"
+                    ) from None
+                reason = f"{e.code().name}: {e.details()}"
+            except (BadAnswer, codec.TensorDecodeError) as e:
+                reason = str(e)
+            ban = self.router.report_failure(pid)
+            exclude.add(pid)
+            attempts += 1
+            logger.warning(
+                "stage %d %s on %s failed (%s); banned %.0f s, trying another replica",
+                stage,
+                method,
+                record.endpoint,
+                reason,
+                ban,
+            )
+            if attempts >= self.tcfg.max_retries:
+                raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    def _check_answer(self, stage: int, method: str, request, response) -> None:
+        last = stage == self.num_stages - 1
+        if (last and request.HasField("targets")) and not (response.has_loss and math.isfinite(response.loss)):
+            raise BadAnswer(f"stage {stage} returned no finite loss")
+        expected_shape = list(request.inputs.shape)[:2] + [self.spec.model.hidden_size]
+        if method == "forward" and not request.HasField("targets"):
+            tensor = codec.decode(response.outputs, max_elements=self.cfg.server.max_tensor_elements)
+        elif method == "backward" and stage > 0:
+            tensor = codec.decode(response.grad_inputs, max_elements=self.cfg.server.max_tensor_elements)
+        else:
+            return
+        if list(tensor.shape) != expected_shape or not torch.isfinite(tensor).all():
+            raise BadAnswer(
+                f"stage {stage} returned a {method} tensor of shape {list(tensor.shape)} that is wrong or not finite"
+            )
+
+    # ---- one micro-batch ------------------------------------------------------------------
+    async def _micro_batch(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{index}", self.num_stages
+        stage_inputs = [codec.encode(inputs.to(torch.int32))]  # the Tensor each stage received
+        servers: list[str] = []
+        epoch = 0
+        for stage in range(n - 1):
+            request = stage_pb2.ForwardRequest(
+                run_id=run, stage=stage, uid=uid, inputs=stage_inputs[-1], output_codec=self.codec, train=True
+            )
+            response, pid = await self._call(stage, "forward", request)
+            stage_inputs.append(response.outputs)
+            servers.append(pid)
+            epoch = max(epoch, response.epoch)
+        request = stage_pb2.BackwardRequest(
+            run_id=run,
+            stage=n - 1,
+            uid=uid,
+            inputs=stage_inputs[-1],
+            targets=codec.encode(targets.to(torch.int32)),
+            output_codec=self.codec,
+        )
+        response, _ = await self._call(n - 1, "backward", request)
+        loss, grad, epoch = response.loss, response.grad_inputs, max(epoch, response.epoch)
+        for stage in reversed(range(n - 1)):
+            request = stage_pb2.BackwardRequest(
+                run_id=run, stage=stage, uid=uid, inputs=stage_inputs[stage], grad_outputs=grad, output_codec=self.codec
+            )
+            response, _ = await self._call(stage, "backward", request, prefer=servers[stage])
+            grad, epoch = response.grad_inputs, max(epoch, response.epoch)
+        return loss, epoch
+
+    async def evaluate(self) -> float:
+        """Mean loss over the fixed held-out micro-batches, forward only."""
+        losses = []
+        for inputs, targets in self.val:
+            message = codec.encode(inputs.to(torch.int32))
+            for stage in range(self.num_stages):
+                request = stage_pb2.ForwardRequest(
+                    run_id=self.spec.name, stage=stage, inputs=message, output_codec=self.codec
+                )
+                if stage == self.num_stages - 1:
+                    request.targets.CopyFrom(codec.encode(targets.to(torch.int32)))
+                response, _ = await self._call(stage, "forward", request)
+                message = response.outputs
+            losses.append(response.loss)
+        return sum(losses) / len(losses)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _done(self, index: int) -> bool:
+        if self.tcfg.max_micro_batches and index >= self.tcfg.max_micro_batches:
+            return True
+        return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
+
+    async def run(self) -> TrainerSummary:
+        await self.router.refresh()
+        refresher = asyncio.create_task(self._refresh_loop())
+        inflight: set[asyncio.Task] = set()
+        index = 0
+        try:
+            while True:
+                while len(inflight) < max(1, self.tcfg.max_inflight) and not self._done(index):
+                    inputs, targets = self.sampler.next()
+                    task = asyncio.create_task(self._micro_batch(index, inputs, targets))
+                    task.index, task.samples = index, inputs.shape[0]
+                    inflight.add(task)
+                    index += 1
+                if not inflight:
+                    break
+                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: t.index):
+                    self._finished(task)
+                await self._maybe_evaluate()
+                self._maybe_progress()
+            if self.tcfg.eval_every:
+                await self._evaluate_and_log(force=True)
+        finally:
+            refresher.cancel()
+            for task in inflight:
+                task.cancel()
+            self.summary.seconds = time.time() - self.started
+            await self._announce()
+            await self.client.close()
+            if self._log:
+                self._log.close()
+        return self.summary
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.exception() is not None:
+            self.summary.failed_micro_batches += 1
+            logger.error("micro-batch %d given up: %s", task.index, task.exception())
+            self._write({"type": "failed", "index": task.index, "error": str(task.exception())})
+            return
+        loss, epoch = task.result()
+        s = self.summary
+        s.samples += task.samples
+        s.micro_batches += 1
+        s.epoch = max(s.epoch, epoch)
+        s.losses.append(loss)
+        self.recent.append((time.monotonic(), task.samples, loss))
+        self._write(
+            {
+                "type": "micro_batch",
+                "index": task.index,
+                "loss": loss,
+                "samples": task.samples,
+                "epoch": epoch,
+                "time": time.time(),
+            }
+        )
+
+    async def _maybe_evaluate(self) -> None:
+        every = self.tcfg.eval_every
+        if every and self.summary.epoch // every > self._last_eval_epoch // every:
+            await self._evaluate_and_log()
+
+    async def _evaluate_and_log(self, force: bool = False) -> None:
+        if not force and self.summary.epoch == self._last_eval_epoch:
+            return
+        self._last_eval_epoch = self.summary.epoch
+        try:
+            loss = await self.evaluate()
+        except MicroBatchFailed as e:
+            logger.warning("validation skipped: %s", e)
+            return
+        self.summary.val_losses.append((self.summary.epoch, loss))
+        self._write({"type": "eval", "epoch": self.summary.epoch, "loss": loss, "time": time.time()})
+
+    def samples_per_second(self, window: float = 20.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n, _ in self.recent if now - t <= window]
+        if len(recent) < 2:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-6)
+
+    def train_loss(self) -> float | None:
+        losses = [loss for _, _, loss in list(self.recent)[-16:]]
+        return sum(losses) / len(losses) if losses else None
+
+    def _maybe_progress(self) -> None:
+        if not self.tcfg.progress or time.monotonic() - self._last_progress < 2.0:
+            return
+        self._last_progress = time.monotonic()
+        val = f" | val loss {self.summary.val_losses[-1][1]:.3f}" if self.summary.val_losses else ""
+        loss = self.train_loss()
+        print(
+            f"step {self.summary.epoch}/{self.spec.training.total_steps} | {self.samples_per_second():.1f} samples/s"
+            f" | train loss {loss:.3f}{val}"
+            if loss is not None
+            else f"step {self.summary.epoch}",
+            flush=True,
+        )
+
+    def _write(self, entry: dict) -> None:
+        if self._log:
+            self._log.write(json.dumps(entry) + "\n")
+
+    async def _announce(self) -> None:
+        s = self.summary
+        record = TrainerRecord(
+            samples=s.samples,
+            micro_batches=s.micro_batches,
+            samples_per_second=self.samples_per_second(),
+            train_loss=self.train_loss(),
+            val_loss=s.val_losses[-1][1] if s.val_losses else None,
+            epoch=s.epoch,
+            started=self.started,
+            updated=time.time(),
+        )
+        try:
+            await self.dht.astore(keys.trainers_key(self.spec.name), record, self.cfg.network.record_ttl)
+        except Exception as e:
+            logger.debug("could not announce the trainer: %s", e)
+
+    async def _refresh_loop(self) -> None:
+        last_announce = 0.0
+        while True:
+            await asyncio.sleep(self.tcfg.refresh_period)
+            try:
+                await self.router.refresh()
+            except Exception as e:
+                logger.debug("router refresh failed: %s", e)
+            if time.monotonic() - last_announce > self.cfg.network.announce_period:
+                last_announce = time.monotonic()
+                await self._announce()
