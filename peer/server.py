@@ -92,17 +92,23 @@ class StageServer:
         return result
 
     # ---- stepping -------------------------------------------------------------------------
-    def _others_at_epoch(self) -> list[ServerRecord]:
-        return [r for r in self.peers.values() if r.epoch == self.runtime.epoch and r.state == "serving"]
+    def _serving_peers(self) -> list[ServerRecord]:
+        return [r for r in self.peers.values() if r.state == "serving"]
 
     def _maybe_step(self) -> None:
         if self.stepping or self.state != "serving":
             return
-        others = self._others_at_epoch()
-        total = self.runtime.samples_accumulated + sum(r.samples for r in others)
-        flagged = any(r.averaging_epoch == self.runtime.epoch for r in others)
+        epoch = self.runtime.epoch
+        serving = self._serving_peers()
+        if any(r.epoch > epoch for r in serving):
+            return  # behind the stage: the progress loop resyncs first
+        at_epoch = [r for r in serving if r.epoch == epoch]
+        total = self.runtime.samples_accumulated + sum(r.samples for r in at_epoch)
+        flagged = any(r.averaging_epoch == epoch for r in at_epoch)
         if total >= self.spec.training.target_batch_size or flagged:
-            self._start_step(1 + len(others))
+            # a record one epoch behind is most likely a partner of the last round not yet re-announced:
+            # count it, so a replica never steps alone while it has partners
+            self._start_step(1 + sum(1 for r in serving if r.epoch >= epoch - 1))
 
     def _start_step(self, group_size: int) -> None:
         self.stepping = True

@@ -1,0 +1,212 @@
+"""Fixtures that start real peers (coordinator, stage servers, trainers) as OS processes on loopback.
+
+Every process runs in its own process group and is killed, with its children (the p2p daemons),
+when the test ends, pass or fail; the fixture then checks that none of them is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:  # tomllib reads; writing the tiny specs by hand keeps tests free of extra packages
+    import tomllib  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = [sys.executable, "-m", "peer.cli"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    lines = [f"{k} = {toml_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
+    for section, values in spec.items():
+        if isinstance(values, dict):
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Peer:
+    def __init__(self, name: str, args: list[str], workdir: Path):
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [*PEER, *args], cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        self.known_pids: set[int] = {self.proc.pid}
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.known_pids.update(descendants(self.proc.pid))
+            match = re.search(pattern, self.output())
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name}: no {pattern!r} within {timeout} s:\n{self.output()[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.known_pids.update(descendants(self.proc.pid))
+            if self.proc.poll() is not None:
+                return self.proc.returncode
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name} still running after {timeout} s:\n{self.output()[-3000:]}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.known_pids.update(descendants(self.proc.pid))
+            os.kill(self.proc.pid, sig)
+
+    def kill(self, grace: float = 8.0) -> None:
+        if self.proc.poll() is None:
+            self.known_pids.update(descendants(self.proc.pid))
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [self.proc.pid, *self.known_pids]:
+            try:
+                os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class Swarm:
+    """Starts the peers of one test run in `workdir` and remembers them for cleanup."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.peers: list[Peer] = []
+        self.maddr = ""
+
+    def start(self, name: str, args: list[str]) -> Peer:
+        peer = Peer(name, args, self.workdir)
+        self.peers.append(peer)
+        return peer
+
+    def coordinator(self, spec: dict, timeout: float = 60) -> str:
+        path = write_spec(self.workdir / "run.toml", spec)
+        info = self.workdir / "coordinator.json"
+        peer = self.start("coordinator", ["coordinator", str(path), "--identity", "coordinator.pem", "--host", "127.0.0.1", "--info-file", str(info)])
+        deadline = time.monotonic() + timeout
+        while not info.exists():
+            if peer.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"coordinator did not start:\n{peer.output()}")
+            time.sleep(0.2)
+        self.maddr = json.loads(info.read_text())["join"].split()[-1]
+        return self.maddr
+
+    def server(self, name: str, stage: int | None = None, extra: list[str] = ()) -> Peer:
+        args = ["join", self.maddr, "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1", *extra]
+        if stage is not None:
+            args += ["--stage", str(stage)]
+        return self.start(name, args)
+
+    def trainer(self, name: str, extra: list[str] = ()) -> Peer:
+        args = ["join", self.maddr, "--role", "trainer", "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1",
+                "--log-file", f"{name}.jsonl", *extra]
+        return self.start(name, args)
+
+    @staticmethod
+    def endpoint(server: Peer, timeout: float = 120) -> str:
+        return server.wait_for(r"Serving stage \d+ at (\S+) from step", timeout).group(1)
+
+    def log(self, name: str) -> list[dict]:
+        path = self.workdir / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def stop_all(self) -> list[int]:
+        for peer in reversed(self.peers):
+            peer.kill()
+        time.sleep(0.5)
+        return [pid for peer in self.peers for pid in peer.known_pids if alive(pid)]
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        leftovers = s.stop_all()
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def info(endpoint: str, timeout: float = 10.0):
+    """The Info of a stage server, over a short-lived gRPC channel."""
+    import grpc
+
+    from protocols import stage_pb2, stage_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout)

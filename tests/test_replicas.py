@@ -1,0 +1,46 @@
+"""Replicas of a stage average in lockstep: equal parameters after every step, every sample counted once."""
+
+from __future__ import annotations
+
+import math
+
+from conftest import info
+
+SPEC = {
+    "name": "replicas",
+    "seed": 1,
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 4, "seq_len": 64, "target_batch_size": 16, "total_steps": 12, "lr": 0.003, "warmup_steps": 2},
+    "averaging": {"min_matchmaking_time": 2.0, "averaging_timeout": 30.0},
+}
+
+
+def test_two_replicas_per_stage_two_trainers(swarm):
+    swarm.coordinator(SPEC)
+    servers = {(stage, i): swarm.server(f"s{stage}r{i}", stage) for stage in range(2) for i in range(2)}
+    endpoints = {key: swarm.endpoint(s) for key, s in servers.items()}
+    trainers = [swarm.trainer(f"t{i}", ["--seed", str(i)]) for i in range(2)]
+    for t in trainers:
+        assert t.wait(300) == 0, t.output()[-3000:]
+
+    completed = sum(e["samples"] for i in range(2) for e in swarm.log(f"t{i}") if e["type"] == "micro_batch")
+    assert completed > 0
+    for stage in range(2):
+        a, b = info(endpoints[(stage, 0)]), info(endpoints[(stage, 1)])
+        # every sample the trainers completed is in exactly one step or one pending accumulator
+        assert a.samples_stepped == b.samples_stepped
+        assert a.samples_stepped + a.samples_accumulated + b.samples_accumulated == completed, (stage, a, b, completed)
+        assert a.epoch == b.epoch >= SPEC["training"]["total_steps"]
+        # equal parameters after every optimizer step both replicas took
+        steps_a = {f.epoch: f for f in a.history}
+        steps_b = {f.epoch: f for f in b.history}
+        common = sorted(set(steps_a) & set(steps_b))
+        assert len(common) >= SPEC["training"]["total_steps"], (sorted(steps_a), sorted(steps_b))
+        for epoch in common:
+            fa, fb = steps_a[epoch], steps_b[epoch]
+            assert fa.samples == fb.samples
+            for x, y in zip(fa.values, fb.values, strict=True):
+                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5), f"stage {stage} step {epoch}: {x} != {y}"
+        averaged = sum(1 for f in a.history if f.samples > 0)
+        assert averaged == len(a.history)
