@@ -11,6 +11,7 @@ import tomllib
 from dht.identity import Identity, IdentityError, default_identity_path
 from dht.node import DHTStartError
 from peer.config import ConfigError, PeerConfig, RunSpec, set_path
+from peer.corpus import CorpusError
 
 # flag -> PeerConfig field; every flag is also settable in a peer config file or with --set
 _FLAG_FIELDS = {
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"peer {args.command}: configuration error: {e}", file=sys.stderr)
         return 2
-    except (IdentityError, DHTStartError) as e:
+    except (IdentityError, DHTStartError, CorpusError) as e:
         print(f"peer {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

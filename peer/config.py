@@ -163,7 +163,7 @@ class RunSpec:
 class NetworkConfig:
     host: str = "0.0.0.0"  # address the gRPC server listens on
     port: int = 0  # gRPC port; 0 picks a free one
-    announce_host: str = ""  # address others dial for gRPC; empty: the host, or 127.0.0.1 when host is 0.0.0.0
+    announce_host: str = ""  # address others dial for gRPC; empty: the host, or this machine's name when 0.0.0.0
     dht_host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # DHT listen multiaddrs
     dht_announce_maddrs: list[str] = field(default_factory=list)  # DHT multiaddrs to announce (public address)
     dht_startup_timeout: float = 20.0  # s to start the DHT node and reach the initial peers
@@ -188,11 +188,10 @@ class ServerConfig:
 @dataclass
 class TrainerConfig:
     data: str = ""  # a text file or directory of files to train on; empty: Python's standard library
-    seed: int = 0  # order of this trainer's micro-batches (give each trainer its own)
+    seed: int = -1  # order of this trainer's micro-batches; -1: derived from the peer id, so trainers differ
     max_inflight: int = 2  # micro-batches in the pipeline at once
     max_micro_batches: int = 0  # stop after this many micro-batches (0: run until the schedule ends)
     request_timeout: float = 30.0  # s deadline for one forward or backward call
-    connect_timeout: float = 5.0  # s to wait for a server to accept a connection
     max_retries: int = 8  # tries of one call on replicas before the micro-batch is given up
     ban_time: float = 5.0  # s a failing server is avoided (doubling on repeated failures)
     no_server_wait: float = 60.0  # s to wait for a stage with no live server before giving up
@@ -291,7 +290,9 @@ def set_path(obj: Any, dotted: str, value: Any) -> None:
     """Override one field (e.g. 'network.port') of a config dataclass with a flag's value, type-checked."""
     *parents, last = dotted.split(".")
     target = obj
-    for part in parents:
+    for i, part in enumerate(parents):
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+            raise ConfigError(f"{'.'.join(parents[: i + 1])}: unknown section")
         target = getattr(target, part)
     hints = typing.get_type_hints(type(target))
     if last not in hints:

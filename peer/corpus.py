@@ -65,8 +65,8 @@ def load_corpus(data: str = "") -> Corpus:
         if not content:
             continue
         (val_parts if _is_validation(str(path.relative_to(root))) else train_parts).append(content)
-    if len(files) == 1 and train_parts:  # a single file: hold out its last 5 %
-        content = train_parts[0]
+    if len(files) == 1 and (train_parts or val_parts):  # a single file: hold out its last 5 %
+        content = (train_parts or val_parts)[0]
         cut = len(content) * (100 - VALIDATION_PERCENT) // 100
         train_parts, val_parts = [content[:cut]], [content[cut:]]
     train = np.frombuffer(SEPARATOR.join(train_parts), dtype=np.uint8)

@@ -261,8 +261,9 @@ class StageServer:
         net = self.cfg.network
         self.grpc_server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
         stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self), self.grpc_server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
+        self.health = health.aio.HealthServicer()
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         port = self.grpc_server.add_insecure_port(f"{net.host}:{net.port}")
         if port == 0:
             raise OSError(f"could not listen on {net.host}:{net.port}")
@@ -272,13 +273,15 @@ class StageServer:
         if not await self.load_state_from_peers():
             logger.info("stage %d: no replica to load from; starting from the run's seed", self.stage)
         self.state = "serving"
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.publish(force=True)
         self._tasks.append(asyncio.create_task(self._progress_loop()))
 
     async def stop(self) -> None:
         """Leave cleanly: announce 'leaving', finish running requests, stop."""
         self.leaving = True
+        if self.grpc_server is not None:
+            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.publish(force=True), self.cfg.network.dht_request_timeout)
         if self.grpc_server is not None:

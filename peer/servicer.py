@@ -155,7 +155,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._check_route(request.run_id, request.stage)
         except _Refused as e:
             await context.abort(e.code, e.message)
-        metadata, tensors = await self.server.run_torch(self.runtime.snapshot)
+        if self.server.inflight >= self.limits.max_concurrent_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
+        self.server.inflight += 1
+        try:
+            metadata, tensors = await self.server.run_torch(self.runtime.snapshot)
+        finally:
+            self.server.inflight -= 1
         response = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True))
         for name, tensor in tensors.items():
             response.tensors.add(name=name, tensor=codec.encode(tensor))

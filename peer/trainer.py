@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from dht import keys
 from dht.node import SwarmDHT
@@ -26,7 +28,7 @@ from peer.client import StageClient
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import Corpus, Sampler, validation_batches
 from peer.router import NoServer, Router
-from protocols import codec, stage_pb2
+from protocols import chunking, codec, stage_pb2
 
 logger = logging.getLogger(__name__)
 _CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
@@ -56,9 +58,10 @@ class Trainer:
         self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
         t = spec.training
         self.num_stages = spec.stages.num_stages
-        self.router = Router(dht, spec.name, self.num_stages, self.tcfg.ban_time, rng_seed=self.tcfg.seed)
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg.ban_time)
         self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes)
-        self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=self.tcfg.seed)
+        seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
+        self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
         self.val = (
             validation_batches(corpus, t.seq_len, t.micro_batch_size, self.tcfg.eval_batches)
             if self.tcfg.eval_every
@@ -91,7 +94,8 @@ class Trainer:
                 logger.warning("waiting for a server of stage %d", stage)
                 exclude.clear()
                 await asyncio.sleep(1.0)
-                await self.router.refresh()
+                with contextlib.suppress(Exception):
+                    await self.router.refresh()
                 continue
             started = time.monotonic()
             try:
@@ -106,7 +110,7 @@ class Trainer:
                         f"stage {stage} refused our {method}: {e.code().name}: {e.details()}"
                     ) from None
                 reason = f"{e.code().name}: {e.details()}"
-            except (BadAnswer, codec.TensorDecodeError) as e:
+            except (BadAnswer, codec.TensorDecodeError, chunking.MessageTooLarge, DecodeError) as e:
                 reason = str(e)
             ban = self.router.report_failure(pid)
             exclude.add(pid)

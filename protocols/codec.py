@@ -91,9 +91,9 @@ def decode(message: tensor_pb2.Tensor, max_elements: int | None = None) -> torch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns on read-only buffers; we copy below where needed
         if message.codec == tensor_pb2.FP16:
-            out = torch.frombuffer(message.data, dtype=torch.float16).to(dtype)
+            out = torch.frombuffer(message.data, dtype=torch.float16).to(dtype, copy=True)
         elif message.codec == tensor_pb2.BF16:
-            out = torch.frombuffer(message.data, dtype=torch.int16).view(torch.bfloat16).to(dtype)
+            out = torch.frombuffer(message.data, dtype=torch.int16).view(torch.bfloat16).to(dtype, copy=True)
         elif dtype == torch.bfloat16:
             out = torch.frombuffer(message.data, dtype=torch.int16).clone().view(torch.bfloat16)
         else:

@@ -6,6 +6,7 @@ when the test ends, pass or fail; the fixture then checks that none of them is l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,11 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-try:  # tomllib reads; writing the tiny specs by hand keeps tests free of extra packages
-    import tomllib  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = [sys.executable, "-m", "peer.cli"]
@@ -100,7 +96,9 @@ class Peer:
             if match:
                 return match
             if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()[-3000:]}")
+                raise AssertionError(
+                    f"{self.name} exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()[-3000:]}"
+                )
             time.sleep(0.2)
         raise AssertionError(f"{self.name}: no {pattern!r} within {timeout} s:\n{self.output()[-3000:]}")
 
@@ -121,23 +119,15 @@ class Peer:
     def kill(self, grace: float = 8.0) -> None:
         if self.proc.poll() is None:
             self.known_pids.update(descendants(self.proc.pid))
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
         for pid in [self.proc.pid, *self.known_pids]:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
         self._log.close()
 
 
@@ -157,7 +147,19 @@ class Swarm:
     def coordinator(self, spec: dict, timeout: float = 60) -> str:
         path = write_spec(self.workdir / "run.toml", spec)
         info = self.workdir / "coordinator.json"
-        peer = self.start("coordinator", ["coordinator", str(path), "--identity", "coordinator.pem", "--host", "127.0.0.1", "--info-file", str(info)])
+        peer = self.start(
+            "coordinator",
+            [
+                "coordinator",
+                str(path),
+                "--identity",
+                "coordinator.pem",
+                "--host",
+                "127.0.0.1",
+                "--info-file",
+                str(info),
+            ],
+        )
         deadline = time.monotonic() + timeout
         while not info.exists():
             if peer.proc.poll() is not None or time.monotonic() > deadline:
@@ -173,8 +175,21 @@ class Swarm:
         return self.start(name, args)
 
     def trainer(self, name: str, extra: list[str] = ()) -> Peer:
-        args = ["join", self.maddr, "--role", "trainer", "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1",
-                "--log-file", f"{name}.jsonl", *extra]
+        args = [
+            "join",
+            self.maddr,
+            "--role",
+            "trainer",
+            "--identity",
+            f"{name}.pem",
+            "--host",
+            "127.0.0.1",
+            "--threads",
+            "1",
+            "--log-file",
+            f"{name}.jsonl",
+            *extra,
+        ]
         return self.start(name, args)
 
     @staticmethod

@@ -11,7 +11,14 @@ SPEC = {
     "seed": 1,
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64},
     "stages": {"num_stages": 2},
-    "training": {"micro_batch_size": 4, "seq_len": 64, "target_batch_size": 16, "total_steps": 12, "lr": 0.003, "warmup_steps": 2},
+    "training": {
+        "micro_batch_size": 4,
+        "seq_len": 64,
+        "target_batch_size": 16,
+        "total_steps": 12,
+        "lr": 0.003,
+        "warmup_steps": 2,
+    },
     "averaging": {"min_matchmaking_time": 2.0, "averaging_timeout": 30.0},
 }
 

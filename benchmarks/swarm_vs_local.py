@@ -1,0 +1,132 @@
+"""Swarm samples/s over loopback against the plain single-process loop, same machine, same total threads.
+
+The swarm: a coordinator, one server per stage (one torch thread each) and one trainer, as separate
+processes on loopback, training the demo model with `peer join`. The local loop: the same model,
+optimizer and batch in one process with as many torch threads as the swarm's servers together.
+Both run in this one invocation; the last line is `ratio=... swarm_sps=... local_sps=...`.
+
+    python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from peer.config import RunSpec
+from peer.corpus import load_corpus
+from peer.demo import DEMO_SPEC, Processes, _to_toml
+from peer.local import train_local
+
+
+def local_rate(spec: RunSpec, steps: int, threads: int) -> float:
+    torch.set_num_threads(threads)
+    corpus = load_corpus()
+    train_local(spec, corpus, 2)  # warm up
+    result = train_local(spec, corpus, steps)
+    return result.samples / result.seconds
+
+
+def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple[float, dict]:
+    (workdir / "run.toml").write_text(_to_toml(spec))
+    procs = Processes(workdir)
+    try:
+        info = workdir / "coordinator.json"
+        procs.start(
+            "coordinator",
+            ["coordinator", "run.toml", "--identity", "c.pem", "--host", "127.0.0.1", "--info-file", str(info)],
+        )
+        _wait(lambda: info.exists(), 60)
+        maddr = json.loads(info.read_text())["join"].split()[-1]
+        n = spec.stages.num_stages
+        for stage in range(n):
+            procs.start(
+                f"s{stage}",
+                [
+                    "join",
+                    maddr,
+                    "--stage",
+                    str(stage),
+                    "--identity",
+                    f"s{stage}.pem",
+                    "--host",
+                    "127.0.0.1",
+                    "--threads",
+                    "1",
+                ],
+            )
+        _wait(lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120)
+        per_step = spec.training.target_batch_size // spec.training.micro_batch_size
+        trainer = procs.start(
+            "t",
+            [
+                "join",
+                maddr,
+                "--role",
+                "trainer",
+                "--identity",
+                "t.pem",
+                "--host",
+                "127.0.0.1",
+                "--threads",
+                "1",
+                "--seed",
+                "0",
+                "--max-inflight",
+                str(inflight),
+                "--log-file",
+                "t.jsonl",
+                "--max-micro-batches",
+                str((steps + 2) * per_step),
+            ],
+        )
+        trainer.wait(600)
+        entries = [json.loads(line) for line in (workdir / "t.jsonl").read_text().splitlines()]
+        batches = [e for e in entries if e["type"] == "micro_batch"]
+        skip = 2 * per_step  # the first steps include connection set-up
+        timed = batches[skip:]
+        seconds = timed[-1]["time"] - batches[skip - 1]["time"]
+        return sum(e["samples"] for e in timed) / seconds, {
+            "micro_batches": len(batches),
+            "last_loss": batches[-1]["loss"],
+        }
+    finally:
+        procs.stop()
+
+
+def _wait(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit("benchmark: peers did not start in time")
+        time.sleep(0.3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps timed on each side")
+    parser.add_argument("--inflight", type=int, default=3, help="micro-batches the trainer keeps in the pipeline")
+    args = parser.parse_args()
+    spec = RunSpec.from_toml(DEMO_SPEC)
+    spec.training.total_steps = 10_000  # the trainer stops on --max-micro-batches, not on the schedule
+    threads = spec.stages.num_stages  # one per server
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-") as tmp:
+        swarm, details = swarm_rate(spec, args.steps, args.inflight, Path(tmp))
+    local = local_rate(spec, args.steps, threads)
+    print(
+        f"model: {spec.model.num_layers} blocks x {spec.model.hidden_size}, {spec.stages.num_stages} stages, "
+        f"micro-batch {spec.training.micro_batch_size}x{spec.training.seq_len}, step {spec.training.target_batch_size} samples"
+    )
+    print(f"local loop, {threads} torch threads: {local:.1f} samples/s")
+    print(f"swarm, {threads} servers x 1 thread + trainer (inflight {args.inflight}): {swarm:.1f} samples/s {details}")
+    print(f"ratio={swarm / local:.3f} swarm_sps={swarm:.1f} local_sps={local:.1f} threads={threads} steps={args.steps}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

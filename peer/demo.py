@@ -1,0 +1,289 @@
+"""`peer demo`: a whole swarm on this machine, as separate processes, training for a few minutes.
+
+A coordinator, two servers for each of the two stages and two trainers start on loopback; the
+demo shows live progress from the trainers' logs, prints a summary and stops everything it
+started, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from peer.config import RunSpec
+from peer.corpus import load_corpus, unigram_entropy
+
+DEMO_SPEC = Path(__file__).with_name("demo.toml")
+STAGES, REPLICAS, TRAINERS = 2, 2, 2
+START_TIMEOUT = 120.0  # s for every peer to come up
+RUN_TIMEOUT = 600.0  # s before the demo gives up on the trainers
+
+
+class Processes:
+    """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir, self.procs = workdir, {}
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", *args],
+            cwd=self.workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        self.procs[name] = (proc, log)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self, names=None, grace: float = 10.0) -> None:
+        names = list(self.procs) if names is None else names
+        for name in names:
+            proc, _ = self.procs[name]
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name in names:
+            proc, log = self.procs[name]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the process group also holds its p2p daemons
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            log.close()
+
+
+def _read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return entries
+
+
+def _progress(workdir: Path, spec: RunSpec, started: float) -> dict:
+    logs = [_read_log(workdir / f"trainer{i}.jsonl") for i in range(TRAINERS)]
+    batches = [e for log in logs for e in log if e["type"] == "micro_batch"]
+    evals = [e for log in logs for e in log if e["type"] == "eval"]
+    now = time.time()
+    recent = [e for e in batches if now - e["time"] <= 15]
+    window = min(15.0, now - min((e["time"] for e in recent), default=now)) or 1.0
+    return {
+        "step": max((e["epoch"] for e in batches), default=0),
+        "samples": sum(e["samples"] for e in batches),
+        "rate": sum(e["samples"] for e in recent) / window if len(recent) > 1 else 0.0,
+        "train": sum(e["loss"] for e in batches[-16:]) / len(batches[-16:]) if batches else None,
+        "val": sorted(evals, key=lambda e: e["time"])[-1]["loss"] if evals else None,
+        "evals": evals,
+        "elapsed": time.monotonic() - started,
+        "total": spec.training.total_steps,
+    }
+
+
+def _line(p: dict) -> str:
+    train = f"{p['train']:.3f}" if p["train"] is not None else "-"
+    val = f"{p['val']:.3f}" if p["val"] is not None else "-"
+    return (
+        f"step {p['step']:>4}/{p['total']} | {p['rate']:6.1f} samples/s | train loss {train} | "
+        f"val loss {val} | {p['samples']} samples | {p['elapsed']:.0f} s"
+    )
+
+
+def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -> int:
+    console = Console()
+    spec = RunSpec.from_toml(spec_path or DEMO_SPEC)
+    if steps:
+        spec.training.total_steps = steps
+    own_dir = not workdir
+    work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spec_file = work / "run.toml"
+    spec_file.write_text(_to_toml(spec))
+    corpus = load_corpus()
+    baseline = unigram_entropy(corpus.validation)
+    console.print(
+        f"[bold]Swarmtrain demo[/bold]: a coordinator, {STAGES} stages x {REPLICAS} servers and {TRAINERS} trainers, "
+        f"each its own process on loopback. Logs in {work}"
+    )
+    console.print(
+        f"Corpus: Python's standard library ({len(corpus.train) / 1e6:.1f} MB train, "
+        f"{len(corpus.validation) / 1e6:.1f} MB held out, {corpus.num_files} files); unigram baseline {baseline:.3f} nats/byte."
+    )
+    procs = Processes(work)
+    started = time.monotonic()
+    code = 1
+    try:
+        info = work / "coordinator.json"
+        procs.start(
+            "coordinator",
+            [
+                "coordinator",
+                str(spec_file),
+                "--identity",
+                "coordinator.pem",
+                "--host",
+                "127.0.0.1",
+                "--info-file",
+                str(info),
+            ],
+        )
+        _wait(lambda: info.exists(), procs, ["coordinator"], "the coordinator to start")
+        maddr = json.loads(info.read_text())["join"].split()[-1]
+        console.print(f"Coordinator up: {maddr}")
+        servers = [f"server{s}{chr(97 + r)}" for s in range(STAGES) for r in range(REPLICAS)]
+        for name in servers:
+            procs.start(
+                name,
+                [
+                    "join",
+                    maddr,
+                    "--stage",
+                    name[6],
+                    "--identity",
+                    f"{name}.pem",
+                    "--host",
+                    "127.0.0.1",
+                    "--threads",
+                    "1",
+                ],
+            )
+        _wait(lambda: all("Serving stage" in procs.log(n) for n in servers), procs, servers, "the stage servers")
+        console.print(
+            f"{len(servers)} stage servers serving after {time.monotonic() - started:.0f} s; starting {TRAINERS} trainers."
+        )
+        trainers = [f"trainer{i}" for i in range(TRAINERS)]
+        for i, name in enumerate(trainers):
+            extra = ["--eval-every", str(max(1, spec.training.total_steps // 6))] if i == 0 else []
+            procs.start(
+                name,
+                [
+                    "join",
+                    maddr,
+                    "--role",
+                    "trainer",
+                    "--seed",
+                    str(i),
+                    "--identity",
+                    f"{name}.pem",
+                    "--host",
+                    "127.0.0.1",
+                    "--threads",
+                    "1",
+                    "--log-file",
+                    f"{name}.jsonl",
+                    *extra,
+                ],
+            )
+        code = _follow(console, procs, trainers, work, spec, started)
+        progress = _progress(work, spec, started)
+        _summary(console, progress, baseline, spec)
+    except KeyboardInterrupt:
+        console.print("Interrupted; stopping the swarm.")
+        code = 130
+    finally:
+        procs.stop()
+        if own_dir and code == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def _wait(condition, procs: Processes, names: list[str], what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not condition():
+        for name in names:
+            if procs.procs[name][0].poll() is not None:
+                raise SystemExit(f"peer demo: {name} exited early:\n{procs.log(name)[-2000:]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"peer demo: waited {START_TIMEOUT:.0f} s for {what}")
+        time.sleep(0.3)
+
+
+def _follow(console: Console, procs: Processes, trainers: list[str], work: Path, spec: RunSpec, started: float) -> int:
+    deadline = time.monotonic() + RUN_TIMEOUT
+    interactive = console.is_terminal
+    last_print = 0.0
+    with Live(console=console, refresh_per_second=2, transient=False) if interactive else _Null() as live:
+        while any(procs.procs[t][0].poll() is None for t in trainers):
+            progress = _progress(work, spec, started)
+            if interactive:
+                live.update(_line(progress))
+            elif time.monotonic() - last_print > 10:
+                console.print(_line(progress))
+                last_print = time.monotonic()
+            if time.monotonic() > deadline:
+                console.print("peer demo: the trainers did not finish in time")
+                return 1
+            time.sleep(0.5)
+        if interactive:
+            live.update(_line(_progress(work, spec, started)))
+    failed = [t for t in trainers if procs.procs[t][0].returncode != 0]
+    for t in failed:
+        console.print(f"[red]{t} failed[/red]:\n{procs.log(t)[-2000:]}")
+    return 1 if failed else 0
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
+    table = Table(title="Demo summary")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("optimizer steps", f"{p['step']} (target batch {spec.training.target_batch_size} samples)")
+    table.add_row("samples trained", str(p["samples"]))
+    table.add_row("wall time", f"{p['elapsed']:.0f} s")
+    table.add_row("swarm samples/s (whole run)", f"{p['samples'] / max(p['elapsed'], 1e-6):.1f}")
+    for e in sorted(p["evals"], key=lambda e: e["epoch"]):
+        table.add_row(f"validation loss at step {e['epoch']}", f"{e['loss']:.3f} nats/byte")
+    table.add_row("unigram baseline", f"{baseline:.3f} nats/byte")
+    console.print(table)
+    if p["val"] is not None:
+        console.print(f"Final validation loss {p['val']:.3f} nats/byte vs unigram {baseline:.3f}.")
+
+
+def _to_toml(spec: RunSpec) -> str:
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    data = spec.to_dict()
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, values in data.items():
+        if isinstance(values, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"

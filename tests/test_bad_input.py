@@ -1,0 +1,93 @@
+"""Bad requests get a clear gRPC status and the server keeps serving (real server process, real gRPC)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import info
+
+from protocols import chunking, codec, stage_pb2, stage_pb2_grpc, tensor_pb2
+
+SPEC = {
+    "name": "badinput",
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 2, "seq_len": 16, "target_batch_size": 4, "total_steps": 5},
+}
+
+
+@pytest.fixture
+def stage1(swarm):
+    swarm.coordinator(SPEC)
+    server = swarm.server(
+        "s1", 1, ["--set", "server.max_tensor_elements=4096", "--set", "server.max_message_bytes=100000"]
+    )
+    endpoint = swarm.endpoint(server)
+    with grpc.insecure_channel(endpoint) as channel:
+        yield stage_pb2_grpc.StageStub(channel), endpoint
+
+
+def _forward(stub, inputs: tensor_pb2.Tensor, **fields):
+    request = stage_pb2.ForwardRequest(run_id="badinput", stage=1, inputs=inputs, **fields)
+    return stub.Forward(request, timeout=10)
+
+
+def _status(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
+    stub, endpoint = stage1
+    good = torch.randn(2, 8, 32)
+
+    code, message = _status(lambda: _forward(stub, codec.encode(torch.randn(2, 8, 31))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "hidden states of shape [batch, seq, 32]" in message
+
+    code, message = _status(lambda: _forward(stub, codec.encode(good.double().float().to(torch.float16))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "float32" in message
+
+    code, message = _status(lambda: _forward(stub, codec.encode(torch.randn(20, 16, 32))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the limit of 4096" in message
+
+    broken = codec.encode(good)
+    broken.data = broken.data[:-4]
+    code, message = _status(lambda: _forward(stub, broken))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in message
+
+    nan = good.clone()
+    nan[0, 0, 0] = float("nan")
+    code, message = _status(lambda: _forward(stub, codec.encode(nan)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in message
+
+    code, message = _status(
+        lambda: stub.Forward(
+            stage_pb2.ForwardRequest(run_id="badinput", stage=0, inputs=codec.encode(good)), timeout=10
+        )
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stage 1" in message
+
+    targets = torch.randint(0, 256, (2, 8))
+    code, message = _status(
+        lambda: stub.Backward(
+            stage_pb2.BackwardRequest(
+                run_id="badinput", stage=1, inputs=codec.encode(good), targets=codec.encode(targets[:, :4])
+            ),
+            timeout=10,
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "targets" in message
+
+    big = stage_pb2.ForwardRequest(
+        run_id="badinput", stage=1, inputs=codec.encode(torch.randn(4, 16, 32))
+    ).SerializeToString()
+    code, message = _status(lambda: list(stub.ForwardStream(chunking.split(big * 13, 8192), timeout=10)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in message
+
+    # still serving: a correct request works and nothing was accumulated from the refused ones
+    response = _forward(stub, codec.encode(good), targets=codec.encode(targets))
+    assert response.has_loss and 4.0 < response.loss < 7.0
+    state = info(endpoint)
+    assert state.samples_accumulated == 0 and state.epoch == 0

@@ -1,0 +1,61 @@
+"""Tensor codec and chunking (unit tests; the wire itself is covered by the tests with real servers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from protocols import chunking, codec, tensor_pb2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8])
+def test_roundtrip_is_exact_without_compression(dtype):
+    t = (torch.randn(3, 5) * 50).to(dtype)
+    out = codec.decode(codec.encode(t))
+    assert out.dtype == dtype and torch.equal(out, t)
+
+
+@pytest.mark.parametrize(("name", "tolerance", "size"), [("fp16", 1e-3, 2), ("bf16", 1e-2, 2)])
+def test_compression_halves_bytes_within_tolerance(name, tolerance, size):
+    t = torch.randn(64, 64)
+    message = codec.encode(t, codec.codec_from_name(name))
+    assert codec.wire_bytes(message) == t.numel() * size
+    assert torch.allclose(codec.decode(message), t, rtol=tolerance, atol=tolerance)
+
+
+def test_integer_tensors_are_never_compressed():
+    ids = torch.arange(300)
+    message = codec.encode(ids, tensor_pb2.FP16)
+    assert message.codec == tensor_pb2.NONE and torch.equal(codec.decode(message), ids)
+
+
+def test_bad_messages_name_the_problem():
+    with pytest.raises(codec.TensorDecodeError, match="over the limit"):
+        codec.decode(codec.encode(torch.zeros(10, 10)), max_elements=99)
+    bad = codec.encode(torch.zeros(4))
+    bad.data = bad.data[:3]
+    with pytest.raises(codec.TensorDecodeError, match="needs 16"):
+        codec.decode(bad)
+    with pytest.raises(codec.TensorDecodeError, match="unknown tensor dtype"):
+        codec.decode(tensor_pb2.Tensor(shape=[1], dtype=0, data=b"\x00"))
+    with pytest.raises(ValueError, match="unknown compression"):
+        codec.codec_from_name("int3")
+
+
+def test_chunking_roundtrip_and_limit():
+    data = bytes(range(256)) * 1000
+    chunks = list(chunking.split(data, 4096))
+    assert all(len(c.data) <= 4096 for c in chunks)
+
+    async def collect(limit):
+        async def gen():
+            for c in chunks:
+                yield c
+
+        return await chunking.join(gen(), limit)
+
+    assert asyncio.run(collect(len(data))) == data
+    with pytest.raises(chunking.MessageTooLarge):
+        asyncio.run(collect(len(data) - 1))

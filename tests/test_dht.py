@@ -1,0 +1,122 @@
+"""Signed records over a real hivemind DHT: forged or unsigned ones are ignored; joining nothing fails clearly."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import hivemind
+import msgpack
+import pytest
+from hivemind.utils import get_dht_time
+
+from dht import keys
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from dht.records import RunSpecRecord, ServerRecord
+from peer.config import RunSpec
+from peer.swarm import RunNotFound, fetch_spec
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture
+def two_nodes():
+    a = SwarmDHT(Identity.generate(), host_maddrs=LOOPBACK)
+    b = None
+    try:
+        b = SwarmDHT(Identity.generate(), initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK)
+        yield a, b
+    finally:
+        if b is not None:
+            b.shutdown()
+        a.shutdown()
+
+
+def test_signed_records_roundtrip_and_forgeries_are_refused(two_nodes):
+    a, b = two_nodes
+    key = keys.servers_key("run", 0)
+    assert b.store(key, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=5.0), ttl=30)
+    records = a.get(key, ServerRecord)
+    assert list(records) == [b.peer_id] and records[b.peer_id].throughput == 5.0
+
+    # b signs a record but files it under a's subkey: refused by the validators of both nodes
+    forged = ServerRecord(stage=0, endpoint="evil:1", throughput=1e9)
+    expiration = get_dht_time() + 30
+    _, sealed = b._seal(key, expiration, forged)
+    assert not b.store_raw(key, keys.signed_subkey(a.peer_id), sealed, ttl=30)
+    # unsigned bytes under a signed subkey: refused
+    assert not b.store_raw(key, keys.signed_subkey(b.peer_id), forged.model_dump_json().encode(), ttl=30)
+    records = a.get(key, ServerRecord)
+    assert set(records) == {b.peer_id} and records[b.peer_id].endpoint == "127.0.0.1:1"
+
+
+def test_records_from_a_node_without_validators_are_ignored(two_nodes):
+    a, _ = two_nodes
+    rogue = hivemind.DHT(initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK, start=True)
+    try:
+        key = keys.servers_key("run", 1)
+        victim = Identity.generate().peer_id
+        record = ServerRecord(stage=1, endpoint="evil:1", throughput=1e9).model_dump_json().encode()
+        fake_envelope = msgpack.packb({"v": 1, "p": record, "s": b"\x00" * 64}, use_bin_type=True)
+        # the rogue node keeps these in its own storage whatever our validator says
+        rogue.store(key, fake_envelope, get_dht_time() + 30, subkey=keys.signed_subkey(victim))
+        rogue.store(key, record, get_dht_time() + 30, subkey="plain-subkey")
+        time.sleep(0.5)
+        assert a.get(key, ServerRecord) == {}
+    finally:
+        rogue.shutdown()
+
+
+def test_spec_is_read_only_from_the_coordinator_key(two_nodes):
+    coordinator, impostor = two_nodes
+    spec = RunSpec.from_dict({"name": "real"})
+    fake = RunSpec.from_dict({"name": "fake"})
+    # the impostor publishes a valid record of its own under the coordinator's spec key
+    assert impostor.store(keys.spec_key(coordinator.peer_id), RunSpecRecord(spec=fake.to_dict()), ttl=30)
+    with pytest.raises(RunNotFound, match="no run spec signed by coordinator"):
+        fetch_spec(impostor, coordinator.peer_id, timeout=1.0)
+    assert coordinator.store(keys.spec_key(coordinator.peer_id), RunSpecRecord(spec=spec.to_dict()), ttl=30)
+    assert fetch_spec(impostor, coordinator.peer_id, timeout=5.0).name == "real"
+
+
+def test_join_where_nothing_answers_fails_quickly_and_clearly(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free now: nothing listens there
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.generate().peer_id}"
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "join",
+            maddr,
+            "--identity",
+            str(tmp_path / "id.pem"),
+            "--host",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert "check that the address is right and the peer is running" in result.stderr
+    assert maddr in result.stderr
+    assert elapsed < 30  # the default dht_startup_timeout is 20 s; here it fails at the first refused dial
+
+
+def test_identity_is_created_once_and_locked(tmp_path):
+    path = tmp_path / "id.pem"
+    first = Identity.load_or_create(path)
+    assert Identity.load_or_create(path).peer_id == first.peer_id
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    first.lock()
+    second = Identity.load(path)
+    with pytest.raises(Exception, match="in use by another running peer"):
+        second.lock()
