@@ -11,7 +11,14 @@ SPEC = {
     "name": "e2e",
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64},
     "stages": {"num_stages": 2},
-    "training": {"micro_batch_size": 8, "seq_len": 64, "target_batch_size": 16, "total_steps": 40, "lr": 0.01, "warmup_steps": 4},
+    "training": {
+        "micro_batch_size": 8,
+        "seq_len": 64,
+        "target_batch_size": 16,
+        "total_steps": 40,
+        "lr": 0.01,
+        "warmup_steps": 4,
+    },
 }
 
 
@@ -33,7 +40,9 @@ def test_run_trains_and_everything_stops(swarm):
     assert len(evals) >= 2 and evals[-1] < evals[0]
     assert "step " in trainer.output() and "samples/s" in trainer.output()
 
-    status = subprocess.run([sys.executable, "-m", "peer.cli", "status", maddr], capture_output=True, text=True, timeout=120)
+    status = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "status", maddr], capture_output=True, text=True, timeout=120
+    )
     assert status.returncode == 0, status.stderr
     assert "Run 'e2e'" in status.stdout and status.stdout.count("serving") == 2
 
