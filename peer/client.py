@@ -88,6 +88,12 @@ class StageClient:
     async def info(self, endpoint: str, timeout: float) -> stage_pb2.InfoResponse:
         return await self._stub(endpoint).Info(stage_pb2.InfoRequest(), timeout=timeout)
 
+    async def round(
+        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float
+    ) -> stage_pb2.RoundResponse:
+        request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch)
+        return await self._stub(endpoint).Round(request, timeout=timeout)
+
     async def get_state(
         self, endpoint: str, run_id: str, stage: int, timeout: float
     ) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -170,7 +170,7 @@ class NetworkConfig:
     dht_request_timeout: float = 5.0  # s for one DHT store or get
     announce_period: float = 2.0  # s between refreshes of this peer's DHT record
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
-    progress_period: float = 0.2  # s between a server's looks at its stage's progress
+    progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
 
 
 @dataclass
@@ -199,7 +199,7 @@ class TrainerConfig:
     eval_batches: int = 4  # micro-batches of held-out data per validation run
     log_file: str = ""  # JSON lines: one per finished micro-batch and per validation
     progress: bool = False  # print a progress line every few seconds
-    refresh_period: float = 1.0  # s between refreshes of the server list
+    refresh_period: float = 2.0  # s between refreshes of the server list
 
 
 @dataclass

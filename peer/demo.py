@@ -114,7 +114,7 @@ def _line(p: dict) -> str:
 
 
 def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -> int:
-    console = Console()
+    console = Console() if Console().is_terminal else Console(width=160)
     spec = RunSpec.from_toml(spec_path or DEMO_SPEC)
     if steps:
         spec.training.total_steps = steps

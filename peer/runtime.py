@@ -206,6 +206,12 @@ class StageRuntime:
         self.samples_accumulated = 0
         return grads, samples
 
+    def restore_gradients(self, grads: list[torch.Tensor], samples: int) -> None:
+        """Put gradients taken for a round that failed back into the accumulator, for the next round."""
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            acc.add_(g, alpha=samples)
+        self.samples_accumulated += samples
+
     def apply_step(self, grads: list[torch.Tensor], group_samples: int) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group)."""
         for p, g in zip(self.params, grads, strict=True):

@@ -3,10 +3,11 @@
 Step protocol. Each server announces in the DHT its epoch (optimizer steps taken) and the samples
 it has accumulated since. When the replicas at one epoch together reach the run's target batch
 size, the server that notices first flags `averaging_epoch` in its record and starts a round; the
-others see the flag within one progress period and join. The round runs on the torch thread, so
-no forward or backward of the stage runs while it lasts: every replica steps from the same
-gradients at the same moment of its own request stream, and the samples each contributed are
-counted exactly once. A server alone at its epoch steps at once, inside the backward that crossed
+starting server also invites each serving partner directly (the `Round` call); the partners that
+answer "joining" form the group, so its size never rests on a stale record. The round runs on
+the torch thread, so no forward or backward of the stage runs while it lasts: every replica steps
+from the same gradients at the same moment of its own request stream, and the samples each
+contributed are counted exactly once. A server alone at its epoch steps at once, inside the backward that crossed
 the target, so one server per stage reproduces plain gradient accumulation exactly.
 """
 
@@ -75,7 +76,8 @@ class StageServer:
         self._last_published: tuple | None = None
         self._last_publish_time = 0.0
         self._tasks: list[asyncio.Task] = []
-        self.steps_averaged = self.steps_alone = 0
+        self.steps_averaged = self.steps_alone = self.rounds_failed = 0
+        self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
 
     # ---- torch thread ---------------------------------------------------------------------
     async def run_torch(self, fn, *args):
@@ -106,18 +108,50 @@ class StageServer:
         total = self.runtime.samples_accumulated + sum(r.samples for r in at_epoch)
         flagged = any(r.averaging_epoch == epoch for r in at_epoch)
         if total >= self.spec.training.target_batch_size or flagged:
-            # a record one epoch behind is most likely a partner of the last round not yet re-announced:
-            # count it, so a replica never steps alone while it has partners
-            self._start_step(1 + sum(1 for r in serving if r.epoch >= epoch - 1))
+            self._start_step()
 
-    def _start_step(self, group_size: int) -> None:
+    def _start_step(self) -> None:
         self.stepping = True
         epoch = self.runtime.epoch
-        self.averaging_epoch = epoch if group_size > 1 else -1
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, group_size, epoch)
-        self._tasks.append(asyncio.create_task(self._finish_step(future, group_size)))
-        if group_size > 1:
-            self._tasks.append(asyncio.create_task(self.publish(force=True)))
+        if not self._serving_peers() or self.averager is None:
+            # alone: queued on the torch thread now, before any later request, so the step lands
+            # exactly where plain gradient accumulation would put it
+            future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1, epoch)
+            self._tasks.append(asyncio.create_task(self._finish_step(future)))
+        else:
+            self.averaging_epoch = epoch
+            self._tasks.append(asyncio.create_task(self._round(epoch)))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _round(self, epoch: int) -> None:
+        """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
+        publish = asyncio.create_task(self.publish(force=True))
+        timeout = self.spec.averaging.request_timeout
+        partners = [r for r in self._serving_peers() if r.epoch <= epoch]
+        answers = await asyncio.gather(
+            *(self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout) for r in partners),
+            return_exceptions=True,
+        )
+        joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1 + joined, epoch)
+        await self._finish_step(future)
+        await publish
+
+    def join_round(self, epoch: int) -> bool:
+        """A partner invites this replica to the round for `epoch`: True if it takes part."""
+        if self.stepping:
+            if self.averaging_epoch == epoch:
+                return True  # already in this very round
+            if self.averaging_epoch == epoch - 1:
+                self._pending_round = epoch  # applying the previous step: join as soon as it lands
+                return True
+            return False
+        if self.state != "serving" or epoch != self.runtime.epoch or self.averager is None:
+            return False
+        self.stepping = True
+        self.averaging_epoch = epoch
+        self._tasks.append(asyncio.create_task(self._round(epoch)))
+        return True
 
     def _step_job(self, group_size: int, epoch: int):
         started = time.perf_counter()
@@ -126,37 +160,46 @@ class StageServer:
         if group_size > 1 and self.averager is not None:
             result = self.averager.average(grads, samples, epoch, group_size)
             if result is None:
-                logger.warning(
-                    "stage %d step %d: no averaging group formed; stepping with own %d samples",
-                    self.stage,
-                    epoch,
-                    samples,
-                )
-            else:
-                grads, group_samples, members = result.gradients, result.group_samples, result.group_size
+                # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
+                self.runtime.restore_gradients(grads, samples)
+                return samples, 0, time.perf_counter() - started
+            grads, group_samples, members = result.gradients, result.group_samples, result.group_size
         self.runtime.apply_step(grads, group_samples)
         return group_samples, members, time.perf_counter() - started
 
-    async def _finish_step(self, future, group_size: int) -> None:
+    async def _finish_step(self, future) -> None:
         try:
             group_samples, members, seconds = await future
-            if members > 1:
+            if members == 0:
+                self.rounds_failed += 1
+                logger.warning(
+                    "stage %d: averaging round for step %d failed after %.1f s; its %d samples wait for the next round",
+                    self.stage,
+                    self.runtime.epoch,
+                    seconds,
+                    group_samples,
+                )
+            elif members > 1:
                 self.steps_averaged += 1
             else:
                 self.steps_alone += 1
-            logger.info(
-                "stage %d step %d: %d samples, averaged with %d peer(s) in %.2f s",
-                self.stage,
-                self.runtime.epoch,
-                group_samples,
-                members - 1,
-                seconds,
-            )
+            if members:
+                logger.info(
+                    "stage %d step %d: %d samples, averaged with %d peer(s) in %.2f s",
+                    self.stage,
+                    self.runtime.epoch,
+                    group_samples,
+                    members - 1,
+                    seconds,
+                )
         except Exception:
             logger.exception("stage %d: optimizer step failed", self.stage)
         finally:
             self.stepping = False
             self.averaging_epoch = -1
+        pending, self._pending_round = self._pending_round, None
+        if pending is not None and pending == self.runtime.epoch:
+            self.join_round(pending)
         await self.publish(force=True)
         self._maybe_step()
 
@@ -198,7 +241,11 @@ class StageServer:
         except Exception as e:
             logger.debug("could not read the stage's servers: %s", e)
             return
-        self.peers = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and r.stage == self.stage}
+        fresh = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and r.stage == self.stage}
+        # a DHT read can miss a record now and then: keep a known peer until its record would have expired
+        horizon = time.time() - self.cfg.network.record_ttl
+        kept = {pid: r for pid, r in self.peers.items() if pid not in fresh and r.updated > horizon}
+        self.peers = {**kept, **fresh}
 
     async def _progress_loop(self) -> None:
         period = self.cfg.network.progress_period

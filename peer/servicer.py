@@ -150,6 +150,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             history=history,
         )
 
+    async def Round(self, request: stage_pb2.RoundRequest, context):
+        try:
+            self._check_route(request.run_id, request.stage)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        joining = self.server.join_round(request.epoch)
+        return stage_pb2.RoundResponse(joining=joining, epoch=self.runtime.epoch)
+
     async def GetState(self, request: stage_pb2.StateRequest, context):
         try:
             self._check_route(request.run_id, request.stage)

@@ -103,6 +103,24 @@ class StepFingerprint(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class RoundRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "epoch")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RoundResponse(_message.Message):
+    __slots__ = ("joining", "epoch")
+    JOINING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    joining: bool
+    epoch: int
+    def __init__(self, joining: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("run_id", "stage")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class StageStub:
                 request_serializer=protocols_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protocols_dot_stage__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Round = channel.unary_unary(
+                '/swarmtrain.Stage/Round',
+                request_serializer=protocols_dot_stage__pb2.RoundRequest.SerializeToString,
+                response_deserializer=protocols_dot_stage__pb2.RoundResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_stream(
                 '/swarmtrain.Stage/GetState',
                 request_serializer=protocols_dot_stage__pb2.StateRequest.SerializeToString,
@@ -102,6 +107,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Round(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetState(self, request, context):
         """StateResponse, serialized and split into Chunks.
         """
@@ -136,6 +147,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protocols_dot_stage__pb2.InfoRequest.FromString,
                     response_serializer=protocols_dot_stage__pb2.InfoResponse.SerializeToString,
+            ),
+            'Round': grpc.unary_unary_rpc_method_handler(
+                    servicer.Round,
+                    request_deserializer=protocols_dot_stage__pb2.RoundRequest.FromString,
+                    response_serializer=protocols_dot_stage__pb2.RoundResponse.SerializeToString,
             ),
             'GetState': grpc.unary_stream_rpc_method_handler(
                     servicer.GetState,
@@ -278,6 +294,33 @@ class Stage:
             '/swarmtrain.Stage/Info',
             protocols_dot_stage__pb2.InfoRequest.SerializeToString,
             protocols_dot_stage__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Round(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.Stage/Round',
+            protocols_dot_stage__pb2.RoundRequest.SerializeToString,
+            protocols_dot_stage__pb2.RoundResponse.FromString,
             options,
             channel_credentials,
             insecure,
