@@ -60,7 +60,7 @@ class GradientAverager:
             target_group_size=cfg.max_group_size,
             min_group_size=2,
             min_matchmaking_time=cfg.min_matchmaking_time,
-            request_timeout=min(cfg.request_timeout, cfg.min_matchmaking_time / 2),
+            request_timeout=min(cfg.request_timeout, cfg.min_matchmaking_time * 0.75),
             allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 2,
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's

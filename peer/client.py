@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from typing import Any
@@ -9,7 +10,9 @@ from typing import Any
 import grpc
 import torch
 
-from protocols import chunking, codec, stage_pb2, stage_pb2_grpc
+from protocols import codec, framing, stage_pb2, stage_pb2_grpc
+
+SERVICE = "swarmtrain.Stage"
 
 GRPC_OPTIONS_BASE = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -43,47 +46,54 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 class StageClient:
-    """Talks to stage servers. Keeps at most `max_channels` open channels (least recently used go first)."""
+    """Talks to stage servers. Keeps at most `max_channels` open channels (least recently used go first).
 
-    def __init__(self, chunk_bytes: int, max_message_bytes: int, max_channels: int = 64):
+    Calls take and return `(message, payloads)`: tensors whose bytes travel outside the message
+    (see protocols.framing). Messages up to `chunk_bytes` go as one unary call, larger ones as a
+    framed stream.
+    """
+
+    def __init__(
+        self, chunk_bytes: int, max_message_bytes: int, max_tensor_elements: int | None = None, max_channels: int = 64
+    ):
         self.chunk_bytes, self.max_message_bytes, self.max_channels = chunk_bytes, max_message_bytes, max_channels
+        self.max_tensor_elements = max_tensor_elements
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = OrderedDict()
 
-    def _stub(self, endpoint: str) -> stage_pb2_grpc.StageStub:
+    def _channel(self, endpoint: str) -> tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]:
         if endpoint in self._channels:
             self._channels.move_to_end(endpoint)
-            return self._channels[endpoint][1]
+            return self._channels[endpoint]
         channel = grpc.aio.insecure_channel(endpoint, options=channel_options(self.max_message_bytes))
-        stub = stage_pb2_grpc.StageStub(channel)
-        self._channels[endpoint] = (channel, stub)
+        self._channels[endpoint] = (channel, stage_pb2_grpc.StageStub(channel))
         while len(self._channels) > self.max_channels:
             _, (old, _) = self._channels.popitem(last=False)
-            old.close()  # coroutine; closing in the background is enough
-        return stub
+            asyncio.ensure_future(old.close())
+        return self._channels[endpoint]
 
-    async def _unary_or_stream(self, unary, streaming, request, response_type, timeout: float):
-        serialized_size = request.ByteSize()
-        if serialized_size <= self.chunk_bytes:
-            return await unary(request, timeout=timeout)
-        call = streaming(chunking.split(request.SerializeToString(), self.chunk_bytes), timeout=timeout)
-        data = await chunking.join(call, self.max_message_bytes)
-        return response_type.FromString(data)
+    def _stub(self, endpoint: str) -> stage_pb2_grpc.StageStub:
+        return self._channel(endpoint)[1]
 
-    async def forward(
-        self, endpoint: str, request: stage_pb2.ForwardRequest, timeout: float
-    ) -> stage_pb2.ForwardResponse:
-        stub = self._stub(endpoint)
-        return await self._unary_or_stream(
-            stub.Forward, stub.ForwardStream, request, stage_pb2.ForwardResponse, timeout
+    async def _call(self, endpoint: str, method: str, request, payloads, response_type, timeout: float):
+        payloads = dict(payloads or {})
+        channel, stub = self._channel(endpoint)
+        if framing.size(request, payloads) <= self.chunk_bytes:
+            response = await getattr(stub, method)(framing.inline(request, payloads), timeout=timeout)
+            return response, {}
+        for path, tensor in framing.tensor_paths(request):  # tensors still inline go out of band too
+            if tensor.data and path not in payloads:
+                payloads[path] = tensor.data
+                tensor.data = b""
+        call = channel.stream_stream(f"/{SERVICE}/{method}Stream")(
+            framing.frames(request, payloads, self.chunk_bytes), timeout=timeout
         )
+        return await framing.read(call, response_type, self.max_message_bytes, self.max_tensor_elements)
 
-    async def backward(
-        self, endpoint: str, request: stage_pb2.BackwardRequest, timeout: float
-    ) -> stage_pb2.BackwardResponse:
-        stub = self._stub(endpoint)
-        return await self._unary_or_stream(
-            stub.Backward, stub.BackwardStream, request, stage_pb2.BackwardResponse, timeout
-        )
+    async def forward(self, endpoint: str, request: stage_pb2.ForwardRequest, payloads=None, timeout: float = 30.0):
+        return await self._call(endpoint, "Forward", request, payloads, stage_pb2.ForwardResponse, timeout)
+
+    async def backward(self, endpoint: str, request: stage_pb2.BackwardRequest, payloads=None, timeout: float = 30.0):
+        return await self._call(endpoint, "Backward", request, payloads, stage_pb2.BackwardResponse, timeout)
 
     async def info(self, endpoint: str, timeout: float) -> stage_pb2.InfoResponse:
         return await self._stub(endpoint).Info(stage_pb2.InfoRequest(), timeout=timeout)
@@ -97,9 +107,14 @@ class StageClient:
     async def get_state(
         self, endpoint: str, run_id: str, stage: int, timeout: float
     ) -> tuple[dict, dict[str, torch.Tensor]]:
-        call = self._stub(endpoint).GetState(stage_pb2.StateRequest(run_id=run_id, stage=stage), timeout=timeout)
-        response = stage_pb2.StateResponse.FromString(await chunking.join(call, self.max_message_bytes))
-        tensors = {item.name: codec.decode(item.tensor) for item in response.tensors}
+        channel, _ = self._channel(endpoint)
+        request = stage_pb2.StateRequest(run_id=run_id, stage=stage).SerializeToString()
+        call = channel.unary_stream(f"/{SERVICE}/GetState")(request, timeout=timeout)
+        response, payloads = await framing.read(call, stage_pb2.StateResponse, self.max_message_bytes)
+        tensors = {
+            item.name: codec.decode(item.tensor, payload=payloads.get(f"tensors.{i}.tensor"))
+            for i, item in enumerate(response.tensors)
+        }
         return json.loads(response.metadata_json), tensors
 
     async def close(self) -> None:

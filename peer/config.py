@@ -63,9 +63,11 @@ class CompressionConfig:
 
 @dataclass
 class AveragingConfig:
-    min_matchmaking_time: float = 2.0  # s a group leader waits for the stage's other replicas
-    request_timeout: float = 1.0  # s for one matchmaking request
-    averaging_timeout: float = 20.0  # s for a whole round (matchmaking + all-reduce) before giving up
+    min_matchmaking_time: float = (
+        5.0  # s a group leader waits at most for missing replicas (a full group starts at once)
+    )
+    request_timeout: float = 3.0  # s for one matchmaking request; short ones break groups on a loaded machine
+    averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
     max_group_size: int = 32  # most replicas averaged in one group
 
 

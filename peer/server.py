@@ -31,8 +31,7 @@ from peer.averaging import GradientAverager
 from peer.client import StageClient, server_options
 from peer.config import PeerConfig, RunSpec
 from peer.runtime import StageRuntime
-from peer.servicer import StageServicer
-from protocols import stage_pb2_grpc
+from peer.servicer import StageServicer, add_to_server
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class StageServer:
         self.spec, self.run_id, self.stage, self.cfg = spec, spec.name, stage, cfg
         self.dht, self.runtime, self.averager = dht, runtime, averager
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes)
+        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes, cfg.server.max_tensor_elements)
         self.inflight = 0
         self.leaving = False
         self.state = "joining"
@@ -105,9 +104,13 @@ class StageServer:
         if any(r.epoch > epoch for r in serving):
             return  # behind the stage: the progress loop resyncs first
         at_epoch = [r for r in serving if r.epoch == epoch]
-        total = self.runtime.samples_accumulated + sum(r.samples for r in at_epoch)
+        local = self.runtime.samples_accumulated
+        total = local + sum(r.samples for r in at_epoch)
         flagged = any(r.averaging_epoch == epoch for r in at_epoch)
-        if total >= self.spec.training.target_batch_size or flagged:
+        # the others' counts are a progress period old, so a replica also starts when it alone has its
+        # share of the target: with balanced routing the group then averages close to the target batch
+        target = self.spec.training.target_batch_size
+        if total >= target or local * (1 + len(at_epoch)) >= target or flagged:
             self._start_step()
 
     def _start_step(self) -> None:
@@ -126,7 +129,7 @@ class StageServer:
     async def _round(self, epoch: int) -> None:
         """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
         publish = asyncio.create_task(self.publish(force=True))
-        timeout = self.spec.averaging.request_timeout
+        timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = [r for r in self._serving_peers() if r.epoch <= epoch]
         answers = await asyncio.gather(
             *(self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout) for r in partners),
@@ -307,7 +310,7 @@ class StageServer:
     async def start(self) -> None:
         net = self.cfg.network
         self.grpc_server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
-        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self), self.grpc_server)
+        add_to_server(StageServicer(self), self.grpc_server)
         self.health = health.aio.HealthServicer()
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)

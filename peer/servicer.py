@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peer.runtime import InputError
-from protocols import chunking, codec, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
     from peer.server import StageServer
@@ -48,15 +48,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if self.server.leaving:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "this server is leaving the swarm")
 
-    def _decode(self, message: tensor_pb2.Tensor, field: str, present: bool):
+    def _decode(self, message: tensor_pb2.Tensor, field: str, present: bool, payloads: dict):
         if not present:
             return None
         try:
-            return codec.decode(message, max_elements=self.limits.max_tensor_elements)
+            return codec.decode(message, max_elements=self.limits.max_tensor_elements, payload=payloads.get(field))
         except codec.TensorDecodeError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}") from None
 
-    async def _guarded(self, handler, request, context: grpc.aio.ServicerContext):
+    async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -64,7 +64,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             )
         self.server.inflight += 1
         try:
-            return await handler(request)
+            return await handler(request, payloads)
         except _Refused as e:
             await context.abort(e.code, e.message)
         except InputError as e:
@@ -72,65 +72,64 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         finally:
             self.server.inflight -= 1
 
-    async def _parse_stream(self, request_iterator, message_type, context):
+    async def _read_stream(self, request_iterator, message_type, context):
         try:
-            data = await chunking.join(request_iterator, self.limits.max_message_bytes)
-            return message_type.FromString(data)
-        except chunking.MessageTooLarge as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Exception as e:  # DecodeError and friends
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"streamed request is not a valid {message_type.__name__}: {e}"
+            return await framing.read(
+                request_iterator, message_type, self.limits.max_message_bytes, self.limits.max_tensor_elements
             )
+        except framing.StreamTooLarge as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (framing.FramingError, codec.TensorDecodeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _chunks(self, response):
-        return chunking.split(response.SerializeToString(), self.limits.chunk_bytes)
+    def _frames(self, response, payloads):
+        return framing.frames(response, payloads, self.limits.chunk_bytes)
 
     # ---- forward / backward ---------------------------------------------------------------
-    async def _forward(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict):
         self._check_route(request.run_id, request.stage)
-        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"))
+        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
         if inputs is None:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
-        targets = self._decode(request.targets, "targets", request.HasField("targets"))
+        targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         epoch = self.runtime.epoch
         result = await self.server.run_torch(self.runtime.forward, request.uid, inputs, targets, request.train)
         if targets is not None:
-            return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch)
-        return stage_pb2.ForwardResponse(outputs=codec.encode(result, request.output_codec), epoch=epoch)
+            return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
+        header, payload = codec.encode_payload(result, request.output_codec)
+        return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
-    async def _backward(self, request: stage_pb2.BackwardRequest) -> stage_pb2.BackwardResponse:
+    async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict):
         self._check_route(request.run_id, request.stage)
-        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"))
+        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
         if inputs is None:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
-        grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"))
-        targets = self._decode(request.targets, "targets", request.HasField("targets"))
+        grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
+        targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         grad_inputs, loss, epoch = await self.server.backward(request.uid, inputs, grad_outputs, targets)
-        response = stage_pb2.BackwardResponse(epoch=epoch)
+        response, out = stage_pb2.BackwardResponse(epoch=epoch), {}
         if grad_inputs is not None:
-            response.grad_inputs.CopyFrom(codec.encode(grad_inputs, request.output_codec))
+            header, out["grad_inputs"] = codec.encode_payload(grad_inputs, request.output_codec)
+            response.grad_inputs.CopyFrom(header)
         if loss is not None:
             response.has_loss, response.loss = True, loss
-        return response
+        return response, out
 
     async def Forward(self, request, context):
-        return await self._guarded(self._forward, request, context)
+        return framing.inline(*await self._guarded(self._forward, request, {}, context))
 
     async def Backward(self, request, context):
-        return await self._guarded(self._backward, request, context)
+        return framing.inline(*await self._guarded(self._backward, request, {}, context))
 
     async def ForwardStream(self, request_iterator, context):
-        request = await self._parse_stream(request_iterator, stage_pb2.ForwardRequest, context)
-        response = await self._guarded(self._forward, request, context)
-        for chunk in self._chunks(response):
-            yield chunk
+        request, payloads = await self._read_stream(request_iterator, stage_pb2.ForwardRequest, context)
+        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
+            yield frame
 
     async def BackwardStream(self, request_iterator, context):
-        request = await self._parse_stream(request_iterator, stage_pb2.BackwardRequest, context)
-        response = await self._guarded(self._backward, request, context)
-        for chunk in self._chunks(response):
-            yield chunk
+        request, payloads = await self._read_stream(request_iterator, stage_pb2.BackwardRequest, context)
+        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
+            yield frame
 
     # ---- info and state -------------------------------------------------------------------
     async def Info(self, request, context):
@@ -158,7 +157,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         joining = self.server.join_round(request.epoch)
         return stage_pb2.RoundResponse(joining=joining, epoch=self.runtime.epoch)
 
-    async def GetState(self, request: stage_pb2.StateRequest, context):
+    async def GetState(self, request_bytes: bytes, context):
+        try:
+            request = stage_pb2.StateRequest.FromString(request_bytes)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a StateRequest: {e}")
         try:
             self._check_route(request.run_id, request.stage)
         except _Refused as e:
@@ -170,8 +173,29 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             metadata, tensors = await self.server.run_torch(self.runtime.snapshot)
         finally:
             self.server.inflight -= 1
-        response = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True))
-        for name, tensor in tensors.items():
-            response.tensors.add(name=name, tensor=codec.encode(tensor))
-        for chunk in self._chunks(response):
-            yield chunk
+        response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
+        for i, (name, tensor) in enumerate(tensors.items()):
+            header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)
+            response.tensors.add(name=name, tensor=header)
+        for frame in self._frames(response, payloads):
+            yield frame
+
+
+def add_to_server(servicer: StageServicer, server: grpc.aio.Server) -> None:
+    """Register the stage service: unary methods with protobuf messages, streams as raw framed bytes."""
+    unary = {
+        "Forward": (servicer.Forward, stage_pb2.ForwardRequest, stage_pb2.ForwardResponse),
+        "Backward": (servicer.Backward, stage_pb2.BackwardRequest, stage_pb2.BackwardResponse),
+        "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
+        "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+        for name, (fn, req, resp) in unary.items()
+    }
+    handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)
+    handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
+    handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmtrain.Stage", handlers),))

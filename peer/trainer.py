@@ -28,7 +28,7 @@ from peer.client import StageClient
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import Corpus, Sampler, validation_batches
 from peer.router import NoServer, Router
-from protocols import chunking, codec, stage_pb2
+from protocols import codec, framing, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
 _CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
@@ -59,7 +59,7 @@ class Trainer:
         t = spec.training
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg.ban_time)
-        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes)
+        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes, cfg.server.max_tensor_elements)
         seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
         self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
         self.val = (
@@ -78,7 +78,7 @@ class Trainer:
         self._last_progress = 0.0
 
     # ---- calls with rerouting -------------------------------------------------------------
-    async def _call(self, stage: int, method: str, request, prefer: str | None = None):
+    async def _call(self, stage: int, method: str, request, payloads: dict | None = None, prefer: str | None = None):
         exclude: set[str] = set()
         waiting_since = None
         attempts = 0
@@ -100,17 +100,17 @@ class Trainer:
             started = time.monotonic()
             try:
                 call = self.client.forward if method == "forward" else self.client.backward
-                response = await call(record.endpoint, request, timeout=self.tcfg.request_timeout)
-                self._check_answer(stage, method, request, response)
+                response, returned = await call(record.endpoint, request, payloads, timeout=self.tcfg.request_timeout)
+                self._check_answer(stage, method, request, response, returned)
                 self.router.report_success(pid, time.monotonic() - started)
-                return response, pid
+                return response, returned, pid
             except grpc.aio.AioRpcError as e:
                 if e.code() in _CALLER_FAULTS:
                     raise MicroBatchFailed(
                         f"stage {stage} refused our {method}: {e.code().name}: {e.details()}"
                     ) from None
                 reason = f"{e.code().name}: {e.details()}"
-            except (BadAnswer, codec.TensorDecodeError, chunking.MessageTooLarge, DecodeError) as e:
+            except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
                 reason = str(e)
             ban = self.router.report_failure(pid)
             exclude.add(pid)
@@ -126,15 +126,17 @@ class Trainer:
             if attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
 
-    def _check_answer(self, stage: int, method: str, request, response) -> None:
+    def _check_answer(self, stage: int, method: str, request, response, payloads: dict) -> None:
         last = stage == self.num_stages - 1
         if (last and request.HasField("targets")) and not (response.has_loss and math.isfinite(response.loss)):
             raise BadAnswer(f"stage {stage} returned no finite loss")
         expected_shape = list(request.inputs.shape)[:2] + [self.spec.model.hidden_size]
         if method == "forward" and not request.HasField("targets"):
-            tensor = codec.decode(response.outputs, max_elements=self.cfg.server.max_tensor_elements)
+            tensor = codec.decode(response.outputs, self.cfg.server.max_tensor_elements, payloads.get("outputs"))
         elif method == "backward" and stage > 0:
-            tensor = codec.decode(response.grad_inputs, max_elements=self.cfg.server.max_tensor_elements)
+            tensor = codec.decode(
+                response.grad_inputs, self.cfg.server.max_tensor_elements, payloads.get("grad_inputs")
+            )
         else:
             return
         if list(tensor.shape) != expected_shape or not torch.isfinite(tensor).all():
@@ -145,48 +147,41 @@ class Trainer:
     # ---- one micro-batch ------------------------------------------------------------------
     async def _micro_batch(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{index}", self.num_stages
-        stage_inputs = [codec.encode(inputs.to(torch.int32))]  # the Tensor each stage received
+        # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
+        stage_inputs: list[tuple[tensor_pb2.Tensor, object]] = [(codec.encode(inputs.to(torch.int32)), None)]
         servers: list[str] = []
         epoch = 0
         for stage in range(n - 1):
-            request = stage_pb2.ForwardRequest(
-                run_id=run, stage=stage, uid=uid, inputs=stage_inputs[-1], output_codec=self.codec, train=True
-            )
-            response, pid = await self._call(stage, "forward", request)
-            stage_inputs.append(response.outputs)
+            request = stage_pb2.ForwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec, train=True)
+            response, returned, pid = await self._call(stage, "forward", *_with(request, "inputs", *stage_inputs[-1]))
+            stage_inputs.append((response.outputs, returned.get("outputs")))
             servers.append(pid)
             epoch = max(epoch, response.epoch)
         request = stage_pb2.BackwardRequest(
-            run_id=run,
-            stage=n - 1,
-            uid=uid,
-            inputs=stage_inputs[-1],
-            targets=codec.encode(targets.to(torch.int32)),
-            output_codec=self.codec,
+            run_id=run, stage=n - 1, uid=uid, targets=codec.encode(targets.to(torch.int32)), output_codec=self.codec
         )
-        response, _ = await self._call(n - 1, "backward", request)
-        loss, grad, epoch = response.loss, response.grad_inputs, max(epoch, response.epoch)
+        response, returned, _ = await self._call(n - 1, "backward", *_with(request, "inputs", *stage_inputs[-1]))
+        loss, epoch = response.loss, max(epoch, response.epoch)
+        grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
-            request = stage_pb2.BackwardRequest(
-                run_id=run, stage=stage, uid=uid, inputs=stage_inputs[stage], grad_outputs=grad, output_codec=self.codec
-            )
-            response, _ = await self._call(stage, "backward", request, prefer=servers[stage])
-            grad, epoch = response.grad_inputs, max(epoch, response.epoch)
+            request = stage_pb2.BackwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec)
+            request, payloads = _with(request, "inputs", *stage_inputs[stage])
+            request, payloads = _with(request, "grad_outputs", *grad, payloads)
+            response, returned, _ = await self._call(stage, "backward", request, payloads, prefer=servers[stage])
+            grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
 
     async def evaluate(self) -> float:
         """Mean loss over the fixed held-out micro-batches, forward only."""
         losses = []
         for inputs, targets in self.val:
-            message = codec.encode(inputs.to(torch.int32))
+            received = (codec.encode(inputs.to(torch.int32)), None)
             for stage in range(self.num_stages):
-                request = stage_pb2.ForwardRequest(
-                    run_id=self.spec.name, stage=stage, inputs=message, output_codec=self.codec
-                )
+                request = stage_pb2.ForwardRequest(run_id=self.spec.name, stage=stage, output_codec=self.codec)
                 if stage == self.num_stages - 1:
                     request.targets.CopyFrom(codec.encode(targets.to(torch.int32)))
-                response, _ = await self._call(stage, "forward", request)
-                message = response.outputs
+                response, returned, _ = await self._call(stage, "forward", *_with(request, "inputs", *received))
+                received = (response.outputs, returned.get("outputs"))
             losses.append(response.loss)
         return sum(losses) / len(losses)
 
@@ -327,3 +322,12 @@ class Trainer:
             if time.monotonic() - last_announce > self.cfg.network.announce_period:
                 last_announce = time.monotonic()
                 await self._announce()
+
+
+def _with(request, field: str, header: tensor_pb2.Tensor, payload, payloads: dict | None = None):
+    """Set a Tensor field of `request` from a received (header, payload) pair; returns (request, payloads)."""
+    payloads = dict(payloads or {})
+    getattr(request, field).CopyFrom(header)
+    if payload is not None:
+        payloads[field] = payload
+    return request, payloads

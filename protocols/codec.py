@@ -42,12 +42,10 @@ def codec_from_name(name: str) -> int:
         raise ValueError(f"unknown compression {name!r}; expected one of {sorted(_CODEC_BY_NAME)}") from None
 
 
-def encode(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tensor_pb2.Tensor:
-    """Serialize a CPU or GPU tensor. `codec` applies to float tensors only; integers travel raw."""
+def _payload_array(tensor: torch.Tensor, codec: int):
     tensor = tensor.detach()
     if tensor.dtype not in _TO_WIRE_DTYPE:
         raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
-    wire_dtype = _TO_WIRE_DTYPE[tensor.dtype]
     if not tensor.is_floating_point():
         codec = tensor_pb2.NONE
     if codec == tensor_pb2.FP16:
@@ -58,16 +56,25 @@ def encode(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tensor_pb2.Ten
         payload = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
     else:
         raise ValueError(f"unknown codec {codec}")
-    data = payload.contiguous().cpu().numpy().tobytes()
-    return tensor_pb2.Tensor(shape=list(tensor.shape), dtype=wire_dtype, codec=codec, data=data)
+    header = tensor_pb2.Tensor(shape=list(tensor.shape), dtype=_TO_WIRE_DTYPE[tensor.dtype], codec=codec)
+    return header, payload.contiguous().cpu().numpy()
 
 
-def decode(message: tensor_pb2.Tensor, max_elements: int | None = None) -> torch.Tensor:
-    """Deserialize a Tensor message into a new (writable, CPU) tensor of its logical dtype.
+def encode(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tensor_pb2.Tensor:
+    """Serialize a CPU or GPU tensor. `codec` applies to float tensors only; integers travel raw."""
+    header, array = _payload_array(tensor, codec)
+    header.data = array.tobytes()
+    return header
 
-    Raises TensorDecodeError naming the problem: unknown dtype or codec, negative shape,
-    more than `max_elements` elements, or a data length that does not match the shape.
-    """
+
+def encode_payload(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tuple[tensor_pb2.Tensor, memoryview]:
+    """The Tensor header (no data) and a view of the encoded elements, for streaming without copies."""
+    header, array = _payload_array(tensor, codec)
+    return header, memoryview(array.reshape(-1)).cast("B")
+
+
+def payload_bytes(message: tensor_pb2.Tensor, max_elements: int | None = None) -> int:
+    """How many data bytes a Tensor header announces; TensorDecodeError if the header is unusable."""
     if message.dtype not in _FROM_WIRE_DTYPE:
         raise TensorDecodeError(f"unknown tensor dtype {message.dtype}")
     if message.codec not in (tensor_pb2.NONE, tensor_pb2.FP16, tensor_pb2.BF16):
@@ -78,26 +85,40 @@ def decode(message: tensor_pb2.Tensor, max_elements: int | None = None) -> torch
     numel = math.prod(shape)
     if max_elements is not None and numel > max_elements:
         raise TensorDecodeError(f"tensor of shape {list(shape)} has {numel} elements, over the limit of {max_elements}")
-    dtype = _FROM_WIRE_DTYPE[message.dtype]
-    if message.codec != tensor_pb2.NONE and not dtype.is_floating_point:
-        raise TensorDecodeError(f"codec {message.codec} applies to float tensors, got dtype {dtype}")
-    element_size = _CODEC_ELEMENT_SIZE.get(message.codec, _ELEMENT_SIZE[message.dtype])
-    if len(message.data) != numel * element_size:
+    if message.codec != tensor_pb2.NONE and not _FROM_WIRE_DTYPE[message.dtype].is_floating_point:
         raise TensorDecodeError(
-            f"tensor data has {len(message.data)} bytes, but shape {list(shape)} needs {numel * element_size}"
+            f"codec {message.codec} applies to float tensors, got dtype {_FROM_WIRE_DTYPE[message.dtype]}"
         )
-    if numel == 0:
+    return numel * _CODEC_ELEMENT_SIZE.get(message.codec, _ELEMENT_SIZE[message.dtype])
+
+
+def decode(message: tensor_pb2.Tensor, max_elements: int | None = None, payload=None) -> torch.Tensor:
+    """Deserialize a Tensor message into a writable CPU tensor of its logical dtype.
+
+    `payload` holds the elements when they travelled outside the message (see protocols.framing);
+    a writable bytearray payload is used in place, without a copy. Raises TensorDecodeError naming
+    the problem: unknown dtype or codec, negative shape, more than `max_elements` elements, or a
+    data length that does not match the shape.
+    """
+    expected = payload_bytes(message, max_elements)
+    owned = isinstance(payload, bytearray)
+    data = message.data if payload is None else payload  # read the field once: each read copies
+    if len(data) != expected:
+        raise TensorDecodeError(f"tensor data has {len(data)} bytes, but shape {list(message.shape)} needs {expected}")
+    shape, dtype = tuple(message.shape), _FROM_WIRE_DTYPE[message.dtype]
+    if expected == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns on read-only buffers; we copy below where needed
+        warnings.simplefilter("ignore")  # frombuffer warns on read-only buffers; those are copied below
         if message.codec == tensor_pb2.FP16:
-            out = torch.frombuffer(message.data, dtype=torch.float16).to(dtype, copy=True)
+            out = torch.frombuffer(data, dtype=torch.float16).to(dtype, copy=True)
         elif message.codec == tensor_pb2.BF16:
-            out = torch.frombuffer(message.data, dtype=torch.int16).view(torch.bfloat16).to(dtype, copy=True)
-        elif dtype == torch.bfloat16:
-            out = torch.frombuffer(message.data, dtype=torch.int16).clone().view(torch.bfloat16)
+            out = torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16).to(dtype, copy=True)
         else:
-            out = torch.frombuffer(message.data, dtype=dtype).clone()
+            raw = torch.frombuffer(data, dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+            out = raw if owned else raw.clone()
+            if dtype == torch.bfloat16:
+                out = out.view(torch.bfloat16)
     return out.view(shape)
 
 

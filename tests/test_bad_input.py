@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import info
 
-from protocols import chunking, codec, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols import codec, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 SPEC = {
     "name": "badinput",
@@ -80,14 +80,40 @@ def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "targets" in message
 
-    big = stage_pb2.ForwardRequest(
-        run_id="badinput", stage=1, inputs=codec.encode(torch.randn(4, 16, 32))
-    ).SerializeToString()
-    code, message = _status(lambda: list(stub.ForwardStream(chunking.split(big * 13, 8192), timeout=10)))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in message
+    # streamed: a header announcing too large a tensor is refused before anything is allocated
+    huge = tensor_pb2.Tensor(shape=[1000, 16, 32], dtype=tensor_pb2.FLOAT32)
+    header = stage_pb2.ForwardRequest(run_id="badinput", stage=1, inputs=huge).SerializeToString()
+    code, message = _status(lambda: list(stub.ForwardStream(iter([stage_pb2_pb_chunk(header)]), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the limit of 4096" in message
+    # streamed: a message over max_message_bytes
+    oversized = stage_pb2.ForwardRequest(run_id="badinput", stage=1, uid="x" * 150_000).SerializeToString()
+    code, message = _status(lambda: list(stub.ForwardStream(iter([stage_pb2_pb_chunk(oversized)]), timeout=10)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    # a message above the chunk size travels as a framed stream and gives the same answer
+    import asyncio
+
+    from peer.client import StageClient
+
+    async def both():
+        client = StageClient(chunk_bytes=1024, max_message_bytes=10**6)
+        try:
+            request = stage_pb2.ForwardRequest(run_id="badinput", stage=1, inputs=codec.encode(good))
+            streamed, payloads = await client.forward(endpoint, request, timeout=10)
+            unary = _forward(stub, codec.encode(good))
+            return codec.decode(streamed.outputs, payload=payloads["outputs"]), codec.decode(unary.outputs)
+        finally:
+            await client.close()
+
+    streamed, unary = asyncio.run(both())
+    assert torch.equal(streamed, unary) and streamed.shape == (2, 8, 256)  # the last stage returns logits
 
     # still serving: a correct request works and nothing was accumulated from the refused ones
     response = _forward(stub, codec.encode(good), targets=codec.encode(targets))
     assert response.has_loss and 4.0 < response.loss < 7.0
     state = info(endpoint)
     assert state.samples_accumulated == 0 and state.epoch == 0
+
+
+def stage_pb2_pb_chunk(data: bytes) -> tensor_pb2.Chunk:
+    return tensor_pb2.Chunk(data=data)

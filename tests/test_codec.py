@@ -1,4 +1,4 @@
-"""Tensor codec and chunking (unit tests; the wire itself is covered by the tests with real servers)."""
+"""Tensor codec and stream framing (unit tests; the wire itself is covered by the tests with real servers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from protocols import chunking, codec, tensor_pb2
+from protocols import codec, tensor_pb2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8])
@@ -44,18 +44,29 @@ def test_bad_messages_name_the_problem():
         codec.codec_from_name("int3")
 
 
-def test_chunking_roundtrip_and_limit():
-    data = bytes(range(256)) * 1000
-    chunks = list(chunking.split(data, 4096))
-    assert all(len(c.data) <= 4096 for c in chunks)
+def test_framed_stream_roundtrip_keeps_tensors_out_of_protobuf():
+    from protocols import framing, stage_pb2
 
-    async def collect(limit):
+    big, small = torch.randn(300, 70), torch.randint(0, 256, (3, 5))
+    header, payload = codec.encode_payload(big)
+    request = stage_pb2.BackwardRequest(run_id="r", stage=1, grad_outputs=header, targets=codec.encode(small))
+    request.targets.data = b""
+    payloads = {"grad_outputs": payload, "targets": codec.encode_payload(small)[1]}
+    frames = list(framing.frames(request, payloads, chunk_bytes=4096))
+    assert len(frames) > big.numel() * 4 // 4096 and all(len(f) <= 4096 + 8 for f in frames[1:])
+
+    async def read(limit, parts=frames):
         async def gen():
-            for c in chunks:
-                yield c
+            for f in parts:
+                yield f
 
-        return await chunking.join(gen(), limit)
+        return await framing.read(gen(), stage_pb2.BackwardRequest, limit)
 
-    assert asyncio.run(collect(len(data))) == data
-    with pytest.raises(chunking.MessageTooLarge):
-        asyncio.run(collect(len(data) - 1))
+    message, received = asyncio.run(read(10**7))
+    assert message.run_id == "r" and set(received) == {"grad_outputs", "targets"}
+    assert torch.equal(codec.decode(message.grad_outputs, payload=received["grad_outputs"]), big)
+    assert torch.equal(codec.decode(message.targets, payload=received["targets"]), small)
+    with pytest.raises(framing.StreamTooLarge):
+        asyncio.run(read(1000))
+    with pytest.raises(framing.FramingError, match="ended inside tensor"):
+        asyncio.run(read(10**7, frames[:-1]))

@@ -19,7 +19,7 @@ SPEC = {
         "lr": 0.003,
         "warmup_steps": 2,
     },
-    "averaging": {"min_matchmaking_time": 2.0, "averaging_timeout": 10.0},
+    "averaging": {"min_matchmaking_time": 5.0, "request_timeout": 3.0, "averaging_timeout": 10.0},
 }
 
 
