@@ -1,252 +1,178 @@
-"""Tensor transport benchmark: our gRPC round trip against raw TCP on loopback.
+"""Our gRPC tensor round trip (encode and decode included) against raw TCP on loopback, 1-64 MB.
 
-What is compared, for float32 tensors of 1, 4, 16 and 64 MiB:
+gRPC side: the project's own wire path. The server is the real stage servicer plumbing
+(`peer.servicer.add_to_server`, `protocols.framing`, `protocols.codec`) whose forward echoes the
+decoded input tensor back; the client is `peer.client.StageClient` called as the trainer calls it
+(unary up to the chunk size, framed streams above). Raw TCP side: an echo server that reads an
+8-byte length and the tensor's bytes and sends them back; the client rebuilds a tensor. Each
+server runs in its own process; round trips of the two transports alternate so both see the same
+machine load. The last line is `ratio=<geometric mean of tcp_time/grpc_time> ...`.
 
-* gRPC: the project's real wire path. The client is ``peer.client.StageClient`` (chunk_bytes 2 MiB,
-  max_message_bytes 256 MiB): it encodes the tensor with ``protocols.codec.encode`` into a
-  ``ForwardRequest`` and sends it unary when the serialized request fits in one chunk, else as a
-  ``ForwardStream`` of ``Chunk`` messages (``protocols.chunking``). The server, a ``grpc.aio`` server
-  built with ``peer.client.server_options`` in its own OS process, decodes the ``inputs`` tensor with
-  ``codec.decode`` and answers it back encoded with ``codec.encode`` (an echo, chunked like the real
-  servicer's answers). The client decodes the answer into a tensor.
-* raw TCP: a plain socket echo server in its own OS process. The client sends an 8-byte length and
-  ``tensor.numpy().tobytes()``, the server reads it fully into a preallocated buffer and sends it back,
-  and the client rebuilds a tensor with ``torch.frombuffer(...).clone()``.
-
-Each size gets 2 warm-up round trips, then N timed ones (10 up to 16 MiB, 5 at 64 MiB); the median
-round trip gives the throughput, counted as payload MiB / seconds per round trip (MB below means MiB)
-for both transports. The last line reads::
-
-    ratio=<geometric mean of grpc/tcp over sizes> min_ratio=<...> grpc_64mb_MBps=<...> tcp_64mb_MBps=<...>
-
-The goal is ratio >= 0.5. Run it from the repository root::
-
-    python benchmarks/transport.py
+    python benchmarks/transport.py [--sizes 1,4,16,64]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import struct
 import sys
 import time
+from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpc
+import torch
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+from peer.client import StageClient, server_options
+from peer.config import PeerConfig
+from peer.servicer import StageServicer, add_to_server
+from protocols import codec, stage_pb2
 
-from peer.client import StageClient, server_options  # noqa: E402
-from protocols import chunking, codec, stage_pb2, stage_pb2_grpc  # noqa: E402
-
-MIB = 1 << 20
+MIB = 1024 * 1024
 CHUNK_BYTES = 2 * MIB
-MAX_MESSAGE_BYTES = 256 * MIB
-SIZES_MIB = (1, 4, 16, 64)
-WARMUP = 2
-CALL_TIMEOUT_S = 60.0
-START_TIMEOUT_S = 60.0
-HEADER = struct.Struct("!Q")
+MAX_MESSAGE_BYTES = 512 * MIB
 
 
-def _repeats(size_mib: int) -> int:
-    return 10 if size_mib <= 16 else 5
+class EchoServicer(StageServicer):
+    """The stage service's real request/response path, with an echo in place of the model."""
 
-
-# ---- gRPC echo server (child process) ------------------------------------------------------
-
-
-class EchoServicer(stage_pb2_grpc.StageServicer):
-    """Forward / ForwardStream that decode the inputs tensor and answer it re-encoded, like a real stage."""
-
-    @staticmethod
-    def _echo(request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
-        tensor = codec.decode(request.inputs)
-        return stage_pb2.ForwardResponse(outputs=codec.encode(tensor, request.output_codec))
-
-    async def Forward(self, request, context):
-        return self._echo(request)
-
-    async def ForwardStream(self, request_iterator, context):
-        request = stage_pb2.ForwardRequest.FromString(await chunking.join(request_iterator, MAX_MESSAGE_BYTES))
-        for chunk in chunking.split(self._echo(request).SerializeToString(), CHUNK_BYTES):
-            yield chunk
-
-
-async def _serve_grpc(conn) -> None:
-    server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
-    stage_pb2_grpc.add_StageServicer_to_server(EchoServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    conn.send(port)
-    conn.close()
-    await server.wait_for_termination()
+    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict):
+        tensor = self._decode(request.inputs, "inputs", True, payloads)
+        header, payload = codec.encode_payload(tensor)
+        return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}
 
 
 def grpc_server_main(conn) -> None:
     torch.set_num_threads(1)
-    asyncio.run(_serve_grpc(conn))
 
+    async def serve():
+        cfg = PeerConfig()
+        cfg.server.max_message_bytes, cfg.server.chunk_bytes = MAX_MESSAGE_BYTES, CHUNK_BYTES
+        cfg.server.max_tensor_elements = MAX_MESSAGE_BYTES // 4
+        shim = SimpleNamespace(runtime=None, cfg=cfg, inflight=0, run_id="bench", stage=0, leaving=False)
+        server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
+        add_to_server(EchoServicer(shim), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await server.wait_for_termination()
 
-# ---- raw TCP echo server (child process) ---------------------------------------------------
+    asyncio.run(serve())
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    received = 0
-    while received < len(view):
-        n = sock.recv_into(view[received:])
+    while view:
+        n = sock.recv_into(view)
         if n == 0:
-            raise ConnectionError("peer closed the connection")
-        received += n
+            raise ConnectionError("peer closed")
+        view = view[n:]
 
 
 def tcp_server_main(conn) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname()[1])
-    conn.close()
-    buffer = bytearray(max(SIZES_MIB) * MIB)
-    header = bytearray(HEADER.size)
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header = bytearray(8)
     while True:
-        sock, _ = listener.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with sock:
-            try:
-                while True:
-                    _recv_exactly(sock, memoryview(header))
-                    (length,) = HEADER.unpack(header)
-                    if length > len(buffer):
-                        buffer = bytearray(length)
-                    view = memoryview(buffer)[:length]
-                    _recv_exactly(sock, view)
-                    sock.sendall(header)
-                    sock.sendall(view)
-            except ConnectionError:
-                continue
-
-
-# ---- clients (parent process) --------------------------------------------------------------
+        try:
+            _recv_exactly(sock, memoryview(header))
+        except ConnectionError:
+            return
+        (length,) = struct.unpack("<Q", header)
+        buffer = bytearray(length)
+        _recv_exactly(sock, memoryview(buffer))
+        sock.sendall(header)
+        sock.sendall(buffer)
 
 
 class TcpClient:
     def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT_S)
+        self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.header = bytearray(HEADER.size)
 
     def round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
-        data = tensor.numpy().tobytes()
-        self.sock.sendall(HEADER.pack(len(data)))
-        self.sock.sendall(data)
-        _recv_exactly(self.sock, memoryview(self.header))
-        (length,) = HEADER.unpack(self.header)
-        buffer = bytearray(length)
+        payload = memoryview(tensor.numpy()).cast("B")
+        self.sock.sendall(struct.pack("<Q", len(payload)))
+        self.sock.sendall(payload)
+        header = bytearray(8)
+        _recv_exactly(self.sock, memoryview(header))
+        buffer = bytearray(struct.unpack("<Q", header)[0])
         _recv_exactly(self.sock, memoryview(buffer))
-        return torch.frombuffer(buffer, dtype=tensor.dtype).clone().view(tensor.shape)
-
-    def close(self) -> None:
-        self.sock.close()
+        return torch.frombuffer(buffer, dtype=tensor.dtype).view(tensor.shape)
 
 
 async def grpc_round_trip(client: StageClient, endpoint: str, tensor: torch.Tensor) -> torch.Tensor:
-    request = stage_pb2.ForwardRequest(run_id="bench", stage=0, uid="x", inputs=codec.encode(tensor))
-    response = await client.forward(endpoint, request, timeout=CALL_TIMEOUT_S)
-    return codec.decode(response.outputs)
-
-
-def _time_round_trips(call, tensor: torch.Tensor, repeats: int) -> float:
-    for _ in range(WARMUP):
-        out = call(tensor)
-        if not torch.equal(out, tensor):
-            raise AssertionError("echo returned a different tensor")
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call(tensor)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    header, payload = codec.encode_payload(tensor)  # as the trainer sends a stage's inputs
+    request = stage_pb2.ForwardRequest(run_id="bench", stage=0, uid="x", inputs=header)
+    response, payloads = await client.forward(endpoint, request, {"inputs": payload}, timeout=120)
+    return codec.decode(response.outputs, payload=payloads.get("outputs"))
 
 
 def _start(target, ctx) -> tuple[mp.Process, int]:
-    parent_conn, child_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(child_conn,), daemon=True)
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
     proc.start()
-    child_conn.close()
-    if not parent_conn.poll(START_TIMEOUT_S):
-        raise TimeoutError(f"{target.__name__} did not report its port within {START_TIMEOUT_S:.0f}s")
-    port = parent_conn.recv()
-    parent_conn.close()
-    return proc, port
-
-
-def _stop(proc: mp.Process) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-    if proc.is_alive():
+    if not parent.poll(60):
         proc.kill()
-        proc.join(5)
-
-
-def run() -> list[tuple[int, float, float]]:
-    # fork before any gRPC object exists in this process (as peer/cli.py does); children get their own loop.
-    ctx = mp.get_context("fork")
-    procs: list[mp.Process] = []
-    loop = None
-    try:
-        grpc_proc, grpc_port = _start(grpc_server_main, ctx)
-        procs.append(grpc_proc)
-        tcp_proc, tcp_port = _start(tcp_server_main, ctx)
-        procs.append(tcp_proc)
-
-        loop = asyncio.new_event_loop()
-        client = StageClient(chunk_bytes=CHUNK_BYTES, max_message_bytes=MAX_MESSAGE_BYTES)
-        endpoint = f"127.0.0.1:{grpc_port}"
-        tcp = TcpClient(tcp_port)
-        results = []
-        try:
-            for size_mib in SIZES_MIB:
-                tensor = torch.randn(size_mib * MIB // 4)
-                repeats = _repeats(size_mib)
-                grpc_s = _time_round_trips(
-                    lambda t: loop.run_until_complete(grpc_round_trip(client, endpoint, t)), tensor, repeats
-                )
-                tcp_s = _time_round_trips(tcp.round_trip, tensor, repeats)
-                results.append((size_mib, grpc_s, tcp_s))
-                print(
-                    f"{size_mib:>5} MB  grpc {grpc_s * 1e3:8.1f} ms {size_mib / grpc_s:8.0f} MB/s   "
-                    f"tcp {tcp_s * 1e3:8.1f} ms {size_mib / tcp_s:8.0f} MB/s   ratio {tcp_s / grpc_s:.3f}",
-                    flush=True,
-                )
-        finally:
-            tcp.close()
-            loop.run_until_complete(asyncio.wait_for(client.close(), 10))
-        return results
-    finally:
-        if loop is not None:
-            loop.close()
-        for proc in procs:
-            _stop(proc)
+        raise TimeoutError(f"{target.__name__} did not start")
+    return proc, parent.recv()
 
 
 def main() -> None:
-    print(
-        f"round trips on 127.0.0.1, float32, MB = MiB, MB/s = payload / median round trip; torch threads {torch.get_num_threads()}"
-    )
-    print(f"{'size':>8}  {'grpc':>25}   {'tcp':>25}")
-    results = run()
-    ratios = [tcp_s / grpc_s for _, grpc_s, tcp_s in results]
-    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    size, grpc_s, tcp_s = results[-1]
-    print(
-        f"ratio={geomean:.3f} min_ratio={min(ratios):.3f} "
-        f"grpc_{size}mb_MBps={size / grpc_s:.0f} tcp_{size}mb_MBps={size / tcp_s:.0f}"
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4,16,64", help="tensor sizes in MiB")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
+    procs = []
+    try:
+        grpc_proc, grpc_port = _start(grpc_server_main, ctx)
+        tcp_proc, tcp_port = _start(tcp_server_main, ctx)
+        procs += [grpc_proc, tcp_proc]
+        loop = asyncio.new_event_loop()
+        client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES)
+        tcp = TcpClient(tcp_port)
+        endpoint = f"127.0.0.1:{grpc_port}"
+
+        def via_grpc(t):
+            return loop.run_until_complete(grpc_round_trip(client, endpoint, t))
+
+        ratios = []
+        print(f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7}")
+        for size in sizes:
+            tensor = torch.randn(size * MIB // 4)
+            for call in (via_grpc, tcp.round_trip):  # warm up, and check the echo is exact
+                for _ in range(2):
+                    assert torch.equal(call(tensor), tensor)
+            timings = {via_grpc: [], tcp.round_trip: []}
+            for _ in range(10 if size <= 16 else 5):
+                for call in timings:
+                    started = time.perf_counter()
+                    call(tensor)
+                    timings[call].append(time.perf_counter() - started)
+            g, t = statistics.median(timings[via_grpc]), statistics.median(timings[tcp.round_trip])
+            ratios.append(t / g)
+            print(
+                f"{size:>4}MB {g * 1e3:9.1f} {size / g:10.0f} {t * 1e3:9.1f} {size / t:10.0f} {t / g:7.3f}", flush=True
+            )
+        loop.run_until_complete(client.close())
+        loop.close()
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(
+            f"ratio={geo:.3f} min_ratio={min(ratios):.3f} "
+            + " ".join(f"ratio_{s}mb={r:.3f}" for s, r in zip(sizes, ratios, strict=True))
+        )
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,8 +2,9 @@
 
 The one module of the runtime that imports hivemind's averaging. Replicas are matched through
 the DHT under one prefix per stage; the group key carries the epoch, so replicas at different
-optimizer steps never average together, and the target group size is set to the number of live
-replicas before each round, so a full group starts at once instead of waiting out the window.
+optimizer steps never average together, and the target group size is set before each round to
+the number of replicas that accepted the round's invitation, so a full group starts at once
+instead of waiting out the matchmaking window.
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ class GradientAverager:
     ) -> RoundResult | None:
         """One round with the replicas at `epoch`; None when no group formed in time."""
         size = max(2, min(expected_group, self.cfg.max_group_size))
-        self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
-        self._averager.set_group_bits(format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b"))
-        with self._averager.get_tensors() as tensors:
-            for dst, src in zip(tensors, gradients, strict=True):
-                dst.copy_(src)
         try:
+            self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
+            self._averager.set_group_bits(format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b"))
+            with self._averager.get_tensors() as tensors:
+                for dst, src in zip(tensors, gradients, strict=True):
+                    dst.copy_(src)
             gathered = self._averager.step(
                 gather={"epoch": epoch, "samples": samples},
                 weight=float(samples),

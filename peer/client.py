@@ -80,10 +80,14 @@ class StageClient:
         if framing.size(request, payloads) <= self.chunk_bytes:
             response = await getattr(stub, method)(framing.inline(request, payloads), timeout=timeout)
             return response, {}
-        for path, tensor in framing.tensor_paths(request):  # tensors still inline go out of band too
-            if tensor.data and path not in payloads:
-                payloads[path] = tensor.data
+        if any(t.data for _, t in framing.tensor_paths(request)):
+            header = type(request)()  # a copy: the caller's request stays whole for a retry
+            header.CopyFrom(request)
+            for path, tensor in framing.tensor_paths(header):  # tensors still inline go out of band too
+                if tensor.data and path not in payloads:
+                    payloads[path] = tensor.data
                 tensor.data = b""
+            request = header
         call = channel.stream_stream(f"/{SERVICE}/{method}Stream")(
             framing.frames(request, payloads, self.chunk_bytes), timeout=timeout
         )

@@ -27,6 +27,7 @@ from peer.corpus import load_corpus, unigram_entropy
 
 DEMO_SPEC = Path(__file__).with_name("demo.toml")
 STAGES, REPLICAS, TRAINERS = 2, 2, 2
+TRAINER_INFLIGHT = 1  # micro-batches each trainer keeps in flight: few, so gradients are rarely a step stale
 START_TIMEOUT = 120.0  # s for every peer to come up
 RUN_TIMEOUT = 600.0  # s before the demo gives up on the trainers
 
@@ -195,6 +196,8 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
                     "1",
                     "--log-file",
                     f"{name}.jsonl",
+                    "--max-inflight",
+                    str(TRAINER_INFLIGHT),
                     *extra,
                 ],
             )

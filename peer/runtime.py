@@ -55,7 +55,8 @@ class StageRuntime:
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = activation_cache_size
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
-        self.cache_hits = self.cache_misses = 0
+        self.cache_hits = self.cache_misses = self.cache_stashed = 0
+        self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
 
     # ---- input checks ---------------------------------------------------------------------
     def check_inputs(self, inputs: torch.Tensor) -> None:
@@ -144,18 +145,26 @@ class StageRuntime:
             raise InputError("the last stage computes its own loss: send targets, not grad_outputs")
         started = time.perf_counter()
         cached = self._cache.pop(uid, None) if uid else None
-        if (
-            cached is not None
-            and cached.epoch == self.epoch
-            and cached.inputs.shape == inputs.shape
-            and torch.equal(cached.inputs.detach(), inputs)
-        ):
+        same_inputs = (
+            cached is not None and cached.inputs.shape == inputs.shape and torch.equal(cached.inputs.detach(), inputs)
+        )
+        params = self.params
+        if same_inputs and cached.epoch == self.epoch:
             x, out = cached.inputs, cached.outputs
             self.cache_hits += 1
+        elif same_inputs and self._stash is not None and cached.epoch == self._stash[0]:
+            # the forward ran on the weights of the previous step: recompute with those (weight stashing),
+            # so these gradients match the activations the later stages saw; they apply one step late
+            params = [p.detach().requires_grad_(True) for p in self._stash[1]]
+            x = inputs if self.model.is_first else inputs.detach().requires_grad_(True)
+            named = dict(zip(self.param_names, params, strict=True))
+            with torch.enable_grad():
+                out = torch.func.functional_call(self.model, named, (x, targets))
+            self.cache_stashed += 1
         else:
             x, out = self._graph(inputs, targets)
             self.cache_misses += 1
-        wrt = self.params if self.model.is_first else [x, *self.params]
+        wrt = params if self.model.is_first else [x, *params]
         with torch.enable_grad():
             if self.model.is_last:
                 loss = out.detach().item()
@@ -214,6 +223,7 @@ class StageRuntime:
 
     def apply_step(self, grads: list[torch.Tensor], group_samples: int) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group)."""
+        self._stash = (self.epoch, [p.detach().clone() for p in self.params])
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(p.dtype).clone()
         set_lr(self.optimizer, self.epoch, self.spec.training)
@@ -221,7 +231,11 @@ class StageRuntime:
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
         self.samples_stepped += group_samples
-        self._cache.clear()  # forwards of the old weights cannot be reused
+        # cached graphs hold the old weights, which the step changed in place: keep only their inputs,
+        # for a recompute with the stashed weights
+        self._cache = OrderedDict(
+            (uid, _CachedForward(c.epoch, c.inputs.detach(), c.outputs.detach())) for uid, c in self._cache.items()
+        )
         fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values())
         self.history.append(fingerprint)
         return fingerprint
@@ -273,3 +287,4 @@ class StageRuntime:
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
         self._cache.clear()
+        self._stash = None

@@ -7,7 +7,7 @@ starting server also invites each serving partner directly (the `Round` call); t
 answer "joining" form the group, so its size never rests on a stale record. The round runs on
 the torch thread, so no forward or backward of the stage runs while it lasts: every replica steps
 from the same gradients at the same moment of its own request stream, and the samples each
-contributed are counted exactly once. A server alone at its epoch steps at once, inside the backward that crossed
+contributed are counted exactly once. A server that knows no serving partner steps at once, inside the backward that crossed
 the target, so one server per stage reproduces plain gradient accumulation exactly.
 """
 
@@ -34,6 +34,7 @@ from peer.runtime import StageRuntime
 from peer.servicer import StageServicer, add_to_server
 
 logger = logging.getLogger(__name__)
+MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
 
 
 def announce_host(cfg_host: str, announce: str) -> str:
@@ -136,6 +137,10 @@ class StageServer:
             return_exceptions=True,
         )
         joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
+        # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
+        # instant can each take the other for its leader, and hivemind then fails the round
+        ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])
+        await asyncio.sleep(MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id))
         future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1 + joined, epoch)
         await self._finish_step(future)
         await publish
@@ -145,7 +150,7 @@ class StageServer:
         if self.stepping:
             if self.averaging_epoch == epoch:
                 return True  # already in this very round
-            if self.averaging_epoch == epoch - 1:
+            if self.averaging_epoch >= 0 and self.averaging_epoch == epoch - 1:
                 self._pending_round = epoch  # applying the previous step: join as soon as it lands
                 return True
             return False

@@ -88,8 +88,9 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardStream(self, request_iterator, context):
-        """The same calls for messages above the chunk size: a serialized request split into Chunks,
-        answered by a serialized response split the same way.
+        """The same calls for messages above the chunk size, framed as in protocols/framing.py: a Chunk
+        holding the message with every Tensor's data left empty, then each tensor's data in Chunks.
+        The answer comes back framed the same way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,7 +115,7 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetState(self, request, context):
-        """StateResponse, serialized and split into Chunks.
+        """A StateResponse, framed as above.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
