@@ -136,7 +136,7 @@ def main() -> None:
         tcp_proc, tcp_port = _start(tcp_server_main, ctx)
         procs += [grpc_proc, tcp_proc]
         loop = asyncio.new_event_loop()
-        client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES)
+        client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES, stream_bytes=PeerConfig().server.stream_bytes)
         tcp = TcpClient(tcp_port)
         endpoint = f"127.0.0.1:{grpc_port}"
 

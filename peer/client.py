@@ -49,14 +49,20 @@ class StageClient:
     """Talks to stage servers. Keeps at most `max_channels` open channels (least recently used go first).
 
     Calls take and return `(message, payloads)`: tensors whose bytes travel outside the message
-    (see protocols.framing). Messages up to `chunk_bytes` go as one unary call, larger ones as a
-    framed stream.
+    (see protocols.framing). Messages up to `stream_bytes` go as one unary call, larger ones as a
+    framed stream of chunks of at most `chunk_bytes`.
     """
 
     def __init__(
-        self, chunk_bytes: int, max_message_bytes: int, max_tensor_elements: int | None = None, max_channels: int = 64
+        self,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        max_tensor_elements: int | None = None,
+        max_channels: int = 64,
+        stream_bytes: int | None = None,
     ):
         self.chunk_bytes, self.max_message_bytes, self.max_channels = chunk_bytes, max_message_bytes, max_channels
+        self.stream_bytes = chunk_bytes if stream_bytes is None else stream_bytes  # above this, a framed stream
         self.max_tensor_elements = max_tensor_elements
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = OrderedDict()
 
@@ -77,7 +83,7 @@ class StageClient:
     async def _call(self, endpoint: str, method: str, request, payloads, response_type, timeout: float):
         payloads = dict(payloads or {})
         channel, stub = self._channel(endpoint)
-        if framing.size(request, payloads) <= self.chunk_bytes:
+        if framing.size(request, payloads) <= self.stream_bytes:
             response = await getattr(stub, method)(framing.inline(request, payloads), timeout=timeout)
             return response, {}
         if any(t.data for _, t in framing.tensor_paths(request)):

@@ -179,7 +179,8 @@ class NetworkConfig:
 class ServerConfig:
     max_tensor_elements: int = 16 * 1024 * 1024  # largest tensor accepted in a request
     max_message_bytes: int = 256 * 1024 * 1024  # largest (streamed) request accepted
-    chunk_bytes: int = 2 * 1024 * 1024  # messages above this travel as a stream of chunks this size
+    chunk_bytes: int = 2 * 1024 * 1024  # largest chunk of a framed stream
+    stream_bytes: int = 2 * 1024 * 1024  # messages above this travel as a framed stream (below, unary calls are faster)
     max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
     fingerprint_history: int = 64  # optimizer steps remembered for replicas to compare

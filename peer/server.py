@@ -62,7 +62,12 @@ class StageServer:
         self.spec, self.run_id, self.stage, self.cfg = spec, spec.name, stage, cfg
         self.dht, self.runtime, self.averager = dht, runtime, averager
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self.client = StageClient(cfg.server.chunk_bytes, cfg.server.max_message_bytes, cfg.server.max_tensor_elements)
+        self.client = StageClient(
+            cfg.server.chunk_bytes,
+            cfg.server.max_message_bytes,
+            cfg.server.max_tensor_elements,
+            stream_bytes=cfg.server.stream_bytes,
+        )
         self.inflight = 0
         self.leaving = False
         self.state = "joining"
