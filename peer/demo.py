@@ -40,7 +40,8 @@ class Processes:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the run's dir
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.workdir))
         proc = subprocess.Popen(
             [sys.executable, "-m", "peer.cli", *args],
             cwd=self.workdir,

@@ -79,7 +79,8 @@ class Peer:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the test's dir
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
         self.proc = subprocess.Popen(
             [*PEER, *args], cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )

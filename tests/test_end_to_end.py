@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -41,7 +42,11 @@ def test_run_trains_and_everything_stops(swarm):
     assert "step " in trainer.output() and "samples/s" in trainer.output()
 
     status = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "status", maddr], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "peer.cli", "status", maddr],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, TMPDIR=str(swarm.workdir)),
     )
     assert status.returncode == 0, status.stderr
     assert "Run 'e2e'" in status.stdout and status.stdout.count("serving") == 2
