@@ -21,7 +21,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.corpus import load_corpus
-from peer.demo import DEMO_SPEC, Processes, _to_toml
+from peer.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml
 from peer.local import train_local
 
 
@@ -34,7 +34,7 @@ def local_rate(spec: RunSpec, steps: int, threads: int) -> float:
 
 
 def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple[float, dict]:
-    (workdir / "run.toml").write_text(_to_toml(spec))
+    (workdir / "run.toml").write_text(spec_to_toml(spec))
     procs = Processes(workdir)
     try:
         info = workdir / "coordinator.json"
@@ -46,46 +46,12 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         maddr = json.loads(info.read_text())["join"].split()[-1]
         n = spec.stages.num_stages
         for stage in range(n):
-            procs.start(
-                f"s{stage}",
-                [
-                    "join",
-                    maddr,
-                    "--stage",
-                    str(stage),
-                    "--identity",
-                    f"s{stage}.pem",
-                    "--host",
-                    "127.0.0.1",
-                    "--threads",
-                    "1",
-                ],
-            )
+            procs.start(f"s{stage}", loopback_join(maddr, f"s{stage}", "--stage", str(stage)))
         _wait(lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120)
         per_step = spec.training.target_batch_size // spec.training.micro_batch_size
-        trainer = procs.start(
-            "t",
-            [
-                "join",
-                maddr,
-                "--role",
-                "trainer",
-                "--identity",
-                "t.pem",
-                "--host",
-                "127.0.0.1",
-                "--threads",
-                "1",
-                "--seed",
-                "0",
-                "--max-inflight",
-                str(inflight),
-                "--log-file",
-                "t.jsonl",
-                "--max-micro-batches",
-                str((steps + 2) * per_step),
-            ],
-        )
+        trainer_args = ["--role", "trainer", "--seed", "0", "--max-inflight", str(inflight), "--log-file", "t.jsonl"]
+        limit = ["--max-micro-batches", str((steps + 2) * per_step)]
+        trainer = procs.start("t", loopback_join(maddr, "t", *trainer_args, *limit))
         trainer.wait(600)
         entries = [json.loads(line) for line in (workdir / "t.jsonl").read_text().splitlines()]
         batches = [e for e in entries if e["type"] == "micro_batch"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.utils import MPFuture
 
 from dht.node import SwarmDHT
@@ -31,6 +32,18 @@ class _StageAverager(DecentralizedAverager):
         future = MPFuture()
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
         future.result(timeout=timeout)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind's all-reduce, made strict: a round that lost any part of the result fails.
+
+        hivemind keeps the local values of parts a failed peer never returned and reports success;
+        replicas would then step from different gradients. A failed round instead steps nobody.
+        """
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        future = self._running_groups.get(group_info.group_id if group_id is None else group_id)
+        runner = future.result() if future is not None and future.done() else None
+        if runner is not None and runner.tensor_part_container.failed_size:
+            raise AllreduceException("all-reduce returned only part of the averaged tensors")
 
     async def _set_target_group_size(self, size: int, future: MPFuture) -> None:
         matchmaking = self._matchmaking
@@ -83,7 +96,7 @@ class GradientAverager:
                 gather={"epoch": epoch, "samples": samples},
                 weight=float(samples),
                 timeout=self.cfg.averaging_timeout,
-                allow_retries=True,
+                allow_retries=False,  # a failed round steps nobody; the next round comes soon
             )
         except Exception as e:  # a failed round must not take the server down
             logger.warning("averaging for step %d failed: %s", epoch, e)

@@ -32,6 +32,11 @@ START_TIMEOUT = 120.0  # s for every peer to come up
 RUN_TIMEOUT = 600.0  # s before the demo gives up on the trainers
 
 
+def loopback_join(maddr: str, name: str, *extra: str) -> list[str]:
+    """`peer join` arguments for a peer of a one-machine swarm: its own key, loopback, one torch thread."""
+    return ["join", maddr, "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1", *extra]
+
+
 class Processes:
     """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons)."""
 
@@ -124,7 +129,7 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
     work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     spec_file = work / "run.toml"
-    spec_file.write_text(_to_toml(spec))
+    spec_file.write_text(spec_to_toml(spec))
     corpus = load_corpus()
     baseline = unigram_entropy(corpus.validation)
     console.print(
@@ -158,21 +163,7 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         console.print(f"Coordinator up: {maddr}")
         servers = [f"server{s}{chr(97 + r)}" for s in range(STAGES) for r in range(REPLICAS)]
         for name in servers:
-            procs.start(
-                name,
-                [
-                    "join",
-                    maddr,
-                    "--stage",
-                    name[6],
-                    "--identity",
-                    f"{name}.pem",
-                    "--host",
-                    "127.0.0.1",
-                    "--threads",
-                    "1",
-                ],
-            )
+            procs.start(name, loopback_join(maddr, name, "--stage", name[6]))
         _wait(lambda: all("Serving stage" in procs.log(n) for n in servers), procs, servers, "the stage servers")
         console.print(
             f"{len(servers)} stage servers serving after {time.monotonic() - started:.0f} s; starting {TRAINERS} trainers."
@@ -180,27 +171,9 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         trainers = [f"trainer{i}" for i in range(TRAINERS)]
         for i, name in enumerate(trainers):
             extra = ["--eval-every", str(max(1, spec.training.total_steps // 6))] if i == 0 else []
+            trainer_args = ["--role", "trainer", "--seed", str(i), "--log-file", f"{name}.jsonl"]
             procs.start(
-                name,
-                [
-                    "join",
-                    maddr,
-                    "--role",
-                    "trainer",
-                    "--seed",
-                    str(i),
-                    "--identity",
-                    f"{name}.pem",
-                    "--host",
-                    "127.0.0.1",
-                    "--threads",
-                    "1",
-                    "--log-file",
-                    f"{name}.jsonl",
-                    "--max-inflight",
-                    str(TRAINER_INFLIGHT),
-                    *extra,
-                ],
+                name, loopback_join(maddr, name, *trainer_args, "--max-inflight", str(TRAINER_INFLIGHT), *extra)
             )
         code = _follow(console, procs, trainers, work, spec, started)
         progress = _progress(work, spec, started)
@@ -274,7 +247,7 @@ def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
         console.print(f"Final validation loss {p['val']:.3f} nats/byte vs unigram {baseline:.3f}.")
 
 
-def _to_toml(spec: RunSpec) -> str:
+def spec_to_toml(spec: RunSpec) -> str:
     def value(v):
         if isinstance(v, bool):
             return "true" if v else "false"

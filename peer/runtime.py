@@ -57,6 +57,7 @@ class StageRuntime:
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
         self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
+        self.restored: tuple[int, list[torch.Tensor], int] | None = None  # (epoch, grads, samples) of a failed round
 
     # ---- input checks ---------------------------------------------------------------------
     def check_inputs(self, inputs: torch.Tensor) -> None:
@@ -220,10 +221,20 @@ class StageRuntime:
         for acc, g in zip(self.accumulator, grads, strict=True):
             acc.add_(g, alpha=samples)
         self.samples_accumulated += samples
+        self.restored = (self.epoch, grads, samples)
+
+    def _drop_restored(self) -> None:
+        """A partner's round for our failed epoch succeeded with our contribution: take it out again."""
+        _, grads, samples = self.restored
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            acc.sub_(g, alpha=samples)
+        self.samples_accumulated -= samples
+        self.restored = None
 
     def apply_step(self, grads: list[torch.Tensor], group_samples: int) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group)."""
         self._stash = (self.epoch, [p.detach().clone() for p in self.params])
+        self.restored = None  # taken with the rest of the accumulator into this step
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(p.dtype).clone()
         set_lr(self.optimizer, self.epoch, self.spec.training)
@@ -284,6 +295,10 @@ class StageRuntime:
                     state[key] = t.clone()
             if state:
                 self.optimizer.state[p] = state
+        if self.restored is not None and self.restored[0] < int(metadata["epoch"]):
+            # the donor stepped past the round that failed here: that round succeeded on its side, with
+            # our samples gathered into it, so they were already accounted and applied there
+            self._drop_restored()
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
         self._cache.clear()

@@ -82,6 +82,7 @@ class StageServer:
         self._last_publish_time = 0.0
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
+        self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
 
     # ---- torch thread ---------------------------------------------------------------------
@@ -103,7 +104,7 @@ class StageServer:
         return [r for r in self.peers.values() if r.state == "serving"]
 
     def _maybe_step(self) -> None:
-        if self.stepping or self.state != "serving":
+        if self.stepping or self.state != "serving" or time.monotonic() < self._retry_after:
             return
         epoch = self.runtime.epoch
         serving = self._serving_peers()
@@ -142,6 +143,13 @@ class StageServer:
             return_exceptions=True,
         )
         joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
+        behind = [a for a in answers if not isinstance(a, BaseException) and not a.joining and a.epoch < epoch]
+        if not joined and behind:
+            # a live partner missed a round and is catching up: wait for it instead of stepping apart
+            self.stepping, self.averaging_epoch = False, -1
+            self._retry_after = time.monotonic() + self.cfg.network.progress_period
+            await publish
+            return
         # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
         # instant can each take the other for its leader, and hivemind then fails the round
         ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])

@@ -82,15 +82,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except (framing.FramingError, codec.TensorDecodeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    def _routed_inputs(self, request, payloads: dict):
+        """Check a forward/backward request is for this run and stage; its decoded inputs."""
+        self._check_route(request.run_id, request.stage)
+        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
+        if inputs is None:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
+        return inputs
+
     def _frames(self, response, payloads):
         return framing.frames(response, payloads, self.limits.chunk_bytes)
 
     # ---- forward / backward ---------------------------------------------------------------
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict):
-        self._check_route(request.run_id, request.stage)
-        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
-        if inputs is None:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
+        inputs = self._routed_inputs(request, payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         epoch = self.runtime.epoch
         result = await self.server.run_torch(self.runtime.forward, request.uid, inputs, targets, request.train)
@@ -100,10 +105,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
     async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict):
-        self._check_route(request.run_id, request.stage)
-        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
-        if inputs is None:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
+        inputs = self._routed_inputs(request, payloads)
         grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         grad_inputs, loss, epoch = await self.server.backward(request.uid, inputs, grad_outputs, targets)

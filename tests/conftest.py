@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from peer.demo import loopback_join
+
 ROOT = Path(__file__).resolve().parent.parent
 PEER = [sys.executable, "-m", "peer.cli"]
 
@@ -170,28 +172,13 @@ class Swarm:
         return self.maddr
 
     def server(self, name: str, stage: int | None = None, extra: list[str] = ()) -> Peer:
-        args = ["join", self.maddr, "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1", *extra]
-        if stage is not None:
-            args += ["--stage", str(stage)]
-        return self.start(name, args)
+        stage_args = ["--stage", str(stage)] if stage is not None else []
+        return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args))
 
     def trainer(self, name: str, extra: list[str] = ()) -> Peer:
-        args = [
-            "join",
-            self.maddr,
-            "--role",
-            "trainer",
-            "--identity",
-            f"{name}.pem",
-            "--host",
-            "127.0.0.1",
-            "--threads",
-            "1",
-            "--log-file",
-            f"{name}.jsonl",
-            *extra,
-        ]
-        return self.start(name, args)
+        return self.start(
+            name, loopback_join(self.maddr, name, "--role", "trainer", "--log-file", f"{name}.jsonl", *extra)
+        )
 
     @staticmethod
     def endpoint(server: Peer, timeout: float = 120) -> str:
