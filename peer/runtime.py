@@ -272,6 +272,7 @@ class StageRuntime:
             "stage": self.stage,
             "epoch": self.epoch,
             "samples_stepped": self.samples_stepped,
+            "last_step_samples": self.history[-1].samples if self.history else 0,
             "spec": self.spec.fingerprint(),
         }
         return metadata, tensors
@@ -301,5 +302,9 @@ class StageRuntime:
             self._drop_restored()
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
+        if self.epoch > 0:  # the parameters after this step are now the donor's
+            self.history.append(
+                Fingerprint(self.epoch, int(metadata.get("last_step_samples", 0)), self.fingerprint_values())
+            )
         self._cache.clear()
         self._stash = None

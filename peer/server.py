@@ -143,11 +143,15 @@ class StageServer:
             return_exceptions=True,
         )
         joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
-        behind = [a for a in answers if not isinstance(a, BaseException) and not a.joining and a.epoch < epoch]
-        if not joined and behind:
-            # a live partner missed a round and is catching up: wait for it instead of stepping apart
+        alive = [(r, a) for r, a in zip(partners, answers, strict=True) if not isinstance(a, BaseException)]
+        if not joined and any(a.epoch != epoch for _, a in alive):
+            # a live partner is at another step (one side of a round failed): never step apart from it.
+            # Behind, it catches up from us; ahead, we take its state now.
             self.stepping, self.averaging_epoch = False, -1
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
+            ahead = [r for r, a in alive if a.epoch > epoch]
+            if ahead:
+                await self._resync(ahead[0])
             await publish
             return
         # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
