@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,12 @@ class ServerRecord(Record):
     samples: int = 0  # samples accumulated since the last step
     samples_stepped: int = 0  # samples accounted by finished steps
     averaging_epoch: int = -1  # the epoch this server is averaging for right now, else -1
-    state: Literal["joining", "serving", "leaving"] = "serving"
+    # joining (loading state, not routed to), serving, leaving (finishing its work, not routed to),
+    # left (gone for good: the accumulator additions after stepped_seq were never stepped)
+    state: str = "serving"
+    incarnation: int = 0  # changes when the server drops its accumulator; receipts of another one are void
+    stepped_seq: int = 0  # accumulator additions (backwards) of this incarnation in a finished step
+    round_seq: int = 0  # while averaging_epoch >= 0: the additions that round covers if it succeeds
     started: float = 0.0  # unix time the server started
     updated: float = 0.0  # unix time of this announcement
 

@@ -58,6 +58,7 @@ class RoundResult:
     gradients: list[torch.Tensor]  # the group's sample-weighted mean gradients
     group_samples: int  # samples accounted by the whole group
     group_size: int
+    members: list[str]  # peer ids of the group
 
 
 class GradientAverager:
@@ -109,7 +110,8 @@ class GradientAverager:
             return None
         with self._averager.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
-        return RoundResult(averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered))
+        members = sorted(pid.to_base58() if hasattr(pid, "to_base58") else str(pid) for pid in gathered)
+        return RoundResult(averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered), members)
 
     def shutdown(self) -> None:
         try:

@@ -104,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="join a run as a stage server (default) or a trainer")
     p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
     p.add_argument("--role", choices=["server", "trainer"], default="server")
-    p.add_argument("--stage", type=int, help="serve this stage (default: the one with the least throughput)")
+    p.add_argument(
+        "--stage",
+        type=int,
+        help="serve this stage and stay on it (default: the stage with the least throughput, moving later if "
+        "another stage needs the server more)",
+    )
     p.add_argument("--data", help="trainer: a text file or directory (default: Python's standard library)")
     p.add_argument("--seed", type=int, help="trainer: seed of the micro-batch order")
     p.add_argument("--max-micro-batches", type=int, help="trainer: stop after this many micro-batches")

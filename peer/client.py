@@ -115,10 +115,21 @@ class StageClient:
         return await self._stub(endpoint).Round(request, timeout=timeout)
 
     async def get_state(
-        self, endpoint: str, run_id: str, stage: int, timeout: float
+        self,
+        endpoint: str,
+        run_id: str,
+        stage: int,
+        timeout: float,
+        shard: int = 0,
+        num_shards: int = 1,
+        epoch: int | None = None,
     ) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A stage's state (part `shard` of `num_shards`), only at `epoch` when given."""
         channel, _ = self._channel(endpoint)
-        request = stage_pb2.StateRequest(run_id=run_id, stage=stage).SerializeToString()
+        request = stage_pb2.StateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards)
+        if epoch is not None:
+            request.epoch = epoch
+        request = request.SerializeToString()
         call = channel.unary_stream(f"/{SERVICE}/GetState")(request, timeout=timeout)
         response, payloads = await framing.read(call, stage_pb2.StateResponse, self.max_message_bytes)
         tensors = {

@@ -185,7 +185,12 @@ class ServerConfig:
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
     fingerprint_history: int = 64  # optimizer steps remembered for replicas to compare
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
-    shutdown_grace: float = 5.0  # s to finish running requests on exit
+    state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
+    shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
+    balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
+    balance_margin: float = 0.2  # move only if the slowest stage's throughput then rises by this fraction
+    balance_cooldown: float = 30.0  # s after starting before a server first considers moving
 
 
 @dataclass
@@ -194,15 +199,25 @@ class TrainerConfig:
     seed: int = -1  # order of this trainer's micro-batches; -1: derived from the peer id, so trainers differ
     max_inflight: int = 2  # micro-batches in the pipeline at once
     max_micro_batches: int = 0  # stop after this many micro-batches (0: run until the schedule ends)
-    request_timeout: float = 30.0  # s deadline for one forward or backward call
-    max_retries: int = 8  # tries of one call on replicas before the micro-batch is given up
-    ban_time: float = 5.0  # s a failing server is avoided (doubling on repeated failures)
-    no_server_wait: float = 60.0  # s to wait for a stage with no live server before giving up
+    deadline_floor: float = 1.0  # s: a call's deadline is this plus deadline_margin times its expected time
+    deadline_margin: float = 3.0  # expected time (the server's measured latency for such a call) times this
+    request_timeout: float = 30.0  # s: the longest deadline of one forward or backward call
+    max_retries: int = (
+        8  # tries of one forward on replicas before the micro-batch is given up (backwards never give up)
+    )
+    ban_time: float = 2.0  # s a failing server is avoided, doubling on each failure in a row
+    max_ban: float = 60.0  # s: the longest ban
+    no_server_wait: float = (
+        0.0  # s to wait for a stage with no live server before giving up (0: wait as long as it takes)
+    )
+    max_receipts: int = 64  # backwards kept until their server steps them (for a replay if it dies); more wait
+    drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
     eval_every: int = 0  # steps between validation runs (0: never)
     eval_batches: int = 4  # micro-batches of held-out data per validation run
-    log_file: str = ""  # JSON lines: one per finished micro-batch and per validation
+    log_file: str = ""  # JSON lines: one per finished micro-batch, validation, failed call and replay
+    log_calls: bool = False  # also log every successful call (for benchmarks/recovery.py)
     progress: bool = False  # print a progress line every few seconds
-    refresh_period: float = 2.0  # s between refreshes of the server list
+    refresh_period: float = 1.0  # s between refreshes of the server list (and settling of receipts)
 
 
 @dataclass

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 import torch
 
@@ -38,9 +40,10 @@ def connect(maddr: str, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, 
     return dht, spec
 
 
-async def _until_signalled(start, stop) -> None:
+async def _until_signalled(start, stop, done: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or `done` is set), then stop."""
     loop = asyncio.get_running_loop()
-    event = asyncio.Event()
+    event = done or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
     try:
@@ -50,17 +53,34 @@ async def _until_signalled(start, stop) -> None:
         await stop()
 
 
+def rejoin_argv(argv: list[str], stage: int) -> list[str]:
+    """The command line of this peer, serving `stage` and still free to move."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--stage":
+            skip = True
+        elif not arg.startswith("--stage="):
+            args.append(arg)
+    return [sys.executable, "-m", "peer.cli", *args, "--stage", str(stage), "--set", "server.rebalance=always"]
+
+
 def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | None) -> None:
     from peer.averaging import GradientAverager
     from peer.runtime import StageRuntime
     from peer.server import StageServer
 
     dht, spec = connect(maddr, cfg, identity)
-    averager = None
+    averager = server = None
     try:
         n = spec.stages.num_stages
         if stage is not None and not 0 <= stage < n:
             raise SystemExit(f"peer join: --stage {stage} does not exist: run '{spec.name}' has stages 0..{n - 1}")
+        mode = cfg.server.rebalance
+        if mode not in ("auto", "always", "never"):
+            raise SystemExit(f"peer join: server.rebalance must be auto, always or never, got {mode!r}")
+        balance = mode == "always" or (mode == "auto" and stage is None)
         if stage is None:
             stage = choose_stage(dht, spec)
         blocks = spec.stage_blocks(stage)
@@ -74,21 +94,30 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
         print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         # hivemind's averager forks: create it before any gRPC channel or server
         averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec.averaging)
-        server = StageServer(spec, stage, cfg, dht, runtime, averager)
+        server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
 
         async def start():
             await server.start()
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
 
         async def stop():
-            print("Leaving the swarm...", flush=True)
+            if server.move_to is None:
+                print("Leaving the swarm...", flush=True)
+            else:
+                print(f"Moving from stage {stage} to stage {server.move_to}...", flush=True)
             await server.stop()
 
-        asyncio.run(_until_signalled(start, stop))
+        asyncio.run(_until_signalled(start, stop, server.done))
     finally:
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+    if server is not None and server.move_to is not None:
+        # a fresh process for the new stage: hivemind's averager must be created before any gRPC
+        # object in a process, and the identity (same peer id) and settings carry over
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, rejoin_argv(sys.argv[1:], server.move_to))
 
 
 def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
@@ -107,8 +136,16 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
         async def main():
             loop = asyncio.get_running_loop()
             task = asyncio.current_task()
+
+            def on_signal():
+                if trainer.stopping:
+                    task.cancel()  # a second signal: stop now
+                else:
+                    print("Stopping: finishing the micro-batches under way (again to stop at once)...", flush=True)
+                    trainer.request_stop()
+
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, task.cancel)
+                loop.add_signal_handler(sig, on_signal)
             return await trainer.run()
 
         try:
@@ -119,7 +156,8 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
         val = f", validation loss {summary.val_losses[-1][1]:.3f}" if summary.val_losses else ""
         print(
             f"Done: {summary.micro_batches} micro-batches ({summary.samples} samples) in {summary.seconds:.0f} s, "
-            f"reached step {summary.epoch}{val}; {summary.failed_micro_batches} given up.",
+            f"reached step {summary.epoch}{val}; {summary.failed_micro_batches} given up, "
+            f"{summary.failed_calls} calls rerouted, {summary.replayed} backwards replayed.",
             flush=True,
         )
         return 0 if summary.failed_micro_batches == 0 else 3

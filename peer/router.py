@@ -1,4 +1,9 @@
-"""The trainer's view of the servers: who serves each stage, how fast they answer, who is banned."""
+"""The trainer's view of the servers: who serves each stage, how fast they answer, who is banned or gone.
+
+Deadlines come from what a call should cost: the latency this trainer measured for the same kind
+of call to the same server (or, before any, the server's announced throughput and load), times a
+margin, plus a floor. A hung server therefore costs about a second, not a fixed minute.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,16 @@ from dataclasses import dataclass
 from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
+from peer.config import TrainerConfig
+
+LATENCY_DECAY = 0.8  # weight of the past in a server's latency average
+UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, at the least
 
 
 @dataclass
 class _Health:
-    latency: float = 0.0  # exponential moving average of call seconds, 0 until measured
-    failures: int = 0
-    banned_until: float = 0.0
+    failures: int = 0  # failures in a row
+    banned_until: float = 0.0  # time.monotonic()
 
 
 class NoServer(RuntimeError):
@@ -23,27 +31,88 @@ class NoServer(RuntimeError):
 
 
 class Router:
-    def __init__(self, dht: SwarmDHT, run_id: str, num_stages: int, ban_time: float, rng_seed: int | None = None):
-        self.dht, self.run_id, self.num_stages, self.ban_time = dht, run_id, num_stages, ban_time
-        self.servers: list[dict[str, ServerRecord]] = [{} for _ in range(num_stages)]
+    def __init__(self, dht: SwarmDHT, run_id: str, num_stages: int, cfg: TrainerConfig, record_ttl: float):
+        self.dht, self.run_id, self.num_stages, self.cfg, self.record_ttl = dht, run_id, num_stages, cfg, record_ttl
+        self.servers: list[dict[str, ServerRecord]] = [{} for _ in range(num_stages)]  # routable now
+        self.present: set[str] = set()  # peers whose record the last refresh found
+        self.last: dict[tuple[str, int], ServerRecord] = {}  # newest record seen of each (peer, incarnation)
+        self.latest: dict[str, ServerRecord] = {}  # newest record seen of each peer
         self.health: dict[str, _Health] = {}
-        self.rng = random.Random(rng_seed)
+        self.latency: dict[tuple[str, str], float] = {}  # (peer, kind of call) -> average seconds
+        self.dead: set[str] = set()  # refused connections: the process is gone
+        self.leaving: set[str] = set()  # said so in an answer, before its record did
+        self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
+        self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
+        self.rng = random.Random()
         self.max_epoch = 0
 
+    # ---- the server list ------------------------------------------------------------------
     async def refresh(self) -> None:
+        present = set()
         for stage in range(self.num_stages):
             records = await self.dht.aget(keys.servers_key(self.run_id, stage), ServerRecord)
-            self.servers[stage] = {pid: r for pid, r in records.items() if r.stage == stage and r.state == "serving"}
+            records = {pid: r for pid, r in records.items() if r.stage == stage}
+            for pid, r in records.items():
+                self.note(pid, r)
+                present.add(pid)
+            self.servers[stage] = {
+                pid: r
+                for pid, r in records.items()
+                if r.state == "serving" and pid not in self.dead and pid not in self.leaving
+            }
             for r in self.servers[stage].values():
                 self.max_epoch = max(self.max_epoch, r.epoch)
+        self.present = present
+        self._forget_old()
 
-    def weight(self, peer_id: str, record: ServerRecord) -> float:
-        health = self.health.get(peer_id, _Health())
-        latency_factor = 1.0 / (1.0 + health.latency * max(record.throughput, 1e-3))  # slow answers count against
+    def note(self, pid: str, record: ServerRecord) -> None:
+        """Remember a record (from the DHT or an Info answer) if it is newer than what we have."""
+        old = self.latest.get(pid)
+        if old is not None and old.updated > record.updated:
+            return
+        if old is not None and old.incarnation != record.incarnation:
+            self.dead.discard(pid)  # a new incarnation answers again
+            self.leaving.discard(pid)
+        self.latest[pid] = record
+        self.last[(pid, record.incarnation)] = record
+
+    def _forget_old(self, keep: float = 600.0) -> None:
+        horizon = time.time() - keep
+        for key in [k for k, r in self.last.items() if r.updated < horizon]:
+            del self.last[key]
+        for pid in [p for p, r in self.latest.items() if r.updated < horizon]:
+            del self.latest[pid]
+
+    def gone(self, pid: str, incarnation: int, since: float) -> bool:
+        """Whether `pid`'s `incarnation` will never step again: it left, died, or dropped its accumulator.
+
+        An absent record counts only once it must have expired (with a second to spare), both from
+        its own time and from `since` (when the trainer last heard from that incarnation): a server
+        drops its accumulator when its record expires, and a DHT read can miss a live record.
+        """
+        if pid in self.dead:
+            return True
+        latest = self.latest.get(pid)
+        if latest is not None and latest.incarnation != incarnation:
+            return True
+        if self.incarnation.get(pid, incarnation) != incarnation:
+            return True
+        mine = self.last.get((pid, incarnation))
+        if mine is not None and mine.state == "left":
+            return True
+        if pid in self.present:
+            return False
+        heard = max(since, mine.updated if mine is not None else 0.0)
+        return time.time() > heard + self.record_ttl + 1.0
+
+    # ---- choosing -------------------------------------------------------------------------
+    def weight(self, peer_id: str, record: ServerRecord, kind: str) -> float:
+        latency = self.latency.get((peer_id, kind), 0.0)
+        latency_factor = 1.0 / (1.0 + latency * max(record.throughput, 1e-3))  # slow answers count against
         return max(record.throughput, 1e-3) / (1.0 + record.load) * latency_factor
 
     def choose(
-        self, stage: int, exclude: set[str] = frozenset(), prefer: str | None = None
+        self, stage: int, exclude: set[str] = frozenset(), prefer: str | None = None, kind: str = ""
     ) -> tuple[str, ServerRecord]:
         """Pick a server of `stage` at random, weighted by throughput and measured latency; skip banned ones."""
         now = time.monotonic()
@@ -57,18 +126,53 @@ class Router:
         for pid, r in candidates:
             if pid == prefer:
                 return pid, r
-        weights = [self.weight(pid, r) for pid, r in candidates]
+        weights = [self.weight(pid, r, kind) for pid, r in candidates]
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
-    def report_success(self, peer_id: str, seconds: float) -> None:
+    def deadline(self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float) -> float:
+        """Seconds to allow a call: its expected time (measured, else estimated) times a margin, plus a floor.
+
+        `work` is the call's share of a forward+backward (a forward is about 1/3).
+        """
+        expected = self.latency.get((peer_id, kind))
+        if expected is None:
+            estimate = samples * work / max(record.throughput, 1e-3) * (1.0 + record.load)
+            expected = max(estimate, UNMEASURED)
+        return min(self.cfg.request_timeout, self.cfg.deadline_floor + self.cfg.deadline_margin * expected)
+
+    # ---- outcomes -------------------------------------------------------------------------
+    def report_success(self, peer_id: str, kind: str, seconds: float) -> None:
+        key = (peer_id, kind)
+        old = self.latency.get(key)
+        self.latency[key] = seconds if old is None else LATENCY_DECAY * old + (1 - LATENCY_DECAY) * seconds
         health = self.health.setdefault(peer_id, _Health())
-        health.latency = seconds if health.latency == 0 else 0.8 * health.latency + 0.2 * seconds
-        health.failures = 0
+        health.failures = 0  # forgiven: it answers again
+        health.banned_until = 0.0
 
     def report_failure(self, peer_id: str) -> float:
         """Ban a failing server, for longer each time it fails in a row; returns the ban length."""
         health = self.health.setdefault(peer_id, _Health())
         health.failures += 1
-        ban = self.ban_time * (2 ** min(health.failures - 1, 6))
+        ban = min(self.cfg.ban_time * (2 ** min(health.failures - 1, 16)), self.cfg.max_ban)
         health.banned_until = time.monotonic() + ban
         return ban
+
+    def report_answer(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
+        """A server answered with its incarnation and how many of its additions are stepped."""
+        self.incarnation[peer_id] = incarnation
+        key = (peer_id, incarnation)
+        self.answered[key] = max(self.answered.get(key, 0), stepped_seq)
+        self.dead.discard(peer_id)
+
+    def report_dead(self, peer_id: str) -> None:
+        """Its port refuses connections: the process is gone, with what it had accumulated."""
+        self.dead.add(peer_id)
+        self._unroute(peer_id)
+
+    def report_leaving(self, peer_id: str) -> None:
+        self.leaving.add(peer_id)
+        self._unroute(peer_id)
+
+    def _unroute(self, peer_id: str) -> None:
+        for servers in self.servers:
+            servers.pop(peer_id, None)

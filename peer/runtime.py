@@ -6,9 +6,10 @@ so the accumulator and the optimizer need no locks.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,11 +26,16 @@ class StateError(ValueError):
     """A downloaded state that does not fit this stage."""
 
 
+class Late(RuntimeError):
+    """A request's deadline passed before its work was done: its gradients were not kept."""
+
+
 @dataclass
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
     samples: int  # samples the step accounted over the whole averaging group
     values: list[float]  # per parameter: sum, then sum of squares
+    members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
 
 
 @dataclass
@@ -37,6 +43,9 @@ class _CachedForward:
     epoch: int
     inputs: torch.Tensor
     outputs: torch.Tensor
+
+
+LATE_MARGIN = 0.05  # s: gradients finished closer than this to the deadline are not kept (the answer would be late)
 
 
 class StageRuntime:
@@ -57,7 +66,13 @@ class StageRuntime:
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
         self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
-        self.restored: tuple[int, list[torch.Tensor], int] | None = None  # (epoch, grads, samples) of a failed round
+        # (epoch, grads, samples, seq) of a failed round, back in the accumulator
+        self.restored: tuple[int, list[torch.Tensor], int, int] | None = None
+        # receipts: the accumulator's additions are numbered; stepped_seq says how many are in finished steps
+        self.incarnation = random.getrandbits(63) or 1  # a new number whenever the accumulator is dropped
+        self.seq = 0  # backwards added to the accumulator in this incarnation
+        self.stepped_seq = 0  # additions up to this one are in a finished optimizer step
+        self.taken_seq = 0  # additions up to this one were taken out by take_gradients
 
     # ---- input checks ---------------------------------------------------------------------
     def check_inputs(self, inputs: torch.Tensor) -> None:
@@ -122,12 +137,19 @@ class StageRuntime:
         return result
 
     def backward(
-        self, uid: str, inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, float | None]:
-        """Accumulate this micro-batch's parameter gradients; return (grad of inputs, loss on the last stage).
+        self,
+        uid: str,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        deadline: float | None = None,
+    ) -> tuple[torch.Tensor | None, float | None, int]:
+        """Accumulate this micro-batch's parameter gradients; return (grad of inputs, loss on the last stage, seq).
 
         The objective is the micro-batch's summed per-sample loss, so the accumulator holds
-        sum-of-sample gradients and the step divides by the samples it accounts.
+        sum-of-sample gradients and the step divides by the samples it accounts. With a `deadline`
+        (time.monotonic()), gradients computed after it are dropped (Late): the caller has given up
+        and sent the micro-batch to another replica, which must be the only one to count it.
         """
         self.check_inputs(inputs)
         self.check_targets(inputs, targets, required=self.model.is_last)
@@ -144,6 +166,8 @@ class StageRuntime:
                 raise InputError("grad_outputs contain NaN or Inf")
         elif grad_outputs is not None:
             raise InputError("the last stage computes its own loss: send targets, not grad_outputs")
+        if deadline is not None and time.monotonic() > deadline:
+            raise Late("the request's deadline passed while it waited")
         started = time.perf_counter()
         cached = self._cache.pop(uid, None) if uid else None
         same_inputs = (
@@ -175,12 +199,15 @@ class StageRuntime:
                 grads = torch.autograd.grad(out, wrt, grad_outputs, allow_unused=True)
         grad_inputs = None if self.model.is_first else grads[0]
         param_grads = grads if self.model.is_first else grads[1:]
+        if deadline is not None and time.monotonic() > deadline - LATE_MARGIN:
+            raise Late("the request's deadline passed during its backward")
         for acc, g in zip(self.accumulator, param_grads, strict=True):
             if g is not None:
                 acc.add_(g)
         self.samples_accumulated += batch
+        self.seq += 1
         self._measure(batch, time.perf_counter() - started, weight=2 / 3)
-        return grad_inputs, loss
+        return grad_inputs, loss, self.seq
 
     def _measure(self, batch: int, seconds: float, weight: float) -> None:
         # a forward is ~1/3 and a backward ~2/3 of the work of one sample
@@ -214,25 +241,44 @@ class StageRuntime:
         for acc in self.accumulator:
             acc.zero_()
         self.samples_accumulated = 0
+        self.taken_seq = self.seq
         return grads, samples
 
-    def restore_gradients(self, grads: list[torch.Tensor], samples: int) -> None:
-        """Put gradients taken for a round that failed back into the accumulator, for the next round."""
+    def drop_accumulator(self) -> int:
+        """Forget the accumulated gradients and start a new incarnation; returns the samples dropped.
+
+        Called when trainers may have taken this server for gone (its DHT record expired while it
+        was frozen): they replay their unstepped backwards elsewhere, so keeping them would count twice.
+        """
+        dropped = self.samples_accumulated
+        for acc in self.accumulator:
+            acc.zero_()
+        self.samples_accumulated = 0
+        self.restored = None
+        self.incarnation = random.getrandbits(63) or 1
+        self.seq = self.stepped_seq = self.taken_seq = 0
+        return dropped
+
+    def restore_gradients(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:
+        """Put gradients taken (up to addition `seq`) for a round that failed back, for the next round."""
         for acc, g in zip(self.accumulator, grads, strict=True):
             acc.add_(g, alpha=samples)
         self.samples_accumulated += samples
-        self.restored = (self.epoch, grads, samples)
+        self.restored = (self.epoch, grads, samples, seq)
 
     def _drop_restored(self) -> None:
         """A partner's round for our failed epoch succeeded with our contribution: take it out again."""
-        _, grads, samples = self.restored
+        _, grads, samples, seq = self.restored
         for acc, g in zip(self.accumulator, grads, strict=True):
             acc.sub_(g, alpha=samples)
         self.samples_accumulated -= samples
+        self.stepped_seq = max(self.stepped_seq, seq)
         self.restored = None
 
-    def apply_step(self, grads: list[torch.Tensor], group_samples: int) -> Fingerprint:
-        """One optimizer step with `grads` (already averaged over the group)."""
+    def apply_step(
+        self, grads: list[torch.Tensor], group_samples: int, seq: int, members: list[str] | None = None
+    ) -> Fingerprint:
+        """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
         self._stash = (self.epoch, [p.detach().clone() for p in self.params])
         self.restored = None  # taken with the rest of the accumulator into this step
         for p, g in zip(self.params, grads, strict=True):
@@ -242,12 +288,13 @@ class StageRuntime:
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
         self.samples_stepped += group_samples
+        self.stepped_seq = max(self.stepped_seq, seq)
         # cached graphs hold the old weights, which the step changed in place: keep only their inputs,
         # for a recompute with the stashed weights
         self._cache = OrderedDict(
             (uid, _CachedForward(c.epoch, c.inputs.detach(), c.outputs.detach())) for uid, c in self._cache.items()
         )
-        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values())
+        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
         self.history.append(fingerprint)
         return fingerprint
 
@@ -261,19 +308,26 @@ class StageRuntime:
 
     # ---- state transfer -------------------------------------------------------------------
     @torch.no_grad()
-    def snapshot(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """Parameters and optimizer state (copies) with metadata: what a joining replica loads."""
-        tensors = {f"param/{n}": p.detach().clone() for n, p in zip(self.param_names, self.params, strict=True)}
+    def snapshot(self, shard: int = 0, num_shards: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Parameters and optimizer state (copies) with metadata: what a joining replica loads.
+
+        With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that
+        several donors can each send a part.
+        """
+        everything = {f"param/{n}": p for n, p in zip(self.param_names, self.params, strict=True)}
         for name, p in zip(self.param_names, self.params, strict=True):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{name}/{key}"] = value.detach().clone().reshape(value.shape)
+                    everything[f"optim/{name}/{key}"] = value
+        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
+        tensors = {n: t.detach().clone().reshape(t.shape) for n, t in everything.items() if n in part}
         metadata = {
             "stage": self.stage,
             "epoch": self.epoch,
             "samples_stepped": self.samples_stepped,
             "last_step_samples": self.history[-1].samples if self.history else 0,
             "spec": self.spec.fingerprint(),
+            "tensor_count": len(everything),
         }
         return metadata, tensors
 
@@ -308,3 +362,14 @@ class StageRuntime:
             )
         self._cache.clear()
         self._stash = None
+
+
+def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:
+    """Split tensor names into `num_shards` parts of similar bytes; every replica computes the same split."""
+    parts: list[set[str]] = [set() for _ in range(num_shards)]
+    sizes = [0] * num_shards
+    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
+        lightest = min(range(num_shards), key=lambda i: (sizes[i], i))
+        parts[lightest].add(name)
+        sizes[lightest] += t.numel() * t.element_size()
+    return parts

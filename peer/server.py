@@ -9,6 +9,16 @@ the torch thread, so no forward or backward of the stage runs while it lasts: ev
 from the same gradients at the same moment of its own request stream, and the samples each
 contributed are counted exactly once. A server that knows no serving partner steps at once, inside the backward that crossed
 the target, so one server per stage reproduces plain gradient accumulation exactly.
+
+Only taking the gradients out of the accumulator and applying the step run on the torch thread;
+the round itself (matchmaking, all-reduce) waits on a thread of its own, so forwards and
+backwards go on while the replicas average and a request's latency stays what its work costs.
+
+Receipts. Every backward added to the accumulator is numbered (`seq`, within an `incarnation`)
+and the server announces how many are in finished steps (`stepped_seq`) and, before a round, what
+the round covers (`round_seq`). Trainers keep each backward until it is stepped, and replay it on
+another replica if this server goes away first; a server whose DHT record expired (it was frozen)
+drops its accumulator and takes a new incarnation, since trainers replay what it held.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +39,7 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.averaging import GradientAverager
+from peer.balance import plan_move, stage_totals
 from peer.client import StageClient, server_options
 from peer.config import PeerConfig, RunSpec
 from peer.runtime import StageRuntime
@@ -58,10 +70,12 @@ class StageServer:
         dht: SwarmDHT,
         runtime: StageRuntime,
         averager: GradientAverager | None,
+        balance: bool = False,
     ):
         self.spec, self.run_id, self.stage, self.cfg = spec, spec.name, stage, cfg
         self.dht, self.runtime, self.averager = dht, runtime, averager
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.round_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
         self.client = StageClient(
             cfg.server.chunk_bytes,
             cfg.server.max_message_bytes,
@@ -84,27 +98,50 @@ class StageServer:
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
+        self.round_seq = 0  # additions the running round covers
+        self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
+        self.balance = balance  # move to a better stage when it raises the bottleneck
+        self.move_to: int | None = None  # the stage this server leaves to serve, once decided
+        self.done = asyncio.Event()  # set when the server wants its process to end (it moves)
 
     # ---- torch thread ---------------------------------------------------------------------
     async def run_torch(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
-    def _backward_job(self, uid, inputs, grad_outputs, targets):
-        epoch = self.runtime.epoch
-        grad_inputs, loss = self.runtime.backward(uid, inputs, grad_outputs, targets)
-        return grad_inputs, loss, epoch
+    def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
+        self._drop_if_expired()
+        rt = self.runtime
+        epoch = rt.epoch
+        grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline)
+        return grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq
 
-    async def backward(self, uid, inputs, grad_outputs, targets):
-        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets)
+    async def backward(self, uid, inputs, grad_outputs, targets, deadline=None):
+        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline)
         self._maybe_step()  # queued on the torch thread before this response leaves
         return result
+
+    def _drop_if_expired(self) -> None:
+        """Torch thread: if our DHT record expired (we were frozen), trainers replay what we hold: drop it."""
+        now = time.time()
+        if now <= self.record_expires:
+            return
+        late = now - self.record_expires
+        self.record_expires = now + self.cfg.network.record_ttl  # trainers count anew from here
+        dropped = self.runtime.drop_accumulator()
+        logger.warning(
+            "stage %d: our DHT record expired %.1f s ago (this process was stopped or starved); trainers replay "
+            "unstepped work elsewhere, so %d accumulated samples are dropped here",
+            self.stage,
+            late,
+            dropped,
+        )
 
     # ---- stepping -------------------------------------------------------------------------
     def _serving_peers(self) -> list[ServerRecord]:
         return [r for r in self.peers.values() if r.state == "serving"]
 
     def _maybe_step(self) -> None:
-        if self.stepping or self.state != "serving" or time.monotonic() < self._retry_after:
+        if self.stepping or self.state != "serving" or self.leaving or time.monotonic() < self._retry_after:
             return
         epoch = self.runtime.epoch
         serving = self._serving_peers()
@@ -135,7 +172,6 @@ class StageServer:
 
     async def _round(self, epoch: int) -> None:
         """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
-        publish = asyncio.create_task(self.publish(force=True))
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = [r for r in self._serving_peers() if r.epoch <= epoch]
         answers = await asyncio.gather(
@@ -152,18 +188,51 @@ class StageServer:
             ahead = [r for r, a in alive if a.epoch > epoch]
             if ahead:
                 await self._resync(ahead[0])
-            await publish
+            await self.publish(force=True)
             return
         # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
         # instant can each take the other for its leader, and hivemind then fails the round
         ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])
-        await asyncio.sleep(MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id))
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1 + joined, epoch)
-        await self._finish_step(future)
-        await publish
+        stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
+        await self._finish_step(asyncio.ensure_future(self._averaged_step(1 + joined, epoch, stagger)))
+
+    async def _averaged_step(self, group_size: int, epoch: int, stagger: float):
+        """Take the gradients (torch thread), average them (round thread), then step or put them back."""
+        rt = self.runtime
+        started = time.perf_counter()
+        grads, samples, seq, incarnation = await self.run_torch(self._take)
+        # trainers must know what this round covers before it can succeed: if we die right after it,
+        # they ask the survivors whether we were in the group instead of replaying what it stepped
+        self.round_seq = seq
+        await self.publish(force=True)
+        await asyncio.sleep(stagger)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            self.round_executor, self.averager.average, grads, samples, epoch, group_size
+        )
+
+        def finish():
+            if rt.incarnation != incarnation:
+                return samples, -1  # the accumulator was dropped meanwhile: trainers replay these samples
+            if result is None:
+                # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
+                rt.restore_gradients(grads, samples, seq)
+                return samples, 0
+            rt.apply_step(result.gradients, result.group_samples, seq, result.members)
+            return result.group_samples, result.group_size
+
+        group_samples, members = await self.run_torch(finish)
+        return group_samples, members, time.perf_counter() - started
+
+    def _take(self):
+        rt = self.runtime
+        grads, samples = rt.take_gradients()
+        return grads, samples, rt.taken_seq, rt.incarnation
 
     def join_round(self, epoch: int) -> bool:
         """A partner invites this replica to the round for `epoch`: True if it takes part."""
+        if self.leaving:
+            return False
         if self.stepping:
             if self.averaging_epoch == epoch:
                 return True  # already in this very round
@@ -179,23 +248,20 @@ class StageServer:
         return True
 
     def _step_job(self, group_size: int, epoch: int):
+        """Torch thread: a step of this replica alone, from its own accumulator."""
         started = time.perf_counter()
         grads, samples = self.runtime.take_gradients()
-        group_samples, members = samples, 1
-        if group_size > 1 and self.averager is not None:
-            result = self.averager.average(grads, samples, epoch, group_size)
-            if result is None:
-                # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
-                self.runtime.restore_gradients(grads, samples)
-                return samples, 0, time.perf_counter() - started
-            grads, group_samples, members = result.gradients, result.group_samples, result.group_size
-        self.runtime.apply_step(grads, group_samples)
-        return group_samples, members, time.perf_counter() - started
+        self.runtime.apply_step(grads, samples, self.runtime.taken_seq, [self.dht.peer_id])
+        return samples, 1, time.perf_counter() - started
 
     async def _finish_step(self, future) -> None:
         try:
             group_samples, members, seconds = await future
-            if members == 0:
+            if members < 0:
+                logger.warning(
+                    "stage %d: the round's %d samples were dropped with the accumulator", self.stage, group_samples
+                )
+            elif members == 0:
                 self.rounds_failed += 1
                 logger.warning(
                     "stage %d: averaging round for step %d failed after %.1f s; its %d samples wait for the next round",
@@ -240,25 +306,41 @@ class StageServer:
             samples=rt.samples_accumulated,
             samples_stepped=rt.samples_stepped,
             averaging_epoch=self.averaging_epoch,
-            state="leaving" if self.leaving else self.state,
+            state="left" if self.state == "left" else "leaving" if self.leaving else self.state,
+            incarnation=rt.incarnation,
+            stepped_seq=rt.stepped_seq,
+            round_seq=self.round_seq if self.averaging_epoch >= 0 else 0,
             started=self.started,
             updated=time.time(),
         )
 
-    async def publish(self, force: bool = False) -> None:
+    async def publish(self, force: bool = False) -> bool:
         record = self.record()
-        signature = (record.epoch, record.samples, record.averaging_epoch, record.state, round(record.load))
+        signature = (
+            record.epoch,
+            record.samples,
+            record.averaging_epoch,
+            record.state,
+            round(record.load),
+            record.incarnation,
+            record.stepped_seq,
+        )
         stale = time.monotonic() - self._last_publish_time > self.cfg.network.announce_period
         if not force and not stale and signature == self._last_published:
-            return
+            return True
         async with self._publish_lock:
+            record = self.record()
             try:
-                await self.dht.astore(
-                    keys.servers_key(self.run_id, self.stage), self.record(), self.cfg.network.record_ttl
+                stored = await self.dht.astore(
+                    keys.servers_key(self.run_id, self.stage), record, self.cfg.network.record_ttl
                 )
-                self._last_published, self._last_publish_time = signature, time.monotonic()
             except Exception as e:
                 logger.warning("could not announce in the DHT: %s", e)
+                return False
+            if stored:
+                self._last_published, self._last_publish_time = signature, time.monotonic()
+                self.record_expires = max(self.record_expires, record.updated + self.cfg.network.record_ttl)
+            return bool(stored)
 
     async def refresh_peers(self) -> None:
         try:
@@ -269,47 +351,123 @@ class StageServer:
         fresh = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and r.stage == self.stage}
         # a DHT read can miss a record now and then: keep a known peer until its record would have expired
         horizon = time.time() - self.cfg.network.record_ttl
-        kept = {pid: r for pid, r in self.peers.items() if pid not in fresh and r.updated > horizon}
-        self.peers = {**kept, **fresh}
+        kept = {
+            pid: r for pid, r in self.peers.items() if pid not in fresh and r.updated > horizon and r.state != "left"
+        }
+        self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
 
     async def _progress_loop(self) -> None:
         period = self.cfg.network.progress_period
+        next_balance = time.monotonic() + self.cfg.server.balance_cooldown
         while not self.leaving:
             await asyncio.sleep(period)
+            await self.run_torch(self._drop_if_expired)
             await self.refresh_peers()
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
-                    await self._resync(max(ahead, key=lambda r: r.epoch))
+                    await self._resync(ahead)
                 self._maybe_step()
             await self.publish()
+            if self.balance and time.monotonic() >= next_balance and not self.leaving:
+                next_balance = time.monotonic() + self.cfg.server.balance_period
+                await self._check_balance()
+
+    # ---- balancing ------------------------------------------------------------------------
+    async def _plan_move(self) -> int | None:
+        records = []
+        for stage in range(self.spec.stages.num_stages):
+            found = await self.dht.aget(keys.servers_key(self.run_id, stage), ServerRecord)
+            found[self.dht.peer_id] = self.record() if stage == self.stage else found.get(self.dht.peer_id)
+            records.append([r for r in found.values() if r is not None and r.stage == stage])
+        totals, counts = stage_totals(records, self.spec.stages.num_stages)
+        return plan_move(totals, counts, self.stage, self.runtime.throughput, self.cfg.server.balance_margin)
+
+    async def _check_balance(self) -> None:
+        """Move to another stage if that raises the swarm's bottleneck by the configured margin."""
+        try:
+            target = await self._plan_move()
+            if target is None:
+                return
+            # look again after a random pause: servers that saw the same numbers must not all move at once
+            await asyncio.sleep(random.uniform(0, self.cfg.server.balance_period / 2))
+            if await self._plan_move() != target or self.leaving:
+                return
+        except Exception as e:
+            logger.debug("balance check failed: %s", e)
+            return
+        logger.warning(
+            "stage %d: moving to stage %d raises the swarm's bottleneck; leaving this stage", self.stage, target
+        )
+        self.move_to = target
+        self.done.set()
 
     # ---- state ----------------------------------------------------------------------------
-    async def load_state_from_peers(self) -> bool:
-        """Load parameters and optimizer state from the most advanced serving replica; False if none answered."""
-        await self.refresh_peers()
-        donors = sorted((r for r in self.peers.values() if r.state == "serving"), key=lambda r: -r.epoch)
-        for donor in donors:
+    async def _fetch_state(self, donors: list[ServerRecord]) -> tuple[dict, dict]:
+        """The state of the stage at one step, in parts from up to `state_donors` donors at once."""
+        timeout = self.cfg.server.state_load_timeout
+        lead = max(donors, key=lambda r: r.epoch)
+        epoch = (await self.client.info(lead.endpoint, timeout=self.cfg.network.dht_request_timeout)).epoch
+        same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
+        n = len(same)
+        results = await asyncio.gather(
+            *(
+                self.client.get_state(d.endpoint, self.run_id, self.stage, timeout, shard=i, num_shards=n, epoch=epoch)
+                for i, d in enumerate(same)
+            ),
+            return_exceptions=True,
+        )
+        for i, result in enumerate(results):
+            for other in same:  # a part whose donor failed comes from another donor
+                if not isinstance(result, BaseException):
+                    break
+                with contextlib.suppress(Exception):
+                    result = await self.client.get_state(
+                        other.endpoint, self.run_id, self.stage, timeout, shard=i, num_shards=n, epoch=epoch
+                    )
+            if isinstance(result, BaseException):
+                raise result
+            results[i] = result
+        metadata, tensors = dict(results[0][0]), {}
+        for _, part in results:
+            tensors.update(part)
+        if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
+            raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
+        return metadata, tensors
+
+    async def _load_from(self, donors: list[ServerRecord], attempts: int = 4) -> bool:
+        for attempt in range(attempts):
             started = time.perf_counter()
             try:
-                metadata, tensors = await self.client.get_state(
-                    donor.endpoint, self.run_id, self.stage, self.cfg.server.state_load_timeout
-                )
+                metadata, tensors = await self._fetch_state(donors)
                 await self.run_torch(self.runtime.load_state, metadata, tensors)
                 logger.info(
-                    "loaded stage %d state (step %d) from %s in %.1f s",
+                    "loaded stage %d state (step %d) from %d donor(s) in %.2f s",
                     self.stage,
                     self.runtime.epoch,
-                    donor.endpoint,
+                    min(len(donors), self.cfg.server.state_donors),
                     time.perf_counter() - started,
                 )
                 return True
             except Exception as e:
-                logger.warning("could not load state from %s: %s", donor.endpoint, e)
+                logger.warning("could not load the stage's state (try %d): %s", attempt + 1, e)
+                await asyncio.sleep(0.2 * (attempt + 1))
+                await self.refresh_peers()
+                fresh = [r for r in self.peers.values() if r.state == "serving"]
+                donors = [r for r in fresh if r.epoch >= min(d.epoch for d in donors)] or fresh
+                if not donors:
+                    return False
         return False
 
-    async def _resync(self, leader: ServerRecord) -> None:
-        """This replica fell behind (missed a round): take the state of one ahead of it, keeping its accumulator."""
+    async def load_state_from_peers(self) -> bool:
+        """Load parameters and optimizer state from serving replicas; False if none answered."""
+        await self.refresh_peers()
+        donors = [r for r in self.peers.values() if r.state == "serving"]
+        return bool(donors) and await self._load_from(donors)
+
+    async def _resync(self, ahead: list[ServerRecord]) -> None:
+        """This replica fell behind (missed a round): take the state of those ahead of it, keeping its accumulator."""
+        leader = max(ahead, key=lambda r: r.epoch)
         logger.warning(
             "stage %d: at step %d while %s is at %d; loading its state",
             self.stage,
@@ -319,12 +477,7 @@ class StageServer:
         )
         self.stepping = True
         try:
-            metadata, tensors = await self.client.get_state(
-                leader.endpoint, self.run_id, self.stage, self.cfg.server.state_load_timeout
-            )
-            await self.run_torch(self.runtime.load_state, metadata, tensors)
-        except Exception as e:
-            logger.warning("resync from %s failed: %s", leader.endpoint, e)
+            await self._load_from([r for r in ahead if r.epoch == leader.epoch], attempts=1)
         finally:
             self.stepping = False
 
@@ -350,15 +503,24 @@ class StageServer:
         self._tasks.append(asyncio.create_task(self._progress_loop()))
 
     async def stop(self) -> None:
-        """Leave cleanly: announce 'leaving', finish running requests, stop."""
+        """Leave cleanly: announce 'leaving', refuse new work, finish what runs, announce 'left', stop."""
         self.leaving = True
         if self.grpc_server is not None:
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        timeout = self.cfg.network.dht_request_timeout
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.publish(force=True), self.cfg.network.dht_request_timeout)
+            await asyncio.wait_for(self.publish(force=True), timeout)  # trainers stop routing here
+        deadline = time.monotonic() + self.cfg.server.shutdown_grace
+        while (self.inflight or self.stepping) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # final word: what is not in a finished step by now never will be; trainers replay it elsewhere
+        self.state = "left"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.publish(force=True), timeout)
         if self.grpc_server is not None:
-            await self.grpc_server.stop(self.cfg.server.shutdown_grace)
+            await self.grpc_server.stop(0.5)
         for task in self._tasks:
             task.cancel()
         await self.client.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.round_executor.shutdown(wait=False, cancel_futures=True)

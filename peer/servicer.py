@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from peer.runtime import InputError
+from peer.runtime import InputError, Late
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -63,12 +64,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"server busy: {self.server.inflight} requests in flight (limit {self.limits.max_concurrent_requests})",
             )
         self.server.inflight += 1
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            return await handler(request, payloads)
+            return await handler(request, payloads, deadline)
         except _Refused as e:
             await context.abort(e.code, e.message)
         except InputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Late as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         finally:
             self.server.inflight -= 1
 
@@ -94,22 +99,31 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return framing.frames(response, payloads, self.limits.chunk_bytes)
 
     # ---- forward / backward ---------------------------------------------------------------
-    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict):
+    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None):
         inputs = self._routed_inputs(request, payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         epoch = self.runtime.epoch
-        result = await self.server.run_torch(self.runtime.forward, request.uid, inputs, targets, request.train)
+
+        def job():
+            if deadline is not None and time.monotonic() > deadline:
+                raise Late("the request's deadline passed while it waited")  # the caller went elsewhere
+            return self.runtime.forward(request.uid, inputs, targets, request.train)
+
+        result = await self.server.run_torch(job)
         if targets is not None:
             return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
         header, payload = codec.encode_payload(result, request.output_codec)
         return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
-    async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict):
+    async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict, deadline: float | None):
         inputs = self._routed_inputs(request, payloads)
         grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
-        grad_inputs, loss, epoch = await self.server.backward(request.uid, inputs, grad_outputs, targets)
-        response, out = stage_pb2.BackwardResponse(epoch=epoch), {}
+        grad_inputs, loss, epoch, seq, incarnation, stepped_seq = await self.server.backward(
+            request.uid, inputs, grad_outputs, targets, deadline
+        )
+        response = stage_pb2.BackwardResponse(epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq)
+        out = {}
         if grad_inputs is not None:
             header, out["grad_inputs"] = codec.encode_payload(grad_inputs, request.output_codec)
             response.grad_inputs.CopyFrom(header)
@@ -137,7 +151,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Info(self, request, context):
         rt = self.runtime
         history = [
-            stage_pb2.StepFingerprint(epoch=f.epoch, samples=f.samples, values=f.values) for f in list(rt.history)
+            stage_pb2.StepFingerprint(epoch=f.epoch, samples=f.samples, values=f.values, members=f.members)
+            for f in list(rt.history)
         ]
         return stage_pb2.InfoResponse(
             run_id=self.server.run_id,
@@ -149,6 +164,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             throughput=rt.throughput,
             load=self.server.inflight,
             history=history,
+            incarnation=rt.incarnation,
+            stepped_seq=rt.stepped_seq,
+            state=self.server.record().state,
         )
 
     async def Round(self, request: stage_pb2.RoundRequest, context):
@@ -170,11 +188,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(e.code, e.message)
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
+        num_shards = max(request.num_shards, 1)
+        if request.shard >= num_shards:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist: num_shards is {num_shards}"
+            )
         self.server.inflight += 1
         try:
-            metadata, tensors = await self.server.run_torch(self.runtime.snapshot)
+            metadata, tensors = await self.server.run_torch(self.runtime.snapshot, request.shard, num_shards)
         finally:
             self.server.inflight -= 1
+        if request.HasField("epoch") and metadata["epoch"] != request.epoch:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this replica is at step {metadata['epoch']}, not at the requested step {request.epoch}",
+            )
         response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
         for i, (name, tensor) in enumerate(tensors.items()):
             header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)

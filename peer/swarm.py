@@ -8,6 +8,7 @@ from dht import keys
 from dht.identity import IdentityError, public_key_from_peer_id
 from dht.node import SwarmDHT
 from dht.records import RunSpecRecord, ServerRecord
+from peer.balance import stage_totals, weakest_stage
 from peer.config import ConfigError, RunSpec
 
 
@@ -56,9 +57,7 @@ def stage_servers(dht: SwarmDHT, spec: RunSpec, stage: int) -> dict[str, ServerR
 
 
 def choose_stage(dht: SwarmDHT, spec: RunSpec) -> int:
-    """The stage with the least total announced throughput (the lowest index on ties)."""
-    totals = []
-    for stage in range(spec.stages.num_stages):
-        servers = stage_servers(dht, spec, stage)
-        totals.append(sum(r.throughput for r in servers.values() if r.state != "leaving"))
-    return min(range(len(totals)), key=lambda s: (totals[s], s))
+    """The stage with the least total announced throughput (joining servers count), the lowest index on ties."""
+    n = spec.stages.num_stages
+    totals, _ = stage_totals([stage_servers(dht, spec, stage).values() for stage in range(n)], n)
+    return weakest_stage(totals)

@@ -1,9 +1,11 @@
 """A trainer: routes micro-batches of its data through the stages, forward then backward.
 
-Each call goes to one live server of the stage, chosen at random by throughput and latency. A
-call that fails, times out or returns a bad tensor bans that server for a while and goes to
-another replica of the same stage; backward is stateless (it carries the stage's inputs), so any
-replica can serve it.
+Each call goes to one live server of the stage, chosen at random by throughput and latency, with
+a deadline from what the call should cost there. A call that fails, times out or returns a bad
+tensor bans that server for a while (longer each time in a row) and goes to another replica of
+the same stage; backward is stateless (it carries the stage's inputs), so any replica can serve
+it. Backwards never give up, and each is kept (peer.ledger) until its server has stepped it, to be
+replayed elsewhere if that server goes away first: every sample is counted once.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from dht.records import TrainerRecord
 from peer.client import StageClient
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import Corpus, Sampler, validation_batches
+from peer.ledger import Check, Ledger, Receipt
 from peer.router import NoServer, Router
 from protocols import codec, framing, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
-_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT,)
+WORK = {"forward": 1 / 3, "backward": 1.0}  # share of a forward+backward (a backward recomputes on a cache miss)
 
 
 class MicroBatchFailed(RuntimeError):
@@ -47,6 +51,8 @@ class TrainerSummary:
     samples: int = 0
     micro_batches: int = 0
     failed_micro_batches: int = 0
+    failed_calls: int = 0  # calls that failed and went to another replica
+    replayed: int = 0  # backwards replayed because their server went away before stepping them
     epoch: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
@@ -58,7 +64,8 @@ class Trainer:
         self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
         t = spec.training
         self.num_stages = spec.stages.num_stages
-        self.router = Router(dht, spec.name, self.num_stages, self.tcfg.ban_time)
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
+        self.ledger = Ledger()
         self.client = StageClient(
             cfg.server.chunk_bytes,
             cfg.server.max_message_bytes,
@@ -81,33 +88,70 @@ class Trainer:
         self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
         self._last_eval_epoch = 0
         self._last_progress = 0.0
+        self._no_server_since: dict[int, float] = {}  # stage -> time.time() it was first found unserved
+        self._said_unserved: dict[int, float] = {}
+        self._settling = asyncio.Lock()  # one settle pass at a time: a receipt is replayed once
+        self._settle_task: asyncio.Task | None = None
+        self.stopping = False
 
     # ---- calls with rerouting -------------------------------------------------------------
-    async def _call(self, stage: int, method: str, request, payloads: dict | None = None, prefer: str | None = None):
-        exclude: set[str] = set()
-        waiting_since = None
-        attempts = 0
+    async def _wait_for_server(self, stage: int, pause: float) -> None:
+        """Every server of `stage` is banned or gone: say so (which stage, since when), wait, look again."""
+        if not self.router.servers[stage]:
+            since = self._no_server_since.setdefault(stage, time.time())
+            if self.tcfg.no_server_wait and time.time() - since > self.tcfg.no_server_wait:
+                raise MicroBatchFailed(f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s")
+            if time.monotonic() - self._said_unserved.get(stage, 0.0) > 5.0:
+                self._said_unserved[stage] = time.monotonic()
+                logger.warning(
+                    "stage %d has no live server since %s (%.0f s); waiting for one to come back",
+                    stage,
+                    time.strftime("%H:%M:%S", time.localtime(since)),
+                    time.time() - since,
+                )
+        await asyncio.sleep(pause)
+        with contextlib.suppress(Exception):
+            await self.router.refresh()
+
+    async def _call(
+        self,
+        stage: int,
+        method: str,
+        request,
+        payloads: dict | None = None,
+        prefer: str | None = None,
+        exclude: set[str] | None = None,
+    ):
+        """One forward or backward on some replica of `stage`; returns (response, payloads, peer id).
+
+        Forwards give up after max_retries failures; backwards never do (a later stage has counted
+        the micro-batch already), they wait for a replica instead.
+        """
+        avoid = set(exclude or ())
+        tried: set[str] = set()
+        attempts, pause = 0, 0.25
+        samples = request.inputs.shape[0] if request.inputs.shape else 1
+        kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
         while True:
             try:
-                pid, record = self.router.choose(stage, exclude, prefer)
+                pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
             except NoServer:
-                waiting_since = waiting_since or time.monotonic()
-                if time.monotonic() - waiting_since > self.tcfg.no_server_wait:
-                    raise MicroBatchFailed(
-                        f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s"
-                    ) from None
-                logger.warning("waiting for a server of stage %d", stage)
-                exclude.clear()
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(Exception):
-                    await self.router.refresh()
+                await self._wait_for_server(stage, pause)
+                pause, tried = min(pause * 2, 5.0), set()
                 continue
+            if stage in self._no_server_since:
+                since = self._no_server_since.pop(stage)
+                logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
+            timeout = self.router.deadline(pid, record, kind, samples, WORK[method])
             started = time.monotonic()
             try:
                 call = self.client.forward if method == "forward" else self.client.backward
-                response, returned = await call(record.endpoint, request, payloads, timeout=self.tcfg.request_timeout)
+                response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
                 self._check_answer(stage, method, request, response, returned)
-                self.router.report_success(pid, time.monotonic() - started)
+                self.router.report_success(pid, kind, time.monotonic() - started)
+                if method == "backward":
+                    self.router.report_answer(pid, response.incarnation, response.stepped_seq)
+                self._write_call(stage, method, pid, record.endpoint, started, None)
                 return response, returned, pid
             except grpc.aio.AioRpcError as e:
                 if e.code() in _CALLER_FAULTS:
@@ -115,21 +159,121 @@ class Trainer:
                         f"stage {stage} refused our {method}: {e.code().name}: {e.details()}"
                     ) from None
                 reason = f"{e.code().name}: {e.details()}"
+                details = (e.details() or "").lower()
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "leaving" in details:
+                    self.router.report_leaving(pid)
+                elif e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details:
+                    self.router.report_dead(pid)
             except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
                 reason = str(e)
             ban = self.router.report_failure(pid)
-            exclude.add(pid)
+            tried.add(pid)
             attempts += 1
+            self.summary.failed_calls += 1
+            self._write_call(stage, method, pid, record.endpoint, started, reason)
             logger.warning(
-                "stage %d %s on %s failed (%s); banned %.0f s, trying another replica",
+                "stage %d %s on %s failed after %.1f s (%s); banned %.0f s, trying another replica",
                 stage,
                 method,
                 record.endpoint,
+                time.monotonic() - started,
                 reason,
                 ban,
             )
-            if attempts >= self.tcfg.max_retries:
+            if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    def _write_call(self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None):
+        if self.tcfg.log_calls or error is not None:
+            entry = {"type": "call", "stage": stage, "method": method, "peer": pid, "endpoint": endpoint}
+            entry.update(time=time.time(), seconds=time.monotonic() - started)
+            if error is not None:
+                entry["error"] = error
+            self._write(entry)
+
+    async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None):
+        """A backward, with its receipt kept until the server steps it."""
+        response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude)
+        samples = request.inputs.shape[0] if request.inputs.shape else 1
+        self.ledger.add(
+            Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, time.time())
+        )
+        self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
+        return response, returned
+
+    # ---- receipts -------------------------------------------------------------------------
+    async def settle(self) -> None:
+        """Settle receipts the servers stepped; replay those whose server went away without stepping them."""
+        async with self._settling:
+            try:
+                await self._settle()
+            except (MicroBatchFailed, grpc.aio.AioRpcError) as e:
+                logger.error("settling receipts failed: %s", e)
+
+    async def _settle(self) -> None:
+        replay, checks = self.ledger.review(self.router)
+        for check in checks:
+            counted = await self._counted_by_round(check)
+            if counted is True:
+                self.ledger.remove(check.receipt, counted=True)
+            elif counted is False:
+                replay.append(check.receipt)
+        for receipt in replay:
+            logger.warning(
+                "stage %d: server %s went away before stepping %d samples of ours; replaying them on another replica",
+                receipt.stage,
+                receipt.peer_id[-8:],
+                receipt.samples,
+            )
+            await self._backward(receipt.stage, receipt.request, receipt.payloads, exclude={receipt.peer_id})
+            self.ledger.remove(receipt)
+            self.summary.replayed += 1
+            self._write({"type": "replay", "stage": receipt.stage, "peer": receipt.peer_id, "time": time.time()})
+
+    async def _counted_by_round(self, check: Check) -> bool | None:
+        """Whether the survivors' step `check.epoch` had the gone server in its group; None: not known yet."""
+        for record in list(self.router.servers[check.receipt.stage].values()):
+            try:
+                info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
+            except grpc.aio.AioRpcError:
+                continue
+            if info.epoch < check.epoch:
+                return None  # the round has not finished anywhere yet
+            for step in info.history:
+                if step.epoch == check.epoch and step.members:
+                    return check.receipt.peer_id in step.members
+        return None if not self.router.servers[check.receipt.stage] else False
+
+    async def drain(self) -> None:
+        """At the end: wait until every receipt is stepped, replayed, or held by a live server's accumulator."""
+        async with self._settling:
+            await self._drain()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.tcfg.drain_timeout
+        while self.ledger.receipts and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                await self.router.refresh()
+            holders = {r.peer_id for r in self.ledger.receipts}
+            alive = set()
+            for pid in holders:
+                record = self.router.latest.get(pid)
+                if record is None:
+                    continue
+                try:
+                    info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
+                    self.router.report_answer(pid, info.incarnation, info.stepped_seq)
+                    if info.state == "serving":
+                        alive.add((pid, info.incarnation))
+                except grpc.aio.AioRpcError as e:
+                    if "connection refused" in (e.details() or "").lower():
+                        self.router.report_dead(pid)
+            await self._settle()
+            if all((r.peer_id, r.incarnation) in alive for r in self.ledger.receipts):
+                return  # the rest waits in live accumulators for their next step
+            await asyncio.sleep(0.5)
+        if self.ledger.receipts:
+            logger.warning("%d receipts unsettled after %.0f s", len(self.ledger), self.tcfg.drain_timeout)
 
     def _check_answer(self, stage: int, method: str, request, response, payloads: dict) -> None:
         last = stage == self.num_stages - 1
@@ -165,14 +309,14 @@ class Trainer:
         request = stage_pb2.BackwardRequest(
             run_id=run, stage=n - 1, uid=uid, targets=codec.encode(targets.to(torch.int32)), output_codec=self.codec
         )
-        response, returned, _ = await self._call(n - 1, "backward", *_with(request, "inputs", *stage_inputs[-1]))
+        response, returned = await self._backward(n - 1, *_with(request, "inputs", *stage_inputs[-1]))
         loss, epoch = response.loss, max(epoch, response.epoch)
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
             request = stage_pb2.BackwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec)
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
-            response, returned, _ = await self._call(stage, "backward", request, payloads, prefer=servers[stage])
+            response, returned = await self._backward(stage, request, payloads, prefer=servers[stage])
             grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
 
@@ -191,7 +335,13 @@ class Trainer:
         return sum(losses) / len(losses)
 
     # ---- the loop -------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Start no more micro-batches; finish those under way and settle their receipts, then return."""
+        self.stopping = True
+
     def _done(self, index: int) -> bool:
+        if self.stopping:
+            return True
         if self.tcfg.max_micro_batches and index >= self.tcfg.max_micro_batches:
             return True
         return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
@@ -203,23 +353,36 @@ class Trainer:
         index = 0
         try:
             while True:
-                while len(inflight) < max(1, self.tcfg.max_inflight) and not self._done(index):
+                while (
+                    len(inflight) < max(1, self.tcfg.max_inflight)
+                    and len(self.ledger) < self.tcfg.max_receipts
+                    and not self._done(index)
+                ):
                     inputs, targets = self.sampler.next()
                     task = asyncio.create_task(self._micro_batch(index, inputs, targets))
                     task.index, task.samples = index, inputs.shape[0]
                     inflight.add(task)
                     index += 1
                 if not inflight:
-                    break
+                    if self._done(index):
+                        break
+                    await asyncio.sleep(0.2)  # too many unstepped backwards: wait for the servers to step
+                    continue
                 done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=lambda t: t.index):
                     self._finished(task)
                 await self._maybe_evaluate()
                 self._maybe_progress()
-            if self.tcfg.eval_every:
+            if self.tcfg.eval_every and not self.stopping:
                 await self._evaluate_and_log(force=True)
+            refresher.cancel()
+            if self._settle_task is not None:
+                await self._settle_task
+            await self.drain()
         finally:
             refresher.cancel()
+            if self._settle_task is not None:
+                self._settle_task.cancel()
             for task in inflight:
                 task.cancel()
             self.summary.seconds = time.time() - self.started
@@ -324,6 +487,8 @@ class Trainer:
                 await self.router.refresh()
             except Exception as e:
                 logger.debug("router refresh failed: %s", e)
+            if self._settle_task is None or self._settle_task.done():
+                self._settle_task = asyncio.create_task(self.settle())
             if time.monotonic() - last_announce > self.cfg.network.announce_period:
                 last_announce = time.monotonic()
                 await self._announce()

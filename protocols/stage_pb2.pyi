@@ -56,23 +56,29 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
-    __slots__ = ("grad_inputs", "has_loss", "loss", "epoch")
+    __slots__ = ("grad_inputs", "has_loss", "loss", "epoch", "seq", "incarnation", "stepped_seq")
     GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_SEQ_FIELD_NUMBER: _ClassVar[int]
     grad_inputs: _tensor_pb2.Tensor
     has_loss: bool
     loss: float
     epoch: int
-    def __init__(self, grad_inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    seq: int
+    incarnation: int
+    stepped_seq: int
+    def __init__(self, grad_inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("run_id", "stage", "peer_id", "epoch", "samples_accumulated", "samples_stepped", "throughput", "load", "history")
+    __slots__ = ("run_id", "stage", "peer_id", "epoch", "samples_accumulated", "samples_stepped", "throughput", "load", "history", "incarnation", "stepped_seq", "state")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +88,9 @@ class InfoResponse(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     peer_id: str
@@ -91,17 +100,22 @@ class InfoResponse(_message.Message):
     throughput: float
     load: float
     history: _containers.RepeatedCompositeFieldContainer[StepFingerprint]
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples_accumulated: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., throughput: _Optional[float] = ..., load: _Optional[float] = ..., history: _Optional[_Iterable[_Union[StepFingerprint, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    stepped_seq: int
+    state: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples_accumulated: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., throughput: _Optional[float] = ..., load: _Optional[float] = ..., history: _Optional[_Iterable[_Union[StepFingerprint, _Mapping]]] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StepFingerprint(_message.Message):
-    __slots__ = ("epoch", "samples", "values")
+    __slots__ = ("epoch", "samples", "values", "members")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     samples: int
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
     __slots__ = ("run_id", "stage", "epoch")
@@ -122,12 +136,18 @@ class RoundResponse(_message.Message):
     def __init__(self, joining: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "stage")
+    __slots__ = ("run_id", "stage", "shard", "num_shards", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+    shard: int
+    num_shards: int
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "tensor")

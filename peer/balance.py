@@ -1,0 +1,52 @@
+"""Load balancing: which stage a server should serve so that the slowest stage goes fastest.
+
+The swarm's throughput is bounded by its bottleneck, the stage with the least total throughput
+over its servers. A server joins the weakest stage, and later moves only when moving raises the
+bottleneck by a margin; it never leaves its own stage without a server, and a server that just
+moved waits out a cooldown, so servers do not oscillate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dht.records import ServerRecord
+
+ACTIVE = ("joining", "serving")
+
+
+def stage_totals(records: Iterable[Iterable[ServerRecord]], num_stages: int) -> tuple[list[float], list[int]]:
+    """Per stage: total announced throughput and number of servers, counting those joining or serving."""
+    totals, counts = [0.0] * num_stages, [0] * num_stages
+    for stage, servers in enumerate(records):
+        for r in servers:
+            if r.state in ACTIVE and r.stage == stage:
+                totals[stage] += max(r.throughput, 0.0)
+                counts[stage] += 1
+    return totals, counts
+
+
+def weakest_stage(totals: list[float]) -> int:
+    """The stage with the least total throughput (the lowest index on ties)."""
+    return min(range(len(totals)), key=lambda s: (totals[s], s))
+
+
+def plan_move(totals: list[float], counts: list[int], stage: int, throughput: float, margin: float) -> int | None:
+    """The stage a server of `stage` with `throughput` should move to, or None to stay.
+
+    It moves only if the bottleneck after the move exceeds the bottleneck now by `margin`
+    (a fraction), never away from a stage it would leave unserved, never to its own stage.
+    """
+    if counts[stage] < 2 or throughput <= 0:
+        return None
+    now = min(totals)
+    best, best_bottleneck = None, now * (1 + margin)
+    for target in range(len(totals)):
+        if target == stage:
+            continue
+        after = list(totals)
+        after[stage] -= throughput
+        after[target] += throughput
+        if min(after) > best_bottleneck:
+            best, best_bottleneck = target, min(after)
+    return best

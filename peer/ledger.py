@@ -1,0 +1,89 @@
+"""A trainer's receipts for backwards that servers accumulated but have not stepped yet.
+
+A server that dies takes its accumulator with it. So the trainer keeps each backward it sent
+(the stage's inputs and output gradients, enough for any replica to recompute it) until the
+server says the addition is in a finished optimizer step (`stepped_seq`), and replays it on
+another replica if the server goes away first. Where the server was in an averaging round when it
+went away, the survivors' step records say whether the round counted it (the server was one of
+the group's members) or not; only then is it replayed. Every sample is thus counted once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from peer.router import Router
+from protocols import stage_pb2
+
+
+@dataclass(eq=False)
+class Receipt:
+    stage: int
+    peer_id: str
+    incarnation: int
+    seq: int
+    request: stage_pb2.BackwardRequest  # what to send again on a replay
+    payloads: dict
+    samples: int
+    heard: float  # time.time() the server answered
+
+
+@dataclass
+class Check:
+    """A receipt whose server went away during a round: did the round's step `epoch` count it?"""
+
+    receipt: Receipt
+    epoch: int  # the step the round made, if it succeeded
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.receipts: list[Receipt] = []
+        self.settled = 0  # receipts whose server stepped them
+        self.replayed = 0  # receipts sent again to another replica
+        self.counted_by_round = 0  # receipts of a dead server that its last round counted
+
+    def __len__(self) -> int:
+        return len(self.receipts)
+
+    def add(self, receipt: Receipt) -> None:
+        self.receipts.append(receipt)
+
+    def confirm(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
+        """A server said its additions up to `stepped_seq` are stepped: those receipts are done."""
+        kept = [
+            r
+            for r in self.receipts
+            if not (r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq)
+        ]
+        self.settled += len(self.receipts) - len(kept)
+        self.receipts = kept
+
+    def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
+        """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors)."""
+        replay, check = [], []
+        for (peer_id, incarnation), record in list(router.last.items()):
+            self.confirm(peer_id, incarnation, record.stepped_seq)
+        for (peer_id, incarnation), stepped_seq in list(router.answered.items()):
+            self.confirm(peer_id, incarnation, stepped_seq)
+        for r in self.receipts:
+            if not router.gone(r.peer_id, r.incarnation, r.heard):
+                continue
+            last = router.last.get((r.peer_id, r.incarnation))
+            if last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq:
+                check.append(Check(r, last.averaging_epoch + 1))
+            else:
+                replay.append(r)
+        return replay, check
+
+    def remove(self, receipt: Receipt, counted: bool = False) -> None:
+        if receipt in self.receipts:
+            self.receipts.remove(receipt)
+            if counted:
+                self.counted_by_round += 1
+            else:
+                self.replayed += 1
+
+    def oldest_age(self) -> float:
+        return time.time() - min((r.heard for r in self.receipts), default=time.time())

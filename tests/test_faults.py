@@ -1,0 +1,212 @@
+"""Faults with real processes and real signals: hung servers, killed servers, churn, joiners.
+
+Every test ends with the same books: for each stage, the samples its surviving replicas stepped
+plus what waits in their accumulators equals the samples the trainers completed, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import signal
+import time
+
+from conftest import info
+
+SPEC = {
+    "name": "faults",
+    "seed": 3,
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 32},
+    "stages": {"num_stages": 2},
+    "training": {
+        "micro_batch_size": 4,
+        "seq_len": 32,
+        "target_batch_size": 16,
+        "total_steps": 100000,  # the tests stop the trainers
+        "lr": 0.003,
+        "warmup_steps": 2,
+    },
+    "averaging": {"min_matchmaking_time": 3.0, "request_timeout": 2.0, "averaging_timeout": 8.0},
+}
+
+
+def serving(peer) -> tuple[int, str] | None:
+    """The stage and endpoint a server serves now (the last it announced: it may have moved)."""
+    found = re.findall(r"Serving stage (\d+) at (\S+) from step", peer.output())
+    return (int(found[-1][0]), found[-1][1]) if found else None
+
+
+def completed(swarm, trainers) -> int:
+    return sum(e["samples"] for t in trainers for e in swarm.log(t) if e["type"] == "micro_batch")
+
+
+def calls(swarm, trainer: str) -> list[dict]:
+    return [e for e in swarm.log(trainer) if e["type"] == "call"]
+
+
+def wait_micro_batches(swarm, trainers, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = sum(1 for t in trainers for e in swarm.log(t) if e["type"] == "micro_batch")
+        if done >= count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} micro-batches within {timeout} s")
+
+
+def stop_trainers(trainers) -> None:
+    for t in trainers:
+        t.signal(signal.SIGTERM)
+    for t in trainers:
+        assert t.wait(90) == 0, t.output()[-3000:]
+
+
+def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
+    """Info of each live replica of a stage, once they all sit at the same step with nothing in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = [info(e) for e in endpoints]
+        if len({i.epoch for i in infos}) == 1 and len({i.samples_stepped for i in infos}) == 1:
+            return infos
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replicas never agreed: {[(i.epoch, i.samples_stepped) for i in infos]}")
+        time.sleep(1.0)
+
+
+def check_books(infos: list, samples: int, stage: int) -> None:
+    stepped = infos[0].samples_stepped
+    pending = sum(i.samples_accumulated for i in infos)
+    assert stepped + pending == samples, f"stage {stage}: {stepped} stepped + {pending} pending != {samples} completed"
+
+
+def check_same_parameters(infos: list, stage: int) -> None:
+    steps = [{f.epoch: f for f in i.history} for i in infos]
+    common = set.intersection(*(set(s) for s in steps))
+    assert common, f"stage {stage}: the replicas share no step"
+    for epoch in sorted(common):
+        first = steps[0][epoch]
+        for other in steps[1:]:
+            for x, y in zip(first.values, other[epoch].values, strict=True):
+                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5), f"stage {stage} step {epoch}: {x} != {y}"
+
+
+def test_sigstop_moves_on_within_deadline_then_forgiven(swarm):
+    swarm.coordinator(SPEC)
+    hung, spare = swarm.server("s0a", 0), swarm.server("s0b", 0)
+    last = swarm.server("s1", 1)
+    ends = {"hung": swarm.endpoint(hung), "spare": swarm.endpoint(spare), "last": swarm.endpoint(last)}
+    trainer = swarm.trainer("t0", ["--set", "trainer.log_calls=true"])
+    wait_micro_batches(swarm, ["t0"], 20, 120)
+
+    stopped = time.time()
+    hung.signal(signal.SIGSTOP)
+    time.sleep(14)  # longer than the record TTL: the frozen server drops its accumulator, trainers replay it
+    resumed = time.time()
+    hung.signal(signal.SIGCONT)
+
+    deadline = time.monotonic() + 60
+    while not any(
+        c["endpoint"] == ends["hung"] and "error" not in c and c["time"] > resumed for c in calls(swarm, "t0")
+    ):
+        assert time.monotonic() < deadline, "the resumed server was never used again"
+        time.sleep(0.5)
+    stop_trainers([trainer])
+
+    log = calls(swarm, "t0")
+    failed = [c for c in log if c["endpoint"] == ends["hung"] and "error" in c and stopped <= c["time"] + c["seconds"]]
+    assert failed, "no call to the stopped server failed"
+    # each call to the hung server gave up within the deadline and the micro-batch went elsewhere
+    assert max(c["seconds"] for c in failed) <= 5.0, failed
+    finished = [e["time"] for e in swarm.log("t0") if e["type"] == "micro_batch"]
+    assert any(stopped + 5 < t < resumed for t in finished), "training stalled while a replica was stopped"
+    replays = [e for e in swarm.log("t0") if e["type"] == "replay"]
+    assert "dropped here" in hung.output() or not replays
+
+    samples = completed(swarm, ["t0"])
+    for stage, endpoints in ((0, [ends["hung"], ends["spare"]]), (1, [ends["last"]])):
+        infos = settled_infos(endpoints)
+        check_books(infos, samples, stage)
+        check_same_parameters(infos, stage)
+
+
+def test_kill_between_forward_and_backward(swarm):
+    swarm.coordinator(SPEC)
+    first = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
+    last = swarm.server("s1", 1)
+    ends = {name: swarm.endpoint(s) for name, s in first.items()}
+    last_end = swarm.endpoint(last)
+    trainer = swarm.trainer("t0", ["--set", "trainer.log_calls=true"])
+    wait_micro_batches(swarm, ["t0"], 16, 120)
+
+    # hold the micro-batches in flight at stage 1, after their stage-0 forward and before its backward
+    last.signal(signal.SIGSTOP)
+    time.sleep(1.0)
+    forwards = [c for c in calls(swarm, "t0") if c["stage"] == 0 and c["method"] == "forward" and "error" not in c]
+    victim = next(name for name, e in ends.items() if e == forwards[-1]["endpoint"])
+    killed = time.time()
+    first[victim].signal(signal.SIGKILL)
+    last.signal(signal.SIGCONT)
+    survivor = next(name for name in ends if name != victim)
+
+    wait_micro_batches(swarm, ["t0"], len([e for e in swarm.log("t0") if e["type"] == "micro_batch"]) + 16, 120)
+    stop_trainers([trainer])
+    log = calls(swarm, "t0")
+    failed_backward = [
+        c
+        for c in log
+        if c["endpoint"] == ends[victim] and c["method"] == "backward" and "error" in c and c["time"] >= killed - 1
+    ]
+    assert failed_backward, "no backward was sent to the killed server after its forward"
+    assert not [e for e in swarm.log("t0") if e["type"] == "failed"], "a micro-batch was given up"
+
+    samples = completed(swarm, ["t0"])
+    check_books(settled_infos([ends[survivor]]), samples, 0)
+    check_books(settled_infos([last_end]), samples, 1)
+
+
+def test_chaos_kills_and_joins(swarm):
+    """2 stages x 3 replicas, 2 trainers; a random server is SIGKILLed about every 10 s and a fresh one joins."""
+    swarm.coordinator(SPEC)
+    servers = {f"s{stage}{i}": swarm.server(f"s{stage}{i}", stage) for stage in range(2) for i in range(3)}
+    for s in servers.values():
+        swarm.endpoint(s)
+    trainers = {name: swarm.trainer(name, ["--seed", str(i)]) for i, name in enumerate(("t0", "t1"))}
+    wait_micro_batches(swarm, list(trainers), 20, 120)
+
+    rng = random.Random(0)
+    alive = dict(servers)
+    joined = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 120:
+        time.sleep(rng.uniform(8, 12))
+        stages = {name: found[0] for name, s in alive.items() if (found := serving(s)) is not None}
+        # a random server, among those of a stage that keeps another one
+        candidates = [n for n, st in stages.items() if sum(1 for x in stages.values() if x == st) >= 2]
+        victim = rng.choice(sorted(candidates))
+        alive.pop(victim).signal(signal.SIGKILL)
+        joined += 1
+        name = f"j{joined}"
+        alive[name] = swarm.server(name)  # a fresh server, choosing its stage itself
+    for s in alive.values():
+        swarm.endpoint(s, timeout=120)
+    stop_trainers(list(trainers.values()))
+
+    samples = completed(swarm, list(trainers))
+    by_stage: dict[int, list[str]] = {0: [], 1: []}
+    for s in alive.values():
+        stage, endpoint = serving(s)
+        by_stage[stage].append(endpoint)
+    for stage, endpoints in by_stage.items():
+        assert endpoints, f"stage {stage} has no server at the end"
+        infos = settled_infos(endpoints)
+        check_books(infos, samples, stage)
+        check_same_parameters(infos, stage)  # joiners included: the same parameters as the others
+
+    for name in trainers:
+        entries = [e for e in swarm.log(name) if e["type"] == "micro_batch"]
+        losses = [e["loss"] for e in entries]
+        assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20, f"{name}: loss did not fall"
+        times = [e["time"] for e in entries]
+        assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 30, f"{name}: training stalled"
+        assert not [e for e in swarm.log(name) if e["type"] == "failed"], f"{name}: a micro-batch was given up"
