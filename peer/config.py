@@ -183,7 +183,7 @@ class ServerConfig:
     stream_bytes: int = 2 * 1024 * 1024  # messages above this travel as a framed stream (below, unary calls are faster)
     max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
-    fingerprint_history: int = 64  # optimizer steps remembered for replicas to compare
+    fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
@@ -210,7 +210,7 @@ class TrainerConfig:
     no_server_wait: float = (
         0.0  # s to wait for a stage with no live server before giving up (0: wait as long as it takes)
     )
-    max_receipts: int = 64  # backwards kept until their server steps them (for a replay if it dies); more wait
+    max_receipts: int = 256  # backwards kept until their server steps them (for a replay if it dies); more wait
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
     eval_every: int = 0  # steps between validation runs (0: never)
     eval_batches: int = 4  # micro-batches of held-out data per validation run

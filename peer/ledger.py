@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from peer.router import Router
 from protocols import stage_pb2
 
+STALE_ROUND = 2.0  # s after which a server's announced round is looked up in its partners' step records
+
 
 @dataclass(eq=False)
 class Receipt:
@@ -35,6 +37,7 @@ class Check:
 
     receipt: Receipt
     epoch: int  # the step the round made, if it succeeded
+    decisive: bool  # the server is gone: "not in the group" means replay (else it only may settle early)
 
 
 class Ledger:
@@ -67,12 +70,18 @@ class Ledger:
             self.confirm(peer_id, incarnation, record.stepped_seq)
         for (peer_id, incarnation), stepped_seq in list(router.answered.items()):
             self.confirm(peer_id, incarnation, stepped_seq)
+        now = time.time()
         for r in self.receipts:
-            if not router.gone(r.peer_id, r.incarnation, r.heard):
-                continue
             last = router.last.get((r.peer_id, r.incarnation))
-            if last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq:
-                check.append(Check(r, last.averaging_epoch + 1))
+            in_round = last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq
+            if not router.gone(r.peer_id, r.incarnation, r.heard):
+                if in_round and now - last.updated > STALE_ROUND:
+                    # its round went quiet: if the survivors' step has it in the group, that settles it now,
+                    # while their step records still reach back that far
+                    check.append(Check(r, last.averaging_epoch + 1, decisive=False))
+                continue
+            if in_round:
+                check.append(Check(r, last.averaging_epoch + 1, decisive=True))
             else:
                 replay.append(r)
         return replay, check

@@ -45,7 +45,7 @@ class _CachedForward:
     outputs: torch.Tensor
 
 
-LATE_MARGIN = 0.05  # s: gradients finished closer than this to the deadline are not kept (the answer would be late)
+LATE_MARGIN = 0.25  # s: gradients finished closer than this to the deadline are not kept (the answer could come late)
 
 
 class StageRuntime:

@@ -99,6 +99,8 @@ class StageServer:
         self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
         self.round_seq = 0  # additions the running round covers
+        self.samples_averaging = 0  # samples taken out of the accumulator for the running round
+        self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
         self.balance = balance  # move to a better stage when it raises the bottleneck
         self.move_to: int | None = None  # the stage this server leaves to serve, once decided
@@ -138,7 +140,10 @@ class StageServer:
 
     # ---- stepping -------------------------------------------------------------------------
     def _serving_peers(self) -> list[ServerRecord]:
-        return [r for r in self.peers.values() if r.state == "serving"]
+        """Partners that serve, leaving out those that ignored an invitation and have not announced since."""
+        return [
+            r for pid, r in self.peers.items() if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
+        ]
 
     def _maybe_step(self) -> None:
         if self.stepping or self.state != "serving" or self.leaving or time.monotonic() < self._retry_after:
@@ -180,6 +185,10 @@ class StageServer:
         )
         joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
         alive = [(r, a) for r, a in zip(partners, answers, strict=True) if not isinstance(a, BaseException)]
+        by_endpoint = {r.endpoint: pid for pid, r in self.peers.items()}
+        for r, a in zip(partners, answers, strict=True):
+            if isinstance(a, BaseException) and r.endpoint in by_endpoint:
+                self._unresponsive[by_endpoint[r.endpoint]] = r.updated  # hung or gone: not waited for again
         if not joined and any(a.epoch != epoch for _, a in alive):
             # a live partner is at another step (one side of a round failed): never step apart from it.
             # Behind, it catches up from us; ahead, we take its state now.
@@ -189,6 +198,12 @@ class StageServer:
             if ahead:
                 await self._resync(ahead[0])
             await self.publish(force=True)
+            return
+        if not joined:
+            # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
+            # a partner that was only slow is then behind and catches up from us
+            future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1, epoch)
+            await self._finish_step(future)
             return
         # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
         # instant can each take the other for its leader, and hivemind then fails the round
@@ -201,6 +216,7 @@ class StageServer:
         rt = self.runtime
         started = time.perf_counter()
         grads, samples, seq, incarnation = await self.run_torch(self._take)
+        self.samples_averaging = samples
         # trainers must know what this round covers before it can succeed: if we die right after it,
         # they ask the survivors whether we were in the group instead of replaying what it stepped
         self.round_seq = seq
@@ -221,7 +237,10 @@ class StageServer:
             rt.apply_step(result.gradients, result.group_samples, seq, result.members)
             return result.group_samples, result.group_size
 
-        group_samples, members = await self.run_torch(finish)
+        try:
+            group_samples, members = await self.run_torch(finish)
+        finally:
+            self.samples_averaging = 0
         return group_samples, members, time.perf_counter() - started
 
     def _take(self):
@@ -315,6 +334,8 @@ class StageServer:
         )
 
     async def publish(self, force: bool = False) -> bool:
+        if time.time() > self.record_expires:
+            await self.run_torch(self._drop_if_expired)  # before a new record makes trainers count anew
         record = self.record()
         signature = (
             record.epoch,

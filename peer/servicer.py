@@ -167,6 +167,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             incarnation=rt.incarnation,
             stepped_seq=rt.stepped_seq,
             state=self.server.record().state,
+            samples_averaging=self.server.samples_averaging,
         )
 
     async def Round(self, request: stage_pb2.RoundRequest, context):

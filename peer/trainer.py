@@ -212,11 +212,15 @@ class Trainer:
 
     async def _settle(self) -> None:
         replay, checks = self.ledger.review(self.router)
+        verdicts: dict[tuple[int, str, int, int], bool | None] = {}  # one look per (stage, server, step)
         for check in checks:
-            counted = await self._counted_by_round(check)
+            key = (check.receipt.stage, check.receipt.peer_id, check.receipt.incarnation, check.epoch)
+            if key not in verdicts:
+                verdicts[key] = await self._counted_by_round(check)
+            counted = verdicts[key]
             if counted is True:
                 self.ledger.remove(check.receipt, counted=True)
-            elif counted is False:
+            elif counted is False and check.decisive:
                 replay.append(check.receipt)
         for receipt in replay:
             logger.warning(
@@ -232,7 +236,9 @@ class Trainer:
 
     async def _counted_by_round(self, check: Check) -> bool | None:
         """Whether the survivors' step `check.epoch` had the gone server in its group; None: not known yet."""
-        for record in list(self.router.servers[check.receipt.stage].values()):
+        for pid, record in list(self.router.servers[check.receipt.stage].items()):
+            if pid == check.receipt.peer_id:
+                continue
             try:
                 info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
             except grpc.aio.AioRpcError:
@@ -251,6 +257,7 @@ class Trainer:
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.tcfg.drain_timeout
+        logger.info("draining %d receipts", len(self.ledger))
         while self.ledger.receipts and time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 await self.router.refresh()
@@ -271,6 +278,11 @@ class Trainer:
             await self._settle()
             if all((r.peer_id, r.incarnation) in alive for r in self.ledger.receipts):
                 return  # the rest waits in live accumulators for their next step
+            logger.info(
+                "settling %d receipts of %d server(s) that went away before stepping them",
+                sum(1 for r in self.ledger.receipts if (r.peer_id, r.incarnation) not in alive),
+                len({r.peer_id for r in self.ledger.receipts if (r.peer_id, r.incarnation) not in alive}),
+            )
             await asyncio.sleep(0.5)
         if self.ledger.receipts:
             logger.warning("%d receipts unsettled after %.0f s", len(self.ledger), self.tcfg.drain_timeout)

@@ -78,7 +78,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("run_id", "stage", "peer_id", "epoch", "samples_accumulated", "samples_stepped", "throughput", "load", "history", "incarnation", "stepped_seq", "state")
+    __slots__ = ("run_id", "stage", "peer_id", "epoch", "samples_accumulated", "samples_stepped", "throughput", "load", "history", "incarnation", "stepped_seq", "state", "samples_averaging")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class InfoResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEPPED_SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_AVERAGING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     peer_id: str
@@ -103,7 +104,8 @@ class InfoResponse(_message.Message):
     incarnation: int
     stepped_seq: int
     state: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples_accumulated: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., throughput: _Optional[float] = ..., load: _Optional[float] = ..., history: _Optional[_Iterable[_Union[StepFingerprint, _Mapping]]] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    samples_averaging: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples_accumulated: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., throughput: _Optional[float] = ..., load: _Optional[float] = ..., history: _Optional[_Iterable[_Union[StepFingerprint, _Mapping]]] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ..., state: _Optional[str] = ..., samples_averaging: _Optional[int] = ...) -> None: ...
 
 class StepFingerprint(_message.Message):
     __slots__ = ("epoch", "samples", "values", "members")

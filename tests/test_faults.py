@@ -76,7 +76,7 @@ def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
 
 def check_books(infos: list, samples: int, stage: int) -> None:
     stepped = infos[0].samples_stepped
-    pending = sum(i.samples_accumulated for i in infos)
+    pending = sum(i.samples_accumulated + i.samples_averaging for i in infos)
     assert stepped + pending == samples, f"stage {stage}: {stepped} stepped + {pending} pending != {samples} completed"
 
 
