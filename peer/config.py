@@ -187,6 +187,7 @@ class ServerConfig:
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    throughput: float = 0.0  # samples/s this server announces; 0: measure it (a benchmark, then the real work)
     rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
     balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
     balance_margin: float = 0.2  # move only if the slowest stage's throughput then rises by this fraction

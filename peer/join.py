@@ -90,8 +90,12 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             flush=True,
         )
         runtime = StageRuntime(spec, stage, cfg.server.activation_cache_size, cfg.server.fingerprint_history)
-        rate = runtime.benchmark(spec.training.micro_batch_size, spec.training.seq_len)
-        print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
+        if cfg.server.throughput > 0:
+            runtime.throughput, runtime.fixed_throughput = cfg.server.throughput, True
+            print(f"Announcing {cfg.server.throughput:.1f} samples/s for this stage (server.throughput).", flush=True)
+        else:
+            rate = runtime.benchmark(spec.training.micro_batch_size, spec.training.seq_len)
+            print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         # hivemind's averager forks: create it before any gRPC channel or server
         averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec.averaging)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)

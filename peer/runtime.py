@@ -45,6 +45,7 @@ class _CachedForward:
     outputs: torch.Tensor
 
 
+STEP_MEMBERS = 32  # recent steps whose group members travel with a state
 LATE_MARGIN = 0.25  # s: gradients finished closer than this to the deadline are not kept (the answer could come late)
 
 
@@ -64,6 +65,7 @@ class StageRuntime:
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = activation_cache_size
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
+        self.fixed_throughput = False  # announced as configured, not measured
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
         self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
         # (epoch, grads, samples, seq) of a failed round, back in the accumulator
@@ -210,6 +212,8 @@ class StageRuntime:
         return grad_inputs, loss, self.seq
 
     def _measure(self, batch: int, seconds: float, weight: float) -> None:
+        if self.fixed_throughput:
+            return
         # a forward is ~1/3 and a backward ~2/3 of the work of one sample
         sample_rate = batch / max(seconds / weight, 1e-6)
         self.throughput = sample_rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * sample_rate
@@ -328,11 +332,14 @@ class StageRuntime:
             "last_step_samples": self.history[-1].samples if self.history else 0,
             "spec": self.spec.fingerprint(),
             "tensor_count": len(everything),
+            # who made the recent steps: a replica that resyncs keeps gradients no step of the donor counted
+            "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
         }
         return metadata, tensors
 
     @torch.no_grad()
-    def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
+        """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         if metadata.get("stage") != self.stage or metadata.get("spec") != self.spec.fingerprint():
             raise StateError(f"state is for stage {metadata.get('stage')} of spec {metadata.get('spec')}, not ours")
         for name, p in zip(self.param_names, self.params, strict=True):
@@ -350,9 +357,10 @@ class StageRuntime:
                     state[key] = t.clone()
             if state:
                 self.optimizer.state[p] = state
-        if self.restored is not None and self.restored[0] < int(metadata["epoch"]):
-            # the donor stepped past the round that failed here: that round succeeded on its side, with
-            # our samples gathered into it, so they were already accounted and applied there
+        members = (metadata.get("step_members") or {}).get(str(self.restored[0] + 1)) if self.restored else None
+        if self.restored is not None and self.restored[0] < int(metadata["epoch"]) and me in (members or []):
+            # the donor's step after the round that failed here had us in its group: the round succeeded
+            # on its side with our samples gathered into it, so they were already accounted and applied
             self._drop_restored()
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))

@@ -461,7 +461,7 @@ class StageServer:
             started = time.perf_counter()
             try:
                 metadata, tensors = await self._fetch_state(donors)
-                await self.run_torch(self.runtime.load_state, metadata, tensors)
+                await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
                 logger.info(
                     "loaded stage %d state (step %d) from %d donor(s) in %.2f s",
                     self.stage,

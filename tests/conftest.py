@@ -77,14 +77,20 @@ def write_spec(path: Path, spec: dict) -> Path:
 
 
 class Peer:
-    def __init__(self, name: str, args: list[str], workdir: Path):
+    def __init__(self, name: str, args: list[str], workdir: Path, niceness: int = 0):
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the test's dir
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
         self.proc = subprocess.Popen(
-            [*PEER, *args], cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            [*PEER, *args],
+            cwd=workdir,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
         )
         self.known_pids: set[int] = {self.proc.pid}
 
@@ -142,8 +148,8 @@ class Swarm:
         self.peers: list[Peer] = []
         self.maddr = ""
 
-    def start(self, name: str, args: list[str]) -> Peer:
-        peer = Peer(name, args, self.workdir)
+    def start(self, name: str, args: list[str], niceness: int = 0) -> Peer:
+        peer = Peer(name, args, self.workdir, niceness)
         self.peers.append(peer)
         return peer
 
@@ -175,9 +181,11 @@ class Swarm:
         stage_args = ["--stage", str(stage)] if stage is not None else []
         return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args))
 
-    def trainer(self, name: str, extra: list[str] = ()) -> Peer:
+    def trainer(self, name: str, extra: list[str] = (), niceness: int = 0) -> Peer:
         return self.start(
-            name, loopback_join(self.maddr, name, "--role", "trainer", "--log-file", f"{name}.jsonl", *extra)
+            name,
+            loopback_join(self.maddr, name, "--role", "trainer", "--log-file", f"{name}.jsonl", *extra),
+            niceness,
         )
 
     @staticmethod

@@ -171,7 +171,8 @@ def test_chaos_kills_and_joins(swarm):
     servers = {f"s{stage}{i}": swarm.server(f"s{stage}{i}", stage) for stage in range(2) for i in range(3)}
     for s in servers.values():
         swarm.endpoint(s)
-    trainers = {name: swarm.trainer(name, ["--seed", str(i)]) for i, name in enumerate(("t0", "t1"))}
+    # the trainers yield the CPU to starting peers: on a 2-core machine a saturated swarm starves a joiner
+    trainers = {name: swarm.trainer(name, ["--seed", str(i)], niceness=10) for i, name in enumerate(("t0", "t1"))}
     wait_micro_batches(swarm, list(trainers), 20, 120)
 
     rng = random.Random(0)
@@ -188,6 +189,7 @@ def test_chaos_kills_and_joins(swarm):
         joined += 1
         name = f"j{joined}"
         alive[name] = swarm.server(name)  # a fresh server, choosing its stage itself
+        swarm.endpoint(alive[name], timeout=90)  # the next kill comes once it serves
     for s in alive.values():
         swarm.endpoint(s, timeout=120)
     stop_trainers(list(trainers.values()))

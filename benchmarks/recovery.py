@@ -1,0 +1,173 @@
+"""How fast the swarm recovers from a killed or a hung replica, and what churn costs, in one run.
+
+A coordinator, 2 stages x 2 replicas and a trainer run on loopback. Phases, one after another:
+a baseline without faults; SIGKILL of one replica of stage 0 (a fresh one joins afterwards); SIGSTOP
+of one replica of stage 0 (SIGCONT afterwards); then churn, a random server SIGKILLed and a fresh
+one started every 10 s. The recovery time of a fault is the time from the signal until the
+trainer's throughput over a 2 s window is back to 90% of what the survivors give once settled
+(measured 12-22 s after the signal). The last line is
+
+    kill_recovery_s=... stop_recovery_s=... churn_ratio=... dead_call_fraction=...
+
+where dead_call_fraction is the share of the trainer's calls after the kill that went to the
+killed peer, and churn_ratio the throughput under churn over the baseline.
+
+    python benchmarks/recovery.py [--churn 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from peer.config import RunSpec
+from peer.demo import Processes, loopback_join, spec_to_toml
+
+WINDOW = 2.0  # s of throughput window
+SETTLED = (12.0, 22.0)  # s after a fault over which the survivors' throughput is measured
+
+
+def spec() -> RunSpec:
+    s = RunSpec()
+    s.name = "recovery"
+    s.model.hidden_size, s.model.num_layers, s.model.num_heads, s.model.intermediate_size = 128, 4, 4, 256
+    s.model.max_seq_len = s.training.seq_len = 64
+    s.training.micro_batch_size, s.training.target_batch_size, s.training.total_steps = 8, 32, 100_000
+    s.averaging.min_matchmaking_time, s.averaging.request_timeout, s.averaging.averaging_timeout = 3.0, 2.0, 8.0
+    return s
+
+
+class Bench:
+    def __init__(self, workdir: Path):
+        self.workdir, self.procs, self.joined = workdir, Processes(workdir), 0
+        self.servers: dict[str, int] = {}  # name -> stage
+
+    def start_swarm(self, s: RunSpec) -> None:
+        (self.workdir / "run.toml").write_text(spec_to_toml(s))
+        info = self.workdir / "coordinator.json"
+        self.procs.start(
+            "coordinator",
+            ["coordinator", "run.toml", "--identity", "c.pem", "--host", "127.0.0.1", "--info-file", str(info)],
+        )
+        wait(lambda: info.exists(), 60, "the coordinator")
+        self.maddr = json.loads(info.read_text())["join"].split()[-1]
+        for stage in range(2):
+            for i in range(2):
+                self.server(f"s{stage}{i}", stage)
+        args = ["--role", "trainer", "--seed", "0", "--max-inflight", "3", "--log-file", "t.jsonl"]
+        self.procs.start("t", loopback_join(self.maddr, "t", *args, "--set", "trainer.log_calls=true"))
+
+    def server(self, name: str, stage: int | None) -> None:
+        extra = ["--stage", str(stage)] if stage is not None else []
+        self.procs.start(name, loopback_join(self.maddr, name, *extra))
+        wait(lambda: "Serving stage" in self.procs.log(name), 120, name)
+        self.servers[name] = int(self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[0])
+
+    def endpoint(self, name: str) -> str:
+        return self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[2]
+
+    def signal(self, name: str, sig: int) -> float:
+        os.kill(self.procs.procs[name][0].pid, sig)
+        return time.time()
+
+    def entries(self, kind: str) -> list[dict]:
+        path = self.workdir / "t.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [e for e in (json.loads(line) for line in lines if line.strip()) if e["type"] == kind]
+
+    def rate(self, start: float, end: float) -> float:
+        samples = sum(e["samples"] for e in self.entries("micro_batch") if start <= e["time"] < end)
+        return samples / max(end - start, 1e-9)
+
+    def recovery(self, fault: float) -> tuple[float, float]:
+        """(seconds until the throughput is back to 90% of the settled one, the settled throughput)."""
+        settled = self.rate(fault + SETTLED[0], fault + SETTLED[1])
+        t = fault
+        while t < fault + SETTLED[1]:
+            if self.rate(t, t + WINDOW) >= 0.9 * settled:
+                return t - fault, settled
+            t += 0.1
+        return float("inf"), settled
+
+
+def wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"benchmark: {what} did not start in time")
+        time.sleep(0.3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--churn", type=float, default=40.0, help="seconds of churn (a kill and a join every 10 s)")
+    parser.add_argument("--baseline", type=float, default=20.0, help="seconds of the fault-free baseline")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-recovery-") as tmp:
+        bench = Bench(Path(tmp))
+        try:
+            bench.start_swarm(spec())
+            wait(lambda: len(bench.entries("micro_batch")) > 20, 120, "training")
+            time.sleep(10)  # warm up
+            start = time.time()
+            time.sleep(args.baseline)
+            baseline = bench.rate(start, time.time())
+            print(f"baseline: {baseline:.1f} samples/s", flush=True)
+
+            victim = bench.endpoint("s00")
+            killed = bench.signal("s00", signal.SIGKILL)
+            bench.servers.pop("s00")
+            time.sleep(SETTLED[1] + WINDOW)
+            kill_s, kill_ref = bench.recovery(killed)
+            after = [e for e in bench.entries("call") if e["time"] >= killed]
+            dead_fraction = sum(1 for e in after if e["endpoint"] == victim) / max(len(after), 1)
+            print(
+                f"SIGKILL: back to 90% of {kill_ref:.1f} samples/s after {kill_s:.2f} s; "
+                f"{dead_fraction:.4f} of {len(after)} calls went to the dead peer",
+                flush=True,
+            )
+
+            bench.server("j0", 0)  # a fresh replica for stage 0
+            time.sleep(10)
+            stopped = bench.signal("s01", signal.SIGSTOP)
+            time.sleep(SETTLED[1] + WINDOW)
+            bench.signal("s01", signal.SIGCONT)
+            stop_s, stop_ref = bench.recovery(stopped)
+            print(f"SIGSTOP: back to 90% of {stop_ref:.1f} samples/s after {stop_s:.2f} s", flush=True)
+
+            time.sleep(10)
+            start = time.time()
+            while time.time() - start < args.churn:
+                time.sleep(10)
+                stages = list(bench.servers.values())
+                candidates = [n for n, s in bench.servers.items() if stages.count(s) >= 2]
+                name = rng.choice(sorted(candidates))
+                bench.signal(name, signal.SIGKILL)
+                bench.servers.pop(name)
+                bench.joined += 1
+                bench.procs.start(f"c{bench.joined}", loopback_join(bench.maddr, f"c{bench.joined}"))
+                bench.servers[f"c{bench.joined}"] = -1  # its stage is known once it serves
+                wait(lambda n=f"c{bench.joined}": "Serving stage" in bench.procs.log(n), 120, "a joiner")
+                log = bench.procs.log(f"c{bench.joined}")
+                bench.servers[f"c{bench.joined}"] = int(log.rsplit("Serving stage ", 1)[1].split()[0])
+            churn = bench.rate(start, time.time())
+            print(f"churn: {churn:.1f} samples/s", flush=True)
+        finally:
+            bench.procs.stop()
+    print(
+        f"kill_recovery_s={kill_s:.2f} stop_recovery_s={stop_s:.2f} churn_ratio={churn / baseline:.3f} "
+        f"dead_call_fraction={dead_fraction:.4f} baseline_sps={baseline:.1f} kill_settled_sps={kill_ref:.1f} "
+        f"stop_settled_sps={stop_ref:.1f} churn_sps={churn:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Load balancing: the rule (unit tests) and a real server moving to the stage that needs it."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from conftest import info
+
+from dht.records import ServerRecord
+from peer.balance import plan_move, stage_totals, weakest_stage
+
+
+def test_moves_only_when_the_bottleneck_rises_by_the_margin():
+    # stage 1 is the bottleneck: a server of the crowded stage 0 moves there
+    assert plan_move([30.0, 10.0], [3, 1], stage=0, throughput=10.0, margin=0.2) == 1
+    # equal stages: moving would lower the bottleneck
+    assert plan_move([20.0, 20.0], [2, 2], stage=0, throughput=10.0, margin=0.2) is None
+    # a gain below the margin is not worth a move (hysteresis): 10 -> 11
+    assert plan_move([21.0, 10.0], [2, 1], stage=0, throughput=1.0, margin=0.2) is None
+
+
+def test_never_leaves_a_stage_unserved_nor_moves_to_its_own():
+    assert plan_move([10.0, 0.0], [1, 0], stage=0, throughput=10.0, margin=0.2) is None
+    assert plan_move([30.0, 0.0, 5.0], [3, 0, 1], stage=0, throughput=10.0, margin=0.2) == 1
+    for stage in range(2):
+        assert plan_move([10.0, 10.0], [2, 2], stage=stage, throughput=5.0, margin=0.0) != stage
+
+
+def test_no_oscillation_after_a_move():
+    totals, counts = [30.0, 10.0], [3, 1]
+    target = plan_move(totals, counts, stage=0, throughput=10.0, margin=0.2)
+    totals, counts = [20.0, 20.0], [2, 2]  # after the move
+    for stage in (0, 1):
+        assert plan_move(totals, counts, stage=stage, throughput=10.0, margin=0.2) is None
+    assert target == 1
+
+
+def test_totals_count_joining_and_serving_only():
+    def rec(stage, throughput, state):
+        return ServerRecord(stage=stage, endpoint="x:1", throughput=throughput, state=state)
+
+    totals, counts = stage_totals(
+        [[rec(0, 5, "serving"), rec(0, 7, "leaving")], [rec(1, 3, "joining"), rec(1, 9, "left")]], 2
+    )
+    assert totals == [5.0, 3.0] and counts == [1, 1]
+    assert weakest_stage(totals) == 1
+
+
+SPEC = {
+    "name": "balance",
+    "seed": 5,
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 32},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 16, "total_steps": 1000},
+}
+SAME = ["--set", "server.throughput=100"]  # equal announced speeds: the test does not hang on benchmark noise
+FREE = [
+    *SAME,
+    "--set",
+    "server.rebalance=always",
+    "--set",
+    "server.balance_cooldown=2",
+    "--set",
+    "server.balance_period=2",
+]
+
+
+def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
+    swarm.coordinator(SPEC)
+    pinned = [swarm.server("s0", 0, SAME), swarm.server("s1", 1, SAME)]
+    for s in pinned:
+        swarm.endpoint(s)
+    free = [swarm.server("f0", 0, FREE), swarm.server("f1", 0, FREE)]
+    for s in free:
+        swarm.endpoint(s)
+    # stage 0 has three servers, stage 1 one: one free server moves, then the stages are even and nobody moves
+    deadline = time.monotonic() + 90
+    while not any("Moving from stage 0 to stage 1" in s.output() for s in free):
+        assert time.monotonic() < deadline, "no server moved to the weak stage"
+        time.sleep(1)
+    mover = next(s for s in free if "Moving from stage 0 to stage 1" in s.output())
+    endpoint = mover.wait_for(r"Serving stage 1 at (\S+) from step", 90).group(1)
+    assert info(endpoint).stage == 1
+    time.sleep(15)  # several balance periods: nobody moves again
+    moves = sum(len(re.findall(r"Moving from stage", s.output())) for s in free)
+    assert moves == 1, [s.output()[-2000:] for s in free]
+    assert "loaded stage 1 state" in mover.output()  # from the stage's existing server, not from scratch
