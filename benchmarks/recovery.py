@@ -7,10 +7,11 @@ one started every 10 s. The recovery time of a fault is the time from the signal
 trainer's throughput over a 2 s window is back to 90% of what the survivors give once settled
 (measured 12-22 s after the signal). The last line is
 
-    kill_recovery_s=... stop_recovery_s=... churn_ratio=... dead_call_fraction=...
+    kill_recovery_s=... stop_recovery_s=... churn_ratio=... dead_call_fraction=... join_s=...
 
 where dead_call_fraction is the share of the trainer's calls after the kill that went to the
-killed peer, and churn_ratio the throughput under churn over the baseline.
+killed peer, churn_ratio the throughput under churn over the baseline, and join_s the seconds from
+`peer join` of a fresh replica (mid-run) until it serves with the stage's current state.
 
     python benchmarks/recovery.py [--churn 40]
 """
@@ -64,11 +65,14 @@ class Bench:
         args = ["--role", "trainer", "--seed", "0", "--max-inflight", "3", "--log-file", "t.jsonl"]
         self.procs.start("t", loopback_join(self.maddr, "t", *args, "--set", "trainer.log_calls=true"))
 
-    def server(self, name: str, stage: int | None) -> None:
+    def server(self, name: str, stage: int | None) -> float:
+        """Start a server; returns the seconds from `peer join` until it serves with the stage's state."""
         extra = ["--stage", str(stage)] if stage is not None else []
+        started = time.monotonic()
         self.procs.start(name, loopback_join(self.maddr, name, *extra))
         wait(lambda: "Serving stage" in self.procs.log(name), 120, name)
         self.servers[name] = int(self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[0])
+        return time.monotonic() - started
 
     def endpoint(self, name: str) -> str:
         return self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[2]
@@ -135,7 +139,8 @@ def main() -> None:
                 flush=True,
             )
 
-            bench.server("j0", 0)  # a fresh replica for stage 0
+            join_s = bench.server("j0", 0)  # a fresh replica for stage 0, joining while training runs
+            print(f"join: serving with the stage's current state {join_s:.1f} s after peer join", flush=True)
             time.sleep(10)
             stopped = bench.signal("s01", signal.SIGSTOP)
             time.sleep(SETTLED[1] + WINDOW)
@@ -164,7 +169,7 @@ def main() -> None:
             bench.procs.stop()
     print(
         f"kill_recovery_s={kill_s:.2f} stop_recovery_s={stop_s:.2f} churn_ratio={churn / baseline:.3f} "
-        f"dead_call_fraction={dead_fraction:.4f} baseline_sps={baseline:.1f} kill_settled_sps={kill_ref:.1f} "
+        f"dead_call_fraction={dead_fraction:.4f} join_s={join_s:.1f} baseline_sps={baseline:.1f} kill_settled_sps={kill_ref:.1f} "
         f"stop_settled_sps={stop_ref:.1f} churn_sps={churn:.1f}"
     )
 
