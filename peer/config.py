@@ -69,6 +69,7 @@ class AveragingConfig:
     request_timeout: float = 3.0  # s for one matchmaking request; short ones break groups on a loaded machine
     averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
     max_group_size: int = 32  # most replicas averaged in one group
+    pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
 
 
 @dataclass
@@ -151,6 +152,8 @@ class RunSpec:
                 f"compression.activations: must be one of none, fp16, bf16, got {self.compression.activations!r}"
             )
         a = self.averaging
+        if a.pause_limit < 0:
+            raise ConfigError(f"averaging.pause_limit: must be >= 0, got {a.pause_limit}")
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")

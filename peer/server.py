@@ -10,9 +10,10 @@ from the same gradients at the same moment of its own request stream, and the sa
 contributed are counted exactly once. A server that knows no serving partner steps at once, inside the backward that crossed
 the target, so one server per stage reproduces plain gradient accumulation exactly.
 
-Only taking the gradients out of the accumulator and applying the step run on the torch thread;
-the round itself (matchmaking, all-reduce) waits on a thread of its own, so forwards and
-backwards go on while the replicas average and a request's latency stays what its work costs.
+The round itself (matchmaking, all-reduce) runs on a thread of its own. The torch thread waits
+for it up to `averaging.pause_limit` and applies the step in the same job, so the requests queued
+meanwhile run on the new weights; a round that takes longer lets them go on (their gradients then
+count one step later), so a slow or failing round never stalls the stage.
 
 Receipts. Every backward added to the accumulator is numbered (`seq`, within an `incarnation`)
 and the server announces how many are in finished steps (`stepped_seq`) and, before a round, what
@@ -24,6 +25,7 @@ drops its accumulator and takes a new incarnation, since trainers replay what it
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -196,7 +198,7 @@ class StageServer:
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
             ahead = [r for r, a in alive if a.epoch > epoch]
             if ahead:
-                await self._resync(ahead[0])
+                await self._resync(ahead)
             await self.publish(force=True)
             return
         if not joined:
@@ -222,12 +224,10 @@ class StageServer:
         self.round_seq = seq
         await self.publish(force=True)
         await asyncio.sleep(stagger)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self.round_executor, self.averager.average, grads, samples, epoch, group_size
-        )
+        round_future = self.round_executor.submit(self.averager.average, grads, samples, epoch, group_size)
 
         def finish():
+            result = round_future.result()
             if rt.incarnation != incarnation:
                 return samples, -1  # the accumulator was dropped meanwhile: trainers replay these samples
             if result is None:
@@ -237,10 +237,21 @@ class StageServer:
             rt.apply_step(result.gradients, result.group_samples, seq, result.members)
             return result.group_samples, result.group_size
 
+        def hold():
+            # keep the torch thread while the round is quick and step in the same job: requests queued
+            # meanwhile then run on the new weights. A slow round lets them go on after pause_limit
+            # (their gradients then count one step later), so a hung round never stalls the stage.
+            concurrent.futures.wait([round_future], timeout=self.spec.averaging.pause_limit)
+            return finish() if round_future.done() else None
+
         try:
-            group_samples, members = await self.run_torch(finish)
+            outcome = await self.run_torch(hold)
+            if outcome is None:
+                await asyncio.wrap_future(round_future)
+                outcome = await self.run_torch(finish)
         finally:
             self.samples_averaging = 0
+        group_samples, members = outcome
         return group_samples, members, time.perf_counter() - started
 
     def _take(self):
