@@ -191,9 +191,10 @@ class StageServer:
         for r, a in zip(partners, answers, strict=True):
             if isinstance(a, BaseException) and r.endpoint in by_endpoint:
                 self._unresponsive[by_endpoint[r.endpoint]] = r.updated  # hung or gone: not waited for again
-        if not joined and any(a.epoch != epoch for _, a in alive):
+        if any(a.epoch > epoch for _, a in alive) or (not joined and any(a.epoch != epoch for _, a in alive)):
             # a live partner is at another step (one side of a round failed): never step apart from it.
-            # Behind, it catches up from us; ahead, we take its state now.
+            # Ahead, we take its state now (and never average this step again with others: the round
+            # it stepped may have counted our gradients); behind, it catches up from us.
             self.stepping, self.averaging_epoch = False, -1
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
             ahead = [r for r, a in alive if a.epoch > epoch]
