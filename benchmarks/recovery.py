@@ -57,7 +57,7 @@ class Bench:
             "coordinator",
             ["coordinator", "run.toml", "--identity", "c.pem", "--host", "127.0.0.1", "--info-file", str(info)],
         )
-        wait(lambda: info.exists(), 60, "the coordinator")
+        Processes.wait_until(lambda: info.exists(), 60, "the coordinator")
         self.maddr = json.loads(info.read_text())["join"].split()[-1]
         for stage in range(2):
             for i in range(2):
@@ -70,7 +70,7 @@ class Bench:
         extra = ["--stage", str(stage)] if stage is not None else []
         started = time.monotonic()
         self.procs.start(name, loopback_join(self.maddr, name, *extra))
-        wait(lambda: "Serving stage" in self.procs.log(name), 120, name)
+        Processes.wait_until(lambda: "Serving stage" in self.procs.log(name), 120, name)
         self.servers[name] = int(self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[0])
         return time.monotonic() - started
 
@@ -101,14 +101,6 @@ class Bench:
         return float("inf"), settled
 
 
-def wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"benchmark: {what} did not start in time")
-        time.sleep(0.3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--churn", type=float, default=40.0, help="seconds of churn (a kill and a join every 10 s)")
@@ -119,7 +111,7 @@ def main() -> None:
         bench = Bench(Path(tmp))
         try:
             bench.start_swarm(spec())
-            wait(lambda: len(bench.entries("micro_batch")) > 20, 120, "training")
+            Processes.wait_until(lambda: len(bench.entries("micro_batch")) > 20, 120, "training")
             time.sleep(10)  # warm up
             start = time.time()
             time.sleep(args.baseline)
@@ -160,7 +152,9 @@ def main() -> None:
                 bench.joined += 1
                 bench.procs.start(f"c{bench.joined}", loopback_join(bench.maddr, f"c{bench.joined}"))
                 bench.servers[f"c{bench.joined}"] = -1  # its stage is known once it serves
-                wait(lambda n=f"c{bench.joined}": "Serving stage" in bench.procs.log(n), 120, "a joiner")
+                Processes.wait_until(
+                    lambda n=f"c{bench.joined}": "Serving stage" in bench.procs.log(n), 120, "a joiner"
+                )
                 log = bench.procs.log(f"c{bench.joined}")
                 bench.servers[f"c{bench.joined}"] = int(log.rsplit("Serving stage ", 1)[1].split()[0])
             churn = bench.rate(start, time.time())

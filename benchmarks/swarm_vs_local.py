@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -42,12 +41,14 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
             "coordinator",
             ["coordinator", "run.toml", "--identity", "c.pem", "--host", "127.0.0.1", "--info-file", str(info)],
         )
-        _wait(lambda: info.exists(), 60)
+        procs.wait_until(lambda: info.exists(), 60, "benchmark: the coordinator's start")
         maddr = json.loads(info.read_text())["join"].split()[-1]
         n = spec.stages.num_stages
         for stage in range(n):
             procs.start(f"s{stage}", loopback_join(maddr, f"s{stage}", "--stage", str(stage)))
-        _wait(lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120)
+        procs.wait_until(
+            lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120, "benchmark: serving"
+        )
         per_step = spec.training.target_batch_size // spec.training.micro_batch_size
         trainer_args = ["--role", "trainer", "--seed", "0", "--max-inflight", str(inflight), "--log-file", "t.jsonl"]
         limit = ["--max-micro-batches", str((steps + 2) * per_step)]
@@ -64,14 +65,6 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         }
     finally:
         procs.stop()
-
-
-def _wait(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit("benchmark: peers did not start in time")
-        time.sleep(0.3)
 
 
 def main() -> None:

@@ -61,6 +61,15 @@ class Processes:
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
+    @staticmethod
+    def wait_until(condition, timeout: float, what: str) -> None:
+        """Poll `condition` until it holds; SystemExit naming `what` after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not happen within {timeout:.0f} s")
+            time.sleep(0.3)
+
     def stop(self, names=None, grace: float = 10.0) -> None:
         names = list(self.procs) if names is None else names
         for name in names:
