@@ -256,7 +256,9 @@ def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
         console.print(f"Final validation loss {p['val']:.3f} nats/byte vs unigram {baseline:.3f}.")
 
 
-def spec_to_toml(spec: RunSpec) -> str:
+def dict_to_toml(data: dict) -> str:
+    """TOML text of a nested dict of plain values (one level of tables), as run specs use."""
+
     def value(v):
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -266,10 +268,13 @@ def spec_to_toml(spec: RunSpec) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return repr(v)
 
-    data = spec.to_dict()
     lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for section, values in data.items():
         if isinstance(values, dict):
             lines.append(f"\n[{section}]")
             lines += [f"{k} = {value(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def spec_to_toml(spec: RunSpec) -> str:
+    return dict_to_toml(spec.to_dict())

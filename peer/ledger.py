@@ -43,9 +43,6 @@ class Check:
 class Ledger:
     def __init__(self) -> None:
         self.receipts: list[Receipt] = []
-        self.settled = 0  # receipts whose server stepped them
-        self.replayed = 0  # receipts sent again to another replica
-        self.counted_by_round = 0  # receipts of a dead server that its last round counted
 
     def __len__(self) -> int:
         return len(self.receipts)
@@ -60,7 +57,6 @@ class Ledger:
             for r in self.receipts
             if not (r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq)
         ]
-        self.settled += len(self.receipts) - len(kept)
         self.receipts = kept
 
     def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
@@ -86,13 +82,6 @@ class Ledger:
                 replay.append(r)
         return replay, check
 
-    def remove(self, receipt: Receipt, counted: bool = False) -> None:
+    def remove(self, receipt: Receipt) -> None:
         if receipt in self.receipts:
             self.receipts.remove(receipt)
-            if counted:
-                self.counted_by_round += 1
-            else:
-                self.replayed += 1
-
-    def oldest_age(self) -> float:
-        return time.time() - min((r.heard for r in self.receipts), default=time.time())

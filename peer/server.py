@@ -170,8 +170,7 @@ class StageServer:
         if not self._serving_peers() or self.averager is None:
             # alone: queued on the torch thread now, before any later request, so the step lands
             # exactly where plain gradient accumulation would put it
-            future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1, epoch)
-            self._tasks.append(asyncio.create_task(self._finish_step(future)))
+            self._tasks.append(asyncio.create_task(self._finish_step(self._step_alone())))
         else:
             self.averaging_epoch = epoch
             self._tasks.append(asyncio.create_task(self._round(epoch)))
@@ -205,8 +204,7 @@ class StageServer:
         if not joined:
             # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
             # a partner that was only slow is then behind and catches up from us
-            future = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job, 1, epoch)
-            await self._finish_step(future)
+            await self._finish_step(self._step_alone())
             return
         # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
         # instant can each take the other for its leader, and hivemind then fails the round
@@ -278,7 +276,11 @@ class StageServer:
         self._tasks.append(asyncio.create_task(self._round(epoch)))
         return True
 
-    def _step_job(self, group_size: int, epoch: int):
+    def _step_alone(self) -> asyncio.Future:
+        """Queue, on the torch thread now (before any later request), a step of this replica alone."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, self._step_job)
+
+    def _step_job(self):
         """Torch thread: a step of this replica alone, from its own accumulator."""
         started = time.perf_counter()
         grads, samples = self.runtime.take_gradients()

@@ -219,7 +219,7 @@ class Trainer:
                 verdicts[key] = await self._counted_by_round(check)
             counted = verdicts[key]
             if counted is True:
-                self.ledger.remove(check.receipt, counted=True)
+                self.ledger.remove(check.receipt)
             elif counted is False and check.decisive:
                 replay.append(check.receipt)
         for receipt in replay:

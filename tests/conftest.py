@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.demo import loopback_join
+from peer.demo import dict_to_toml, loopback_join
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = [sys.executable, "-m", "peer.cli"]
@@ -56,23 +56,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
 def write_spec(path: Path, spec: dict) -> Path:
-    lines = [f"{k} = {toml_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
-    for section, values in spec.items():
-        if isinstance(values, dict):
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(dict_to_toml(spec))
     return path
 
 
