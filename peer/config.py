@@ -214,7 +214,9 @@ class TrainerConfig:
     no_server_wait: float = (
         0.0  # s to wait for a stage with no live server before giving up (0: wait as long as it takes)
     )
-    max_receipts: int = 256  # backwards kept until their server steps them (for a replay if it dies); more wait
+    max_receipt_mb: float = (
+        256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
+    )
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
     eval_every: int = 0  # steps between validation runs (0: never)
     eval_batches: int = 4  # micro-batches of held-out data per validation run

@@ -29,6 +29,7 @@ class Receipt:
     payloads: dict
     samples: int
     heard: float  # time.time() the server answered
+    nbytes: int = 0  # memory it holds, counted once when the ledger takes it
 
 
 @dataclass
@@ -43,12 +44,15 @@ class Check:
 class Ledger:
     def __init__(self) -> None:
         self.receipts: list[Receipt] = []
+        self.nbytes = 0  # memory the kept requests hold
 
     def __len__(self) -> int:
         return len(self.receipts)
 
     def add(self, receipt: Receipt) -> None:
+        receipt.nbytes = receipt.request.ByteSize() + sum(len(memoryview(p)) for p in receipt.payloads.values())
         self.receipts.append(receipt)
+        self.nbytes += receipt.nbytes
 
     def confirm(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
         """A server said its additions up to `stepped_seq` are stepped: those receipts are done."""
@@ -57,6 +61,8 @@ class Ledger:
             for r in self.receipts
             if not (r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq)
         ]
+        if len(kept) != len(self.receipts):
+            self.nbytes = sum(r.nbytes for r in kept)
         self.receipts = kept
 
     def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
@@ -85,3 +91,4 @@ class Ledger:
     def remove(self, receipt: Receipt) -> None:
         if receipt in self.receipts:
             self.receipts.remove(receipt)
+            self.nbytes -= receipt.nbytes

@@ -367,7 +367,7 @@ class Trainer:
             while True:
                 while (
                     len(inflight) < max(1, self.tcfg.max_inflight)
-                    and len(self.ledger) < self.tcfg.max_receipts
+                    and self.ledger.nbytes < self.tcfg.max_receipt_mb * 2**20
                     and not self._done(index)
                 ):
                     inputs, targets = self.sampler.next()
