@@ -26,6 +26,11 @@ def servers_key(run_id: str, stage: int) -> str:
     return f"swarmtrain/run/{run_id}/stage/{stage}/servers"
 
 
+def expert_key(run_id: str, expert: str) -> str:
+    """Announcements of the hosts of one expert ("layer.index"), a subkey per host."""
+    return f"swarmtrain/run/{run_id}/expert/{expert}/servers"
+
+
 def trainers_key(run_id: str) -> str:
     """Announcements of the run's trainers, a subkey per trainer."""
     return f"swarmtrain/run/{run_id}/trainers"
@@ -34,3 +39,8 @@ def trainers_key(run_id: str) -> str:
 def averaging_prefix(run_id: str, stage: int) -> str:
     """The prefix under which hivemind's averager matches the replicas of one stage."""
     return f"swarmtrain_{run_id}_stage{stage}"
+
+
+def expert_averaging_prefix(run_id: str, expert: str) -> str:
+    """The prefix under which hivemind's averager matches the replicas of one expert."""
+    return f"swarmtrain_{run_id}_expert{expert.replace('.', '_')}"

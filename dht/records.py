@@ -22,9 +22,10 @@ class RunSpecRecord(Record):
 
 
 class ServerRecord(Record):
-    """A stage server's announcement: where it serves, how fast, and where its optimizer is."""
+    """A replica's announcement (a stage server, or one expert of an expert host): where, how fast, which step."""
 
-    stage: int
+    stage: int  # the stage served; for an expert, the stage whose block holds its layer
+    expert: str = ""  # "layer.index" for an expert of a mixture-of-experts layer; empty for a stage
     endpoint: str  # host:port of its gRPC server, as others should dial it
     throughput: float  # measured samples/s for forward+backward
     load: float = 0.0  # requests running or queued

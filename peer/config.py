@@ -73,6 +73,16 @@ class AveragingConfig:
 
 
 @dataclass
+class MoEConfig:
+    num_experts: int = 0  # experts per mixture-of-experts layer; 0: every MLP is dense
+    top_k: int = 2  # experts each token goes to
+    layers: list[int] = field(default_factory=list)  # blocks whose MLP is a mixture; empty: all of them
+    expert_size: int = 0  # SwiGLU inner width of one expert; 0: model.intermediate_size
+    aux_loss_weight: float = 0.01  # weight of the load-balancing loss (Switch Transformer style)
+    min_answers: int = 1  # of a token's top_k experts, at least this many must answer or the call fails
+
+
+@dataclass
 class RunSpec:
     name: str = "swarmtrain"  # the run's id in DHT keys: letters, digits, '-' and '_'
     seed: int = 0  # initial weights of every stage come from this seed
@@ -81,6 +91,16 @@ class RunSpec:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def moe_layers(self) -> list[int]:
+        """The blocks whose MLP is a mixture of experts (none when moe.num_experts is 0)."""
+        if not self.moe.num_experts:
+            return []
+        return sorted(self.moe.layers) if self.moe.layers else list(range(self.model.num_layers))
+
+    def stage_of_block(self, block: int) -> int:
+        return next(s for s in range(self.stages.num_stages) if block in self.stage_blocks(s))
 
     def stage_blocks(self, stage: int) -> range:
         """The transformer blocks held by `stage`."""
@@ -159,6 +179,21 @@ class RunSpec:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
         if a.max_group_size < 2:
             raise ConfigError(f"averaging.max_group_size: must be at least 2, got {a.max_group_size}")
+        e = self.moe
+        if e.num_experts < 0:
+            raise ConfigError(f"moe.num_experts: must be >= 0, got {e.num_experts}")
+        if e.num_experts:
+            if not 1 <= e.top_k <= e.num_experts:
+                raise ConfigError(f"moe.top_k: must be within 1..moe.num_experts ({e.num_experts}), got {e.top_k}")
+            if not 1 <= e.min_answers <= e.top_k:
+                raise ConfigError(f"moe.min_answers: must be within 1..moe.top_k ({e.top_k}), got {e.min_answers}")
+            bad = [b for b in e.layers if not 0 <= b < m.num_layers]
+            if bad or len(set(e.layers)) != len(e.layers):
+                raise ConfigError(f"moe.layers: must be distinct blocks within 0..{m.num_layers - 1}, got {e.layers}")
+            if e.expert_size < 0:
+                raise ConfigError(f"moe.expert_size: must be >= 0, got {e.expert_size}")
+            if e.aux_loss_weight < 0:
+                raise ConfigError(f"moe.aux_loss_weight: must be >= 0, got {e.aux_loss_weight}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,12 +262,29 @@ class TrainerConfig:
 
 
 @dataclass
+class ExpertsConfig:
+    max_batch_tokens: int = 8192  # an expert host merges concurrent requests for one expert up to this many rows
+    max_wait: float = 0.002  # s a request waits for others to merge with before its batch runs
+    max_request_tokens: int = 65536  # larger requests get RESOURCE_EXHAUSTED
+    activation_cache_size: int = 64  # forward batches kept per expert for their backward (recompute on a miss)
+    device: str = ""  # torch device of the hosted experts; empty: cuda when there is one, else cpu
+    deadline_floor: float = 1.0  # s: a stage's call to an expert gets this plus deadline_margin x its latency
+    deadline_margin: float = 3.0  # measured latency of such calls to that host, times this
+    request_timeout: float = 30.0  # s: the longest deadline of one expert call
+    ban_time: float = 2.0  # s a failing expert host is avoided, doubling on each failure in a row
+    max_ban: float = 60.0  # s: the longest ban
+    max_tries: int = 3  # replicas one expert call tries before the expert is skipped for that call
+    refresh_period: float = 1.0  # s between a stage server's reads of the expert records
+
+
+@dataclass
 class PeerConfig:
     identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
     threads: int = 0  # torch threads; 0: torch's default
     network: NetworkConfig = field(default_factory=NetworkConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:

@@ -56,7 +56,9 @@ def train_local(
         for _ in range(per_step):
             inputs, targets = sampler.next()
             loss = model(inputs, targets)
-            (loss * inputs.shape[0] / (per_step * t.micro_batch_size)).backward()
+            aux = model.aux_loss()  # MoE load balancing, part of the objective but not of the reported loss
+            objective = loss if aux is None else loss + aux
+            (objective * inputs.shape[0] / (per_step * t.micro_batch_size)).backward()
             result.micro_batch_losses.append(loss.item())
             result.samples += inputs.shape[0]
         optimizer.step()

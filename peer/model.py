@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peer.config import ModelConfig, RunSpec
+from peer.moe import ExpertBackend, LocalExperts, MoE, SwiGLU, make_expert
 
 
 class RMSNorm(nn.Module):
@@ -61,24 +62,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, d))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -89,10 +79,11 @@ class StageModel(nn.Module):
     """Blocks `[first_block, last_block)` of the model, plus the embedding and/or head where they belong.
 
     forward(inputs) returns hidden states; on the last stage with `targets` it returns the mean
-    cross-entropy instead.
+    cross-entropy instead. In a mixture-of-experts run, `experts` is where the experts live: None
+    builds them here (the plain model), else a remote backend (peer.dispatch) the gates call.
     """
 
-    def __init__(self, spec: RunSpec, stage: int | None = None):
+    def __init__(self, spec: RunSpec, stage: int | None = None, experts: ExpertBackend | None = None):
         super().__init__()
         cfg = spec.model
         num_stages = spec.stages.num_stages
@@ -106,7 +97,18 @@ class StageModel(nn.Module):
         self.cfg = cfg
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in blocks})
+        moe_layers = set(spec.moe_layers())
+
+        def mlp(layer: int) -> nn.Module:
+            if layer not in moe_layers:
+                return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            backend = experts or LocalExperts(
+                make_expert(cfg, spec.moe, spec.seed, layer, e) for e in range(spec.moe.num_experts)
+            )
+            return MoE(cfg, spec.moe, layer, backend)
+
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, mlp(i)) for i in blocks})
+        self.aux_weight = spec.moe.aux_loss_weight
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -125,6 +127,8 @@ class StageModel(nn.Module):
         for name, block in self.blocks.items():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 1 + int(name))
             for pname, p in block.named_parameters():
+                if pname.startswith("mlp.experts."):
+                    continue  # every expert is initialised from its own seed (peer.moe.init_expert)
                 if pname.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
@@ -144,6 +148,11 @@ class StageModel(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.long().reshape(-1))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The weighted load-balancing loss of the last forward's MoE layers (None without MoE)."""
+        losses = [b.mlp.aux_loss for b in self.blocks.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        return self.aux_weight * sum(losses) if losses else None
 
 
 def count_parameters(module: nn.Module) -> int:

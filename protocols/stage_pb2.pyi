@@ -74,8 +74,10 @@ class BackwardResponse(_message.Message):
     def __init__(self, grad_inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("expert",)
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    expert: str
+    def __init__(self, expert: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("run_id", "stage", "peer_id", "epoch", "samples_accumulated", "samples_stepped", "throughput", "load", "history", "incarnation", "stepped_seq", "state", "samples_averaging")
@@ -120,14 +122,16 @@ class StepFingerprint(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "epoch")
+    __slots__ = ("run_id", "stage", "epoch", "expert")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    expert: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., expert: _Optional[str] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
     __slots__ = ("joining", "epoch")
@@ -138,18 +142,20 @@ class RoundResponse(_message.Message):
     def __init__(self, joining: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "shard", "num_shards", "epoch")
+    __slots__ = ("run_id", "stage", "shard", "num_shards", "epoch", "expert")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     shard: int
     num_shards: int
     epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    expert: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., epoch: _Optional[int] = ..., expert: _Optional[str] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "tensor")

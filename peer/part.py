@@ -1,0 +1,222 @@
+"""What every trainable part a peer holds (a stage, an expert) shares: accumulator, optimizer step, state.
+
+A part's parameters receive sum-of-sample gradients from backwards into an accumulator; an
+optimizer step divides by the samples it accounts (over the whole averaging group). Additions
+are numbered within an incarnation for trainers' receipts. A part's state (parameters, optimizer
+state, metadata) is what a joining replica downloads, in shards from several donors.
+
+Every method runs on the owner's torch thread, one at a time, so nothing here takes a lock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.config import RunSpec
+from peer.optim import build_optimizer, set_lr
+
+
+class StateError(ValueError):
+    """A downloaded state that does not fit this part."""
+
+
+@dataclass
+class Fingerprint:
+    epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
+    samples: int  # samples the step accounted over the whole averaging group
+    values: list[float]  # per parameter: sum, then sum of squares
+    members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
+
+
+STEP_MEMBERS = 32  # recent steps whose group members travel with a state
+
+
+class PartRuntime:
+    """The step and state side of one part; subclasses add its forward and backward."""
+
+    def __init__(self, spec: RunSpec, name: str, module: torch.nn.Module, fingerprint_history: int = 64):
+        self.spec, self.name, self.model = spec, name, module
+        self.params = [p for _, p in module.named_parameters()]
+        self.param_names = [n for n, _ in module.named_parameters()]
+        self.optimizer = build_optimizer(self.params, spec.training)
+        self.accumulator = [torch.zeros_like(p) for p in self.params]
+        self.epoch = 0  # optimizer steps taken
+        self.samples_accumulated = 0  # samples in the accumulator
+        self.samples_stepped = 0  # samples accounted by finished steps (whole averaging group)
+        self.history: deque[Fingerprint] = deque(maxlen=fingerprint_history)
+        self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
+        self.fixed_throughput = False  # announced as configured, not measured
+        self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
+        # (epoch, grads, samples, seq) of a failed round, back in the accumulator
+        self.restored: tuple[int, list[torch.Tensor], int, int] | None = None
+        # receipts: the accumulator's additions are numbered; stepped_seq says how many are in finished steps
+        self.incarnation = random.getrandbits(63) or 1  # a new number whenever the accumulator is dropped
+        self.seq = 0  # backwards added to the accumulator in this incarnation
+        self.stepped_seq = 0  # additions up to this one are in a finished optimizer step
+        self.taken_seq = 0  # additions up to this one were taken out by take_gradients
+
+    def _accumulate(self, grads, samples: int) -> int:
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            if g is not None:
+                acc.add_(g)
+        self.samples_accumulated += samples
+        self.seq += 1
+        return self.seq
+
+    def _measure(self, batch: int, seconds: float, weight: float) -> None:
+        if self.fixed_throughput:
+            return
+        # a forward is ~1/3 and a backward ~2/3 of the work of one sample
+        sample_rate = batch / max(seconds / weight, 1e-6)
+        self.throughput = sample_rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * sample_rate
+
+    def _after_step(self) -> None:
+        """Hook: the parameters just changed in place."""
+
+    def _after_load(self) -> None:
+        """Hook: the parameters were replaced by a donor's."""
+
+    # ---- optimizer step -------------------------------------------------------------------
+    def take_gradients(self) -> tuple[list[torch.Tensor], int]:
+        """Hand over the accumulated per-sample mean gradients and their sample count, and reset."""
+        samples = self.samples_accumulated
+        grads = [acc / max(samples, 1) for acc in self.accumulator]
+        for acc in self.accumulator:
+            acc.zero_()
+        self.samples_accumulated = 0
+        self.taken_seq = self.seq
+        return grads, samples
+
+    def drop_accumulator(self) -> int:
+        """Forget the accumulated gradients and start a new incarnation; returns the samples dropped.
+
+        Called when trainers may have taken this server for gone (its DHT record expired while it
+        was frozen): they replay their unstepped backwards elsewhere, so keeping them would count twice.
+        """
+        dropped = self.samples_accumulated
+        for acc in self.accumulator:
+            acc.zero_()
+        self.samples_accumulated = 0
+        self.restored = None
+        self.incarnation = random.getrandbits(63) or 1
+        self.seq = self.stepped_seq = self.taken_seq = 0
+        return dropped
+
+    def restore_gradients(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:
+        """Put gradients taken (up to addition `seq`) for a round that failed back, for the next round."""
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            acc.add_(g, alpha=samples)
+        self.samples_accumulated += samples
+        self.restored = (self.epoch, grads, samples, seq)
+
+    def _drop_restored(self) -> None:
+        """A partner's round for our failed epoch succeeded with our contribution: take it out again."""
+        _, grads, samples, seq = self.restored
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            acc.sub_(g, alpha=samples)
+        self.samples_accumulated -= samples
+        self.stepped_seq = max(self.stepped_seq, seq)
+        self.restored = None
+
+    def apply_step(
+        self, grads: list[torch.Tensor], group_samples: int, seq: int, members: list[str] | None = None
+    ) -> Fingerprint:
+        """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
+        self._stash = (self.epoch, [p.detach().clone() for p in self.params])
+        self.restored = None  # taken with the rest of the accumulator into this step
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+        set_lr(self.optimizer, self.epoch, self.spec.training)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.epoch += 1
+        self.samples_stepped += group_samples
+        self.stepped_seq = max(self.stepped_seq, seq)
+        self._after_step()
+        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
+        self.history.append(fingerprint)
+        return fingerprint
+
+    @torch.no_grad()
+    def fingerprint_values(self) -> list[float]:
+        values = []
+        for p in self.params:
+            d = p.double()
+            values += [d.sum().item(), d.pow(2).sum().item()]
+        return values
+
+    # ---- state transfer -------------------------------------------------------------------
+    @torch.no_grad()
+    def snapshot(self, shard: int = 0, num_shards: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Parameters and optimizer state (CPU copies) with metadata: what a joining replica loads.
+
+        With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that
+        several donors can each send a part.
+        """
+        everything = {f"param/{n}": p for n, p in zip(self.param_names, self.params, strict=True)}
+        for name, p in zip(self.param_names, self.params, strict=True):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    everything[f"optim/{name}/{key}"] = value
+        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
+        tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
+        metadata = {
+            "part": self.name,
+            "epoch": self.epoch,
+            "samples_stepped": self.samples_stepped,
+            "last_step_samples": self.history[-1].samples if self.history else 0,
+            "spec": self.spec.fingerprint(),
+            "tensor_count": len(everything),
+            # who made the recent steps: a replica that resyncs keeps gradients no step of the donor counted
+            "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
+        }
+        return metadata, tensors
+
+    @torch.no_grad()
+    def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
+        """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
+        if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
+            raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        for name, p in zip(self.param_names, self.params, strict=True):
+            t = tensors.get(f"param/{name}")
+            if t is None or t.shape != p.shape:
+                raise StateError(f"state lacks parameter {name} of shape {list(p.shape)}")
+            if not torch.isfinite(t).all():
+                raise StateError(f"parameter {name} in the state is not finite")
+        for name, p in zip(self.param_names, self.params, strict=True):
+            p.copy_(tensors[f"param/{name}"])
+            state = {}
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                t = tensors.get(f"optim/{name}/{key}")
+                if t is not None:
+                    state[key] = t.to(p.device).clone()
+            if state:
+                self.optimizer.state[p] = state
+        members = (metadata.get("step_members") or {}).get(str(self.restored[0] + 1)) if self.restored else None
+        if self.restored is not None and self.restored[0] < int(metadata["epoch"]) and me in (members or []):
+            # the donor's step after the round that failed here had us in its group: the round succeeded
+            # on its side with our samples gathered into it, so they were already accounted and applied
+            self._drop_restored()
+        self.epoch = int(metadata["epoch"])
+        self.samples_stepped = int(metadata.get("samples_stepped", 0))
+        if self.epoch > 0:  # the parameters after this step are now the donor's
+            self.history.append(
+                Fingerprint(self.epoch, int(metadata.get("last_step_samples", 0)), self.fingerprint_values())
+            )
+        self._stash = None
+        self._after_load()
+
+
+def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:
+    """Split tensor names into `num_shards` parts of similar bytes; every replica computes the same split."""
+    parts: list[set[str]] = [set() for _ in range(num_shards)]
+    sizes = [0] * num_shards
+    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
+        lightest = min(range(num_shards), key=lambda i: (sizes[i], i))
+        parts[lightest].add(name)
+        sizes[lightest] += t.numel() * t.element_size()
+    return parts
