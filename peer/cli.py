@@ -26,6 +26,7 @@ _FLAG_FIELDS = {
     "eval_every": "trainer.eval_every",
     "log_file": "trainer.log_file",
     "progress": "trainer.progress",
+    "device": "experts.device",
 }
 
 
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info-file", default="", help="also write the multiaddrs and join line to this JSON file")
     _add_peer_flags(p)
 
-    p = sub.add_parser("join", help="join a run as a stage server (default) or a trainer")
+    p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")
     p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
     p.add_argument("--role", choices=["server", "trainer"], default="server")
     p.add_argument(
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve this stage and stay on it (default: the stage with the least throughput, moving later if "
         "another stage needs the server more)",
     )
+    p.add_argument(
+        "--experts",
+        metavar="N|L.E,...",
+        help="host experts of the run's MoE layers: N of them (the least-replicated), or a list like 1.0,1.5 "
+        "(expert 0 and 5 of block 1)",
+    )
+    p.add_argument("--device", help="experts: torch device to host them on (default: cuda when there is one, else cpu)")
     p.add_argument("--data", help="trainer: a text file or directory (default: Python's standard library)")
     p.add_argument("--seed", type=int, help="trainer: seed of the micro-batch order")
     p.add_argument("--max-micro-batches", type=int, help="trainer: stop after this many micro-batches")
@@ -178,8 +186,13 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         spec = RunSpec.from_toml(args.spec)
         run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file)
         return 0
-    from peer.join import run_server, run_trainer
+    from peer.join import run_experts, run_server, run_trainer
 
+    if args.experts is not None:
+        if args.role == "trainer" or args.stage is not None:
+            raise ConfigError("--experts makes this peer an expert host: leave out --role trainer and --stage")
+        run_experts(args.maddr, cfg, _identity(cfg), args.experts)
+        return 0
     if args.role == "trainer":
         if args.stage is not None:
             raise ConfigError("--stage is for servers; a trainer uses every stage")

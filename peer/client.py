@@ -10,9 +10,10 @@ from typing import Any
 import grpc
 import torch
 
-from protocols import codec, framing, stage_pb2, stage_pb2_grpc
+from protocols import codec, expert_pb2, framing, stage_pb2, stage_pb2_grpc
 
 SERVICE = "swarmtrain.Stage"
+EXPERT_SERVICE = "swarmtrain.Expert"
 
 GRPC_OPTIONS_BASE = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -80,12 +81,20 @@ class StageClient:
     def _stub(self, endpoint: str) -> stage_pb2_grpc.StageStub:
         return self._channel(endpoint)[1]
 
-    async def _call(self, endpoint: str, method: str, request, payloads, response_type, timeout: float):
+    def _unary(self, endpoint: str, path: str, response_type):
+        channel, _ = self._channel(endpoint)
+        return channel.unary_unary(
+            path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString
+        )
+
+    async def _call(
+        self, endpoint: str, method: str, request, payloads, response_type, timeout: float, service: str = SERVICE
+    ):
         payloads = dict(payloads or {})
-        channel, stub = self._channel(endpoint)
+        channel, _ = self._channel(endpoint)
         if framing.size(request, payloads) <= self.stream_bytes:
-            response = await getattr(stub, method)(framing.inline(request, payloads), timeout=timeout)
-            return response, {}
+            call = self._unary(endpoint, f"/{service}/{method}", response_type)
+            return await call(framing.inline(request, payloads), timeout=timeout), {}
         if any(t.data for _, t in framing.tensor_paths(request)):
             header = type(request)()  # a copy: the caller's request stays whole for a retry
             header.CopyFrom(request)
@@ -94,7 +103,7 @@ class StageClient:
                     payloads[path] = tensor.data
                 tensor.data = b""
             request = header
-        call = channel.stream_stream(f"/{SERVICE}/{method}Stream")(
+        call = channel.stream_stream(f"/{service}/{method}Stream")(
             framing.frames(request, payloads, self.chunk_bytes), timeout=timeout
         )
         return await framing.read(call, response_type, self.max_message_bytes, self.max_tensor_elements)
@@ -105,14 +114,28 @@ class StageClient:
     async def backward(self, endpoint: str, request: stage_pb2.BackwardRequest, payloads=None, timeout: float = 30.0):
         return await self._call(endpoint, "Backward", request, payloads, stage_pb2.BackwardResponse, timeout)
 
-    async def info(self, endpoint: str, timeout: float) -> stage_pb2.InfoResponse:
-        return await self._stub(endpoint).Info(stage_pb2.InfoRequest(), timeout=timeout)
+    async def expert_forward(self, endpoint: str, request: expert_pb2.ExpertForwardRequest, payloads, timeout: float):
+        return await self._call(
+            endpoint, "Forward", request, payloads, expert_pb2.ExpertForwardResponse, timeout, EXPERT_SERVICE
+        )
+
+    async def expert_backward(self, endpoint: str, request: expert_pb2.ExpertBackwardRequest, payloads, timeout: float):
+        return await self._call(
+            endpoint, "Backward", request, payloads, expert_pb2.ExpertBackwardResponse, timeout, EXPERT_SERVICE
+        )
+
+    async def info(self, endpoint: str, timeout: float, expert: str = "") -> stage_pb2.InfoResponse:
+        """A stage server's Info, or with `expert`, that expert's on an expert host."""
+        service = EXPERT_SERVICE if expert else SERVICE
+        call = self._unary(endpoint, f"/{service}/Info", stage_pb2.InfoResponse)
+        return await call(stage_pb2.InfoRequest(expert=expert), timeout=timeout)
 
     async def round(
-        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float
+        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float, expert: str = ""
     ) -> stage_pb2.RoundResponse:
-        request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch)
-        return await self._stub(endpoint).Round(request, timeout=timeout)
+        request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch, expert=expert)
+        service = EXPERT_SERVICE if expert else SERVICE
+        return await self._unary(endpoint, f"/{service}/Round", stage_pb2.RoundResponse)(request, timeout=timeout)
 
     async def get_state(
         self,
@@ -123,14 +146,16 @@ class StageClient:
         shard: int = 0,
         num_shards: int = 1,
         epoch: int | None = None,
+        expert: str = "",
     ) -> tuple[dict, dict[str, torch.Tensor]]:
-        """A stage's state (part `shard` of `num_shards`), only at `epoch` when given."""
+        """A stage's (or an expert's) state, part `shard` of `num_shards`, only at `epoch` when given."""
         channel, _ = self._channel(endpoint)
-        request = stage_pb2.StateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards)
+        request = stage_pb2.StateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, expert=expert)
         if epoch is not None:
             request.epoch = epoch
         request = request.SerializeToString()
-        call = channel.unary_stream(f"/{SERVICE}/GetState")(request, timeout=timeout)
+        service = EXPERT_SERVICE if expert else SERVICE
+        call = channel.unary_stream(f"/{service}/GetState")(request, timeout=timeout)
         response, payloads = await framing.read(call, stage_pb2.StateResponse, self.max_message_bytes)
         tensors = {
             item.name: codec.decode(item.tensor, payload=payloads.get(f"tensors.{i}.tensor"))

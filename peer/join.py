@@ -13,6 +13,7 @@ import torch
 from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
+from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import load_corpus
 from peer.swarm import choose_stage, coordinator_peer_id, fetch_spec
@@ -89,18 +90,32 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             f"(blocks {blocks.start}-{blocks.stop - 1}).",
             flush=True,
         )
-        runtime = StageRuntime(spec, stage, cfg.server.activation_cache_size, cfg.server.fingerprint_history)
+        experts = None
+        if any(layer in blocks for layer in spec.moe_layers()):
+            from peer.dispatch import RemoteExperts
+
+            experts = RemoteExperts(spec, stage, cfg, dht)  # the gates live here, the experts on expert hosts
+            print(f"Blocks {experts.layers} are mixture-of-experts layers; their experts live on expert hosts.")
+        runtime = StageRuntime(
+            spec, stage, cfg.server.activation_cache_size, cfg.server.fingerprint_history, experts=experts
+        )
         if cfg.server.throughput > 0:
             runtime.throughput, runtime.fixed_throughput = cfg.server.throughput, True
             print(f"Announcing {cfg.server.throughput:.1f} samples/s for this stage (server.throughput).", flush=True)
         else:
+            if experts is not None:
+                experts.offline = True  # time this stage's own work; the experts' is their hosts'
             rate = runtime.benchmark(spec.training.micro_batch_size, spec.training.seq_len)
+            if experts is not None:
+                experts.offline = False
             print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         # hivemind's averager forks: create it before any gRPC channel or server
         averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec.averaging)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
 
         async def start():
+            if experts is not None:
+                await experts.bind()
             await server.start()
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
 
@@ -110,6 +125,8 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             else:
                 print(f"Moving from stage {stage} to stage {server.move_to}...", flush=True)
             await server.stop()
+            if experts is not None:
+                await experts.close()
 
         asyncio.run(_until_signalled(start, stop, server.done))
     finally:
@@ -122,6 +139,69 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, rejoin_argv(sys.argv[1:], server.move_to))
+
+
+def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) -> None:
+    """Host experts of the run's MoE layers: `choice` is how many (the least-replicated) or which."""
+    from peer.averaging import GradientAverager
+    from peer.expert import ExpertRuntime
+    from peer.expert_host import (
+        ExpertHost,
+        all_experts,
+        best_device,
+        choose_experts,
+        expert_counts,
+        parse_expert_choice,
+    )
+    from peer.replica import Part
+
+    dht, spec = connect(maddr, cfg, identity)
+    averagers: dict[str, GradientAverager] = {}
+    try:
+        if not spec.moe_layers():
+            raise SystemExit(f"peer join: run '{spec.name}' has no mixture-of-experts layers (moe.num_experts is 0)")
+        try:
+            wanted = parse_expert_choice(spec, choice)
+        except ValueError as e:
+            raise SystemExit(f"peer join: {e}") from None
+        if isinstance(wanted, int):
+            known = all_experts(spec)
+            records = {uid: dht.get(keys.expert_key(spec.name, uid), ServerRecord) for uid in known}
+            wanted = choose_experts(expert_counts(records), min(wanted, len(known)))
+        device = best_device(cfg.experts.device)
+        print(
+            f"Joined run '{spec.name}' (spec signed by its coordinator). Hosting {len(wanted)} expert(s) on "
+            f"{device}: {', '.join(wanted)}.",
+            flush=True,
+        )
+        runtimes = {
+            uid: ExpertRuntime(spec, uid, device, cfg.experts.activation_cache_size, cfg.server.fingerprint_history)
+            for uid in wanted
+        }
+        rate = next(iter(runtimes.values())).benchmark(min(cfg.experts.max_batch_tokens, 1024))
+        for runtime in runtimes.values():
+            runtime.throughput = rate
+        print(f"Measured {rate:.0f} tokens/s per expert on this machine.", flush=True)
+        # hivemind's averagers fork: create them before any gRPC channel or server
+        for uid, runtime in runtimes.items():
+            prefix = Part(0, uid).averaging_prefix(spec.name)
+            averagers[uid] = GradientAverager(dht, prefix, runtime.params, spec.averaging)
+        host = ExpertHost(spec, cfg, dht, runtimes, averagers)
+
+        async def start():
+            await host.start()
+            loaded = f"; loaded the state of {', '.join(host.loaded)} from replicas" if host.loaded else ""
+            print(f"Serving experts {', '.join(wanted)} at {host.endpoint}{loaded}.", flush=True)
+
+        async def stop():
+            print("Leaving the swarm...", flush=True)
+            await host.stop()
+
+        asyncio.run(_until_signalled(start, stop))
+    finally:
+        for averager in averagers.values():
+            averager.shutdown()
+        dht.shutdown()
 
 
 def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:

@@ -8,8 +8,9 @@ Switch-Transformer load-balancing loss (E * sum_e fraction_e * mean_prob_e) is k
 training objective.
 
 The experts' side is a backend: `LocalExperts` (an nn.ModuleList, for the plain model and the
-reference) or a remote one (peer.dispatch), both called as backend(layer, tokens, top_index) ->
-(outputs [tokens, k, hidden], answered [tokens, k]).
+reference) or a remote one (peer.dispatch), both called as backend(layer, tokens, top_index,
+samples) -> (outputs [tokens, k, hidden], answered [tokens, k]); `samples` is the micro-batch's
+number of sequences, which remote experts count toward their optimizer steps.
 """
 
 from __future__ import annotations
@@ -70,14 +71,14 @@ def make_expert(cfg: ModelConfig, moe: MoEConfig, seed: int, layer: int, index: 
 
 class ExpertBackend(Protocol):
     def __call__(
-        self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor
+        self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor, samples: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LocalExperts(nn.ModuleList):
     """The experts of one layer in this process."""
 
-    def __call__(self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor):
+    def __call__(self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor, samples: int = 1):
         outputs = tokens.new_zeros(*top_index.shape, tokens.shape[-1])
         for index, expert in enumerate(self):
             rows, slots = (top_index == index).nonzero(as_tuple=True)
@@ -100,7 +101,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens)
         top_logits, top_index = logits.topk(self.top_k, dim=-1)
-        outputs, answered = self.experts(self.layer, tokens, top_index)
+        samples = x.shape[0] if x.dim() == 3 else 1
+        outputs, answered = self.experts(self.layer, tokens, top_index, samples)
         if self.min_answers and bool((answered.sum(-1) < self.min_answers).any()):
             missing = sorted({int(e) for e in top_index[~answered].tolist()})
             raise ExpertsUnavailable(

@@ -7,6 +7,7 @@ margin, plus a floor. A hung server therefore costs about a second, not a fixed 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from peer.config import TrainerConfig
+from peer.config import ExpertsConfig, TrainerConfig
 
 LATENCY_DECAY = 0.8  # weight of the past in a server's latency average
 UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, at the least
@@ -31,9 +32,27 @@ class NoServer(RuntimeError):
 
 
 class Router:
-    def __init__(self, dht: SwarmDHT, run_id: str, num_stages: int, cfg: TrainerConfig, record_ttl: float):
-        self.dht, self.run_id, self.num_stages, self.cfg, self.record_ttl = dht, run_id, num_stages, cfg, record_ttl
-        self.servers: list[dict[str, ServerRecord]] = [{} for _ in range(num_stages)]  # routable now
+    """Routes to the replicas of each slot: the stages (for a trainer) or, with `experts`, those experts (for a stage).
+
+    `cfg` has the deadline and ban settings (TrainerConfig or ExpertsConfig).
+    """
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        run_id: str,
+        num_stages: int,
+        cfg: TrainerConfig | ExpertsConfig,
+        record_ttl: float,
+        experts: list[str] | None = None,
+    ):
+        self.dht, self.run_id, self.cfg, self.record_ttl = dht, run_id, cfg, record_ttl
+        if experts is None:
+            self.slots = [(keys.servers_key(run_id, s), s, "") for s in range(num_stages)]
+        else:
+            self.slots = [(keys.expert_key(run_id, uid), None, uid) for uid in experts]
+        self.num_stages = len(self.slots)
+        self.servers: list[dict[str, ServerRecord]] = [{} for _ in self.slots]  # routable now
         self.present: set[str] = set()  # peers whose record the last refresh found
         self.last: dict[tuple[str, int], ServerRecord] = {}  # newest record seen of each (peer, incarnation)
         self.latest: dict[str, ServerRecord] = {}  # newest record seen of each peer
@@ -49,18 +68,21 @@ class Router:
     # ---- the server list ------------------------------------------------------------------
     async def refresh(self) -> None:
         present = set()
-        for stage in range(self.num_stages):
-            records = await self.dht.aget(keys.servers_key(self.run_id, stage), ServerRecord)
-            records = {pid: r for pid, r in records.items() if r.stage == stage}
+        found = await asyncio.gather(*(self.dht.aget(key, ServerRecord) for key, _, _ in self.slots))
+        for slot, ((_, stage, expert), records) in enumerate(zip(self.slots, found, strict=True)):
+            records = {
+                pid: r for pid, r in records.items() if r.expert == expert and (stage is None or r.stage == stage)
+            }
             for pid, r in records.items():
-                self.note(pid, r)
+                if not expert:  # receipts and incarnations are the trainer's, for stages
+                    self.note(pid, r)
                 present.add(pid)
-            self.servers[stage] = {
+            self.servers[slot] = {
                 pid: r
                 for pid, r in records.items()
                 if r.state == "serving" and pid not in self.dead and pid not in self.leaving
             }
-            for r in self.servers[stage].values():
+            for r in self.servers[slot].values():
                 self.max_epoch = max(self.max_epoch, r.epoch)
         self.present = present
         self._forget_old()
@@ -149,9 +171,15 @@ class Router:
         health.failures = 0  # forgiven: it answers again
         health.banned_until = 0.0
 
-    def report_failure(self, peer_id: str) -> float:
-        """Ban a failing server, for longer each time it fails in a row; returns the ban length."""
+    def report_failure(self, peer_id: str, escalate_while_banned: bool = True) -> float:
+        """Ban a failing server, for longer each time it fails in a row; returns the ban length.
+
+        With `escalate_while_banned` False, failures of calls that ran at the same time as the
+        one that banned it (an expert host's parallel calls) do not lengthen the ban.
+        """
         health = self.health.setdefault(peer_id, _Health())
+        if not escalate_while_banned and health.banned_until > time.monotonic():
+            return health.banned_until - time.monotonic()
         health.failures += 1
         ban = min(self.cfg.ban_time * (2 ** min(health.failures - 1, 16)), self.cfg.max_ban)
         health.banned_until = time.monotonic() + ban

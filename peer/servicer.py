@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from peer.moe import ExpertsUnavailable
 from peer.runtime import InputError, Late
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
+    from peer.replica import Replica
     from peer.server import StageServer
 
 logger = logging.getLogger(__name__)
@@ -29,22 +31,30 @@ class _Refused(Exception):
         self.code, self.message = code, message
 
 
-class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, server: StageServer):
-        self.server = server
-        self.runtime = server.runtime
-        self.limits = server.cfg.server
+class ServicerBase:
+    """What the stage and expert services share: limits, decoding, framing, Info/Round/GetState of a replica.
 
-    # ---- helpers --------------------------------------------------------------------------
-    def _check_route(self, run_id: str, stage: int) -> None:
+    `owner` is the process's server (a StageServer or an ExpertHost): it counts `inflight`
+    requests and says when it is `leaving`.
+    """
+
+    def __init__(self, owner, limits):
+        self.server = owner
+        self.limits = limits
+
+    def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
+        """The replica a request names; _Refused when this server does not hold it or is leaving."""
+        raise NotImplementedError
+
+    def _described(self, expert: str) -> Replica:
+        """The replica an Info request names (answered while leaving too)."""
+        raise NotImplementedError
+
+    def _check_run(self, run_id: str) -> None:
         if run_id != self.server.run_id:
             raise _Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this server belongs to run {self.server.run_id!r}, not {run_id!r}",
-            )
-        if stage != self.server.stage:
-            raise _Refused(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this server serves stage {self.server.stage}, not stage {stage}"
             )
         if self.server.leaving:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "this server is leaving the swarm")
@@ -74,6 +84,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Late as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except ExpertsUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self.server.inflight -= 1
 
@@ -87,6 +99,102 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except (framing.FramingError, codec.TensorDecodeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    def _frames(self, response, payloads):
+        return framing.frames(response, payloads, self.limits.chunk_bytes)
+
+    # ---- info and state -------------------------------------------------------------------
+    async def Info(self, request, context):
+        try:
+            replica = self._described(request.expert)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        rt = replica.runtime
+        history = [
+            stage_pb2.StepFingerprint(epoch=f.epoch, samples=f.samples, values=f.values, members=f.members)
+            for f in list(rt.history)
+        ]
+        return stage_pb2.InfoResponse(
+            run_id=replica.run_id,
+            stage=replica.stage,
+            peer_id=replica.dht.peer_id,
+            epoch=rt.epoch,
+            samples_accumulated=rt.samples_accumulated,
+            samples_stepped=rt.samples_stepped,
+            throughput=rt.throughput,
+            load=self.server.inflight,
+            history=history,
+            incarnation=rt.incarnation,
+            stepped_seq=rt.stepped_seq,
+            state=replica.record().state,
+            samples_averaging=replica.samples_averaging,
+        )
+
+    async def Round(self, request: stage_pb2.RoundRequest, context):
+        try:
+            replica = self._replica(request.run_id, request.stage, request.expert)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        joining = replica.join_round(request.epoch)
+        return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
+
+    async def GetState(self, request_bytes: bytes, context):
+        try:
+            request = stage_pb2.StateRequest.FromString(request_bytes)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a StateRequest: {e}")
+        try:
+            replica = self._replica(request.run_id, request.stage, request.expert)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        if self.server.inflight >= self.limits.max_concurrent_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
+        num_shards = max(request.num_shards, 1)
+        if request.shard >= num_shards:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist: num_shards is {num_shards}"
+            )
+        self.server.inflight += 1
+        try:
+            metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards)
+        finally:
+            self.server.inflight -= 1
+        if request.HasField("epoch") and metadata["epoch"] != request.epoch:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this replica is at step {metadata['epoch']}, not at the requested step {request.epoch}",
+            )
+        response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
+        for i, (name, tensor) in enumerate(tensors.items()):
+            header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)
+            response.tensors.add(name=name, tensor=header)
+        for frame in self._frames(response, payloads):
+            yield frame
+
+
+class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
+    def __init__(self, server: StageServer):
+        super().__init__(server, server.cfg.server)
+        self.runtime = server.runtime
+
+    def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
+        self._check_route(run_id, stage)
+        if expert:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "this is a stage server; it holds no experts")
+        return self.server
+
+    def _described(self, expert: str) -> Replica:
+        if expert:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "this is a stage server; it holds no experts")
+        return self.server
+
+    def _check_route(self, run_id: str, stage: int) -> None:
+        self._check_run(run_id)
+        if stage != self.server.stage:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION, f"this server serves stage {self.server.stage}, not stage {stage}"
+            )
+
+    # ---- forward / backward ---------------------------------------------------------------
     def _routed_inputs(self, request, payloads: dict):
         """Check a forward/backward request is for this run and stage; its decoded inputs."""
         self._check_route(request.run_id, request.stage)
@@ -95,10 +203,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
         return inputs
 
-    def _frames(self, response, payloads):
-        return framing.frames(response, payloads, self.limits.chunk_bytes)
-
-    # ---- forward / backward ---------------------------------------------------------------
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None):
         inputs = self._routed_inputs(request, payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
@@ -145,70 +249,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def BackwardStream(self, request_iterator, context):
         request, payloads = await self._read_stream(request_iterator, stage_pb2.BackwardRequest, context)
         for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
-            yield frame
-
-    # ---- info and state -------------------------------------------------------------------
-    async def Info(self, request, context):
-        rt = self.runtime
-        history = [
-            stage_pb2.StepFingerprint(epoch=f.epoch, samples=f.samples, values=f.values, members=f.members)
-            for f in list(rt.history)
-        ]
-        return stage_pb2.InfoResponse(
-            run_id=self.server.run_id,
-            stage=self.server.stage,
-            peer_id=self.server.dht.peer_id,
-            epoch=rt.epoch,
-            samples_accumulated=rt.samples_accumulated,
-            samples_stepped=rt.samples_stepped,
-            throughput=rt.throughput,
-            load=self.server.inflight,
-            history=history,
-            incarnation=rt.incarnation,
-            stepped_seq=rt.stepped_seq,
-            state=self.server.record().state,
-            samples_averaging=self.server.samples_averaging,
-        )
-
-    async def Round(self, request: stage_pb2.RoundRequest, context):
-        try:
-            self._check_route(request.run_id, request.stage)
-        except _Refused as e:
-            await context.abort(e.code, e.message)
-        joining = self.server.join_round(request.epoch)
-        return stage_pb2.RoundResponse(joining=joining, epoch=self.runtime.epoch)
-
-    async def GetState(self, request_bytes: bytes, context):
-        try:
-            request = stage_pb2.StateRequest.FromString(request_bytes)
-        except Exception as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a StateRequest: {e}")
-        try:
-            self._check_route(request.run_id, request.stage)
-        except _Refused as e:
-            await context.abort(e.code, e.message)
-        if self.server.inflight >= self.limits.max_concurrent_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
-        num_shards = max(request.num_shards, 1)
-        if request.shard >= num_shards:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist: num_shards is {num_shards}"
-            )
-        self.server.inflight += 1
-        try:
-            metadata, tensors = await self.server.run_torch(self.runtime.snapshot, request.shard, num_shards)
-        finally:
-            self.server.inflight -= 1
-        if request.HasField("epoch") and metadata["epoch"] != request.epoch:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this replica is at step {metadata['epoch']}, not at the requested step {request.epoch}",
-            )
-        response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
-        for i, (name, tensor) in enumerate(tensors.items()):
-            header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)
-            response.tensors.add(name=name, tensor=header)
-        for frame in self._frames(response, payloads):
             yield frame
 
 

@@ -1,0 +1,120 @@
+"""gRPC handlers of the expert service: check, queue for the expert's batch, encode.
+
+Bad input never takes the host down: an unknown expert gets NOT_FOUND, malformed or misshapen
+tensors INVALID_ARGUMENT, too many tokens or requests RESOURCE_EXHAUSTED, a call for another run
+FAILED_PRECONDITION, each with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from peer.expert import ExpertInputError
+from peer.replica import Replica
+from peer.runtime import Late
+from peer.servicer import ServicerBase, _Refused
+from protocols import codec, expert_pb2, expert_pb2_grpc, framing, stage_pb2
+
+if TYPE_CHECKING:
+    from peer.expert_host import ExpertHost
+
+
+class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
+    def __init__(self, host: ExpertHost):
+        super().__init__(host, host.cfg.server)
+        self.host = host
+
+    def _described(self, expert: str) -> Replica:
+        replica = self.host.replicas.get(expert)
+        if replica is None:
+            hosted = ", ".join(self.host.replicas)
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"expert {expert!r} is not hosted here (hosted: {hosted})")
+        return replica
+
+    def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
+        self._check_run(run_id)
+        return self._described(expert)
+
+    def _tokens(self, request, field: str, payloads: dict, replica: Replica):
+        tensor = self._decode(getattr(request, field), field, request.HasField(field), payloads)
+        if tensor is None:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: missing")
+        limit = self.host.cfg.experts.max_request_tokens
+        if tensor.dim() >= 1 and tensor.shape[0] > limit:
+            raise _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{field}: {tensor.shape[0]} tokens in one request; this host takes at most {limit} "
+                "(experts.max_request_tokens)",
+            )
+        try:
+            replica.runtime.check(tensor, field)
+        except ExpertInputError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return tensor
+
+    async def _forward(self, request: expert_pb2.ExpertForwardRequest, payloads: dict, deadline: float | None):
+        replica = self._replica(request.run_id, 0, request.expert)
+        inputs = self._tokens(request, "inputs", payloads, replica)
+        outputs, epoch = await self.host.forward(request.expert, request.uid, inputs, request.train, deadline)
+        if outputs is None:
+            raise Late("the request's deadline passed while it waited")
+        header, payload = codec.encode_payload(outputs, request.output_codec)
+        return expert_pb2.ExpertForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
+
+    async def _backward(self, request: expert_pb2.ExpertBackwardRequest, payloads: dict, deadline: float | None):
+        replica = self._replica(request.run_id, 0, request.expert)
+        inputs = self._tokens(request, "inputs", payloads, replica)
+        grad_outputs = self._tokens(request, "grad_outputs", payloads, replica)
+        if grad_outputs.shape != inputs.shape:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"grad_outputs: shape {list(grad_outputs.shape)} differs from inputs {list(inputs.shape)}",
+            )
+        if request.samples < 1:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "samples: the caller's micro-batch size must be >= 1")
+        grad_inputs, epoch, seq, incarnation, stepped_seq = await self.host.backward(
+            request.expert, request.uid, inputs, grad_outputs, request.samples
+        )
+        header, payload = codec.encode_payload(grad_inputs, request.output_codec)
+        response = expert_pb2.ExpertBackwardResponse(
+            grad_inputs=header, epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq
+        )
+        return response, {"grad_inputs": payload}
+
+    async def Forward(self, request, context):
+        return framing.inline(*await self._guarded(self._forward, request, {}, context))
+
+    async def Backward(self, request, context):
+        return framing.inline(*await self._guarded(self._backward, request, {}, context))
+
+    async def ForwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, expert_pb2.ExpertForwardRequest, context)
+        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
+            yield frame
+
+    async def BackwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, expert_pb2.ExpertBackwardRequest, context)
+        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
+            yield frame
+
+
+def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
+    """Register the expert service: unary methods with protobuf messages, streams as raw framed bytes."""
+    unary = {
+        "Forward": (servicer.Forward, expert_pb2.ExpertForwardRequest, expert_pb2.ExpertForwardResponse),
+        "Backward": (servicer.Backward, expert_pb2.ExpertBackwardRequest, expert_pb2.ExpertBackwardResponse),
+        "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
+        "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+        for name, (fn, req, resp) in unary.items()
+    }
+    handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)
+    handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
+    handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmtrain.Expert", handlers),))
