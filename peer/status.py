@@ -11,12 +11,38 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord, TrainerRecord
 from peer.config import RunSpec
+from peer.moe import expert_uid
 
 
 def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
     stages = [dht.get(keys.servers_key(spec.name, s), ServerRecord) for s in range(spec.stages.num_stages)]
     trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
-    return {"stages": stages, "trainers": trainers}
+    experts = {
+        expert_uid(layer, e): dht.get(keys.expert_key(spec.name, expert_uid(layer, e)), ServerRecord)
+        for layer in spec.moe_layers()
+        for e in range(spec.moe.num_experts)
+    }
+    return {"stages": stages, "trainers": trainers, "experts": experts}
+
+
+def coverage(spec: RunSpec, experts: dict[str, dict[str, ServerRecord]]) -> list[dict]:
+    """Per MoE layer: experts hosted, replicas of each, and which have no live host."""
+    rows = []
+    for layer in spec.moe_layers():
+        replicas = {}
+        for e in range(spec.moe.num_experts):
+            found = experts.get(expert_uid(layer, e), {})
+            replicas[e] = sum(1 for r in found.values() if r.state == "serving")
+        hosted = [e for e, n in replicas.items() if n]
+        rows.append(
+            {
+                "layer": layer,
+                "hosted": len(hosted),
+                "replicas": replicas,
+                "missing": [e for e, n in replicas.items() if not n],
+            }
+        )
+    return rows
 
 
 def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
@@ -50,6 +76,27 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
                 f"{now - r.started:.0f} s",
             )
     console.print(table)
+    if spec.moe_layers():
+        etable = Table(title=f"Experts ({spec.moe.num_experts} per layer, top-{spec.moe.top_k})")
+        for column in ("layer", "hosted", "replicas per expert", "missing", "hosts"):
+            etable.add_column(column)
+        experts = state.get("experts", {})
+        for row in coverage(spec, experts):
+            hosts = {
+                r.endpoint
+                for e in range(spec.moe.num_experts)
+                for r in experts.get(expert_uid(row["layer"], e), {}).values()
+                if r.state == "serving"
+            }
+            missing = ", ".join(map(str, row["missing"]))
+            etable.add_row(
+                str(row["layer"]),
+                f"{row['hosted']}/{spec.moe.num_experts}",
+                " ".join(f"{e}:{n}" for e, n in row["replicas"].items()),
+                f"[red]{missing}[/red]" if missing else "none",
+                str(len(hosts)),
+            )
+        console.print(etable)
     ttable = Table(title="Trainers")
     for column in ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age"):
         ttable.add_column(column)
