@@ -178,7 +178,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
             uid: ExpertRuntime(spec, uid, device, cfg.experts.activation_cache_size, cfg.server.fingerprint_history)
             for uid in wanted
         }
-        rate = next(iter(runtimes.values())).benchmark(min(cfg.experts.max_batch_tokens, 1024))
+        rate = next(iter(runtimes.values())).benchmark(min(cfg.experts.max_batch_tokens, 128))
         for runtime in runtimes.values():
             runtime.throughput = rate
         print(f"Measured {rate:.0f} tokens/s per expert on this machine.", flush=True)
