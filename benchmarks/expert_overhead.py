@@ -4,7 +4,8 @@ For each hidden size (default 1024 and 4096), with batch 256 and one torch threa
 
 - local: forward + backward of the expert module in this process;
 - ours: an expert host started as `peer join --experts 0.0` (a real process, with a coordinator),
-  called over gRPC as a stage server calls it (Forward with the graph kept, then Backward);
+  called over gRPC as a stage server calls it (Forward with the graph kept, then Backward with the
+  output gradients only: the host kept the inputs);
 - hivemind: hivemind's own MoE `Server` with the same module registered as a custom expert,
   called through its `RemoteExpert` over libp2p.
 
@@ -83,11 +84,18 @@ def time_hivemind(hidden: int, repeats: int) -> tuple[float, float]:
         info = ExpertInfo("bench.0", server.dht.peer_id)
         (expert,) = create_remote_experts([info], dht)
         remote = _time_callable(expert, hidden, repeats)
-        local = time_local(server.module_backends["bench.0"].module, hidden, repeats)
+        module = server.module_backends["bench.0"].module
+        local = min(time_local(module, hidden, repeats), time_local(module, hidden, repeats))
     finally:
         dht.shutdown()
         server.shutdown()
     return remote, local
+
+
+def _hivemind_child(conn, hiddens: list[int], repeats: int) -> None:
+    torch.set_num_threads(1)
+    conn.send({h: time_hivemind(h, repeats) for h in hiddens})
+    conn.close()
 
 
 def _time_callable(fn, hidden: int, repeats: int) -> float:
@@ -114,21 +122,21 @@ def spec(hidden: int) -> dict:
     }
 
 
-def start_swarm(procs: Processes, workdir: Path, hidden: int) -> dict[str, str]:
+def start_coordinator(procs: Processes, workdir: Path, hidden: int) -> str:
     (workdir / "run.toml").write_text(dict_to_toml(spec(hidden)))
     info = workdir / "coordinator.json"
     procs.start(
         "c", ["coordinator", "run.toml", "--identity", "c.pem", "--host", "127.0.0.1", "--info-file", str(info)]
     )
     Processes.wait_until(info.exists, 60, "the coordinator")
-    maddr = json.loads(info.read_text())["join"].split()[-1]
-    hosts = {}
-    for name, extra in (("batching", []), ("single", ["--set", f"experts.max_batch_tokens={BATCH // 8}"])):
-        procs.start(name, loopback_join(maddr, name, "--experts", "0.0", *extra))
-    for name in ("batching", "single"):
-        Processes.wait_until(lambda n=name: "Serving experts" in procs.log(n), 180, name)
-        hosts[name] = procs.log(name).split("Serving experts 0.0 at ")[1].split()[0].rstrip(".;")
-    return hosts
+    return json.loads(info.read_text())["join"].split()[-1]
+
+
+def start_host(procs: Processes, maddr: str, name: str, extra: list[str]) -> str:
+    """An expert host of expert 0.0, alone on the machine besides the coordinator; its endpoint."""
+    procs.start(name, loopback_join(maddr, name, "--experts", "0.0", *extra))
+    Processes.wait_until(lambda: "Serving experts" in procs.log(name), 180, name)
+    return procs.log(name).split("Serving experts 0.0 at ")[1].split()[0].rstrip(".;")
 
 
 async def time_ours(endpoint: str, hidden: int, repeats: int) -> float:
@@ -146,11 +154,11 @@ async def time_ours(endpoint: str, hidden: int, repeats: int) -> float:
             request.inputs.CopyFrom(header)
             response, returned = await client.expert_forward(endpoint, request, {"inputs": payload}, timeout=120)
             codec.decode(response.outputs, payload=returned.get("outputs"))
+            # as a stage server calls it: the host that did the forward kept the inputs
             request = expert_pb2.ExpertBackwardRequest(run_id="bench", expert="0.0", uid=f"u{i}", samples=1)
-            payloads = {}
-            for field, tensor in (("inputs", x), ("grad_outputs", g)):
-                header, payloads[field] = codec.encode_payload(tensor)
-                getattr(request, field).CopyFrom(header)
+            header, payload = codec.encode_payload(g)
+            request.grad_outputs.CopyFrom(header)
+            payloads = {"grad_outputs": payload}
             response, returned = await client.expert_backward(endpoint, request, payloads, timeout=120)
             codec.decode(response.grad_inputs, payload=returned.get("grad_inputs"))
             times.append(time.perf_counter() - started)
@@ -179,10 +187,9 @@ async def concurrent_throughput(endpoint: str, hidden: int, tokens: int, callers
             request.inputs.CopyFrom(header)
             await client.expert_forward(endpoint, request, {"inputs": payload}, timeout=120)
             request = expert_pb2.ExpertBackwardRequest(run_id="bench", expert="0.0", uid=uid, samples=1)
-            payloads = {}
-            for field, tensor in (("inputs", x), ("grad_outputs", g)):
-                header, payloads[field] = codec.encode_payload(tensor)
-                getattr(request, field).CopyFrom(header)
+            header, payload = codec.encode_payload(g)
+            request.grad_outputs.CopyFrom(header)
+            payloads = {"grad_outputs": payload}
             await client.expert_backward(endpoint, request, payloads, timeout=120)
             done += tokens
             i += 1
@@ -206,22 +213,36 @@ def main() -> None:
     mp.set_start_method("fork", force=True)
     torch.set_num_threads(1)
     hiddens = [int(h) for h in args.hidden.split(",")]
-    # hivemind first: it forks, and gRPC objects must not exist in this process before it does
-    hivemind = {h: time_hivemind(h, args.repeats) for h in hiddens}
+    # hivemind first, in a child process that is gone (with its server, DHT and daemons) before ours
+    # starts: it forks, gRPC must not exist in a process before that, and its leftovers would load the CPU
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=_hivemind_child, args=(child, hiddens, args.repeats))
+    proc.start()
+    hivemind = parent.recv()
+    proc.join(60)
     results = {}
     for h in hiddens:
-        local = time_local(SwiGLU(h, inner(h)), h, args.repeats)
         with tempfile.TemporaryDirectory(prefix="swt-expert-bench-") as tmp:
             procs = Processes(Path(tmp))
             try:
-                hosts = start_swarm(procs, Path(tmp), h)
-                ours = asyncio.run(time_ours(hosts["batching"], h, args.repeats))
+                maddr = start_coordinator(procs, Path(tmp), h)
+                endpoint = start_host(procs, maddr, "batching", [])
+                local_before = time_local(SwiGLU(h, inner(h)), h, args.repeats)
+                ours = asyncio.run(time_ours(endpoint, h, args.repeats))
+                local = min(local_before, time_local(SwiGLU(h, inner(h)), h, args.repeats))
                 tput = {
-                    name: asyncio.run(
+                    "batching": asyncio.run(
                         concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
                     )
-                    for name, endpoint in hosts.items()
                 }
+                procs.stop(["batching"])
+                # the same host with batches of one request: what dynamic batching gives
+                endpoint = start_host(
+                    procs, maddr, "single", ["--set", f"experts.max_batch_tokens={args.concurrent_tokens}"]
+                )
+                tput["single"] = asyncio.run(
+                    concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
+                )
             finally:
                 procs.stop()
         hm_remote, hm_local = hivemind[h]

@@ -40,7 +40,7 @@ MAX_MESSAGE_BYTES = 512 * MIB
 class EchoServicer(StageServicer):
     """The stage service's real request/response path, with an echo in place of the model."""
 
-    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict):
+    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None = None):
         tensor = self._decode(request.inputs, "inputs", True, payloads)
         header, payload = codec.encode_payload(tensor)
         return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}

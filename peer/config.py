@@ -264,7 +264,7 @@ class TrainerConfig:
 @dataclass
 class ExpertsConfig:
     max_batch_tokens: int = 8192  # an expert host merges concurrent requests for one expert up to this many rows
-    max_wait: float = 0.002  # s a request waits for others to merge with before its batch runs
+    max_wait: float = 0.001  # s a request waits for others to merge with before its batch runs
     max_request_tokens: int = 65536  # larger requests get RESOURCE_EXHAUSTED
     activation_cache_size: int = 64  # forward batches kept per expert for their backward (recompute on a miss)
     device: str = ""  # torch device of the hosted experts; empty: cuda when there is one, else cpu

@@ -89,11 +89,18 @@ class RemoteExperts:
         """Live hosts per expert, as this stage sees them."""
         return {uid: len(self.router.servers[i]) for uid, i in self.slot.items()}
 
-    async def _call(self, expert: str, method: str, request, payloads: dict, tokens: int, prefer: str | None):
-        """One expert call on some replica; (response, payloads, peer) or None when no replica answered."""
+    async def _call(
+        self, expert: str, method: str, request, payloads: dict, tokens: int, prefer: str | None, only: bool = False
+    ):
+        """One expert call on some replica; (response, payloads, peer) or None when no replica answered.
+
+        With `only`, just one try on `prefer` (a backward without its inputs, which only that host kept).
+        """
         slot, tried = self.slot[expert], set()
+        if only:
+            tried = {pid for pid in self.router.servers[slot] if pid != prefer}
         kind = f"expert/{method}"
-        for attempt in range(max(1, self.ecfg.max_tries)):
+        for attempt in range(1 if only else max(1, self.ecfg.max_tries)):
             try:
                 pid, record = self.router.choose(slot, tried, prefer, kind)
             except NoServer:
@@ -111,6 +118,8 @@ class RemoteExperts:
                 return response, returned, pid
             except grpc.aio.AioRpcError as e:
                 details = (e.details() or "").lower()
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "send the inputs" in details:
+                    return None  # alive, but it no longer holds the forward: the caller resends with inputs
                 if e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details:
                     self.router.report_dead(pid)
                 elif e.code() == grpc.StatusCode.UNAVAILABLE and "leaving" in details:
@@ -170,11 +179,18 @@ class RemoteExperts:
             request = expert_pb2.ExpertBackwardRequest(
                 run_id=self.spec.name, expert=sent.expert, uid=sent.call_uid, samples=samples, output_codec=self.codec
             )
-            payloads = {}
-            for field, tensor in (("inputs", x), ("grad_outputs", g)):
-                header, payloads[field] = codec.encode_payload(tensor, self.codec)
-                getattr(request, field).CopyFrom(header)
-            result = await self._call(sent.expert, "backward", request, payloads, x.shape[0], sent.peer)
+            header, grad_payload = codec.encode_payload(g, self.codec)
+            request.grad_outputs.CopyFrom(header)
+            result = None
+            if sent.peer in self.router.servers[self.slot[sent.expert]]:
+                # the host that did the forward kept its inputs: leave them out (a cheaper request)
+                payloads = {"grad_outputs": grad_payload}
+                result = await self._call(sent.expert, "backward", request, payloads, x.shape[0], sent.peer, only=True)
+            if result is None:  # another replica, or the same one that lost the forward: send the inputs too
+                header, inputs_payload = codec.encode_payload(x, self.codec)
+                request.inputs.CopyFrom(header)
+                payloads = {"grad_outputs": grad_payload, "inputs": inputs_payload}
+                result = await self._call(sent.expert, "backward", request, payloads, x.shape[0], sent.peer)
             if result is None:
                 return None
             response, returned, _ = result

@@ -80,6 +80,13 @@ class ExpertRuntime(PartRuntime):
         self._measure(x.shape[0], time.perf_counter() - started, weight=1 / 3)
         return [o.cpu() for o in out.detach().split(sizes)]
 
+    def cached_inputs(self, uid: str) -> torch.Tensor | None:
+        """The inputs a cached forward of `uid` received (a backward may then leave them out)."""
+        for batch in self._cache.values():
+            if uid in batch.uids:
+                return batch.originals[batch.uids.index(uid)]
+        return None
+
     def _cached(self, uids: list[str], inputs: list[torch.Tensor]) -> tuple[_Batch, list[int]] | None:
         """The cached forward batch of exactly these requests (same inputs, same weights), with their order in it."""
         for key, batch in self._cache.items():

@@ -24,12 +24,16 @@ from peer.averaging import GradientAverager
 from peer.batcher import Batcher
 from peer.client import StageClient, server_options
 from peer.config import PeerConfig, RunSpec
-from peer.expert import ExpertRuntime
+from peer.expert import ExpertInputError, ExpertRuntime
 from peer.moe import expert_uid, parse_expert_uid
 from peer.replica import Part, Replica
 from peer.server import announce_host
 
 logger = logging.getLogger(__name__)
+
+
+class MissingInputs(LookupError):
+    """A backward without inputs whose forward this host no longer holds: the caller resends them."""
 
 
 def best_device(requested: str = "") -> str:
@@ -127,13 +131,26 @@ class ExpertHost:
         def job(requests):
             replica._drop_if_expired()
             epoch = runtime.epoch
-            grads, seq = runtime.backward(
-                [r[0] for r in requests],
-                [r[1] for r in requests],
-                [r[2] for r in requests],
-                sum(r[3] for r in requests),
-            )
-            return [(g, epoch, seq, runtime.incarnation, runtime.stepped_seq) for g in grads]
+            results: list = [None] * len(requests)
+            ready = []  # (position, uid, inputs, grads, samples)
+            for i, (uid, inputs, grads, samples) in enumerate(requests):
+                if inputs is None:  # left out by the caller: the forward's, if this host still has it
+                    inputs = runtime.cached_inputs(uid) if uid else None
+                if inputs is None:
+                    results[i] = MissingInputs(f"inputs: no forward of uid {uid!r} is cached here; send the inputs")
+                elif grads.shape != inputs.shape:
+                    results[i] = ExpertInputError(
+                        f"grad_outputs: shape {list(grads.shape)} differs from the inputs' {list(inputs.shape)}"
+                    )
+                else:
+                    ready.append((i, uid, inputs, grads, samples))
+            if ready:
+                grads, seq = runtime.backward(
+                    [r[1] for r in ready], [r[2] for r in ready], [r[3] for r in ready], sum(r[4] for r in ready)
+                )
+                for (i, *_), g in zip(ready, grads, strict=True):
+                    results[i] = (g, epoch, seq, runtime.incarnation, runtime.stepped_seq)
+            return results
 
         async def run(requests):
             results = await replica.run_torch(job, requests)
@@ -147,7 +164,10 @@ class ExpertHost:
         return await self.forward_batchers[uid].submit(inputs.shape[0], (call_uid, inputs, train, deadline))
 
     async def backward(self, uid: str, call_uid: str, inputs, grad_outputs, samples: int):
-        return await self.backward_batchers[uid].submit(inputs.shape[0], (call_uid, inputs, grad_outputs, samples))
+        """(grad_inputs, epoch, seq, incarnation, stepped_seq), or the error of this request alone."""
+        return await self.backward_batchers[uid].submit(
+            grad_outputs.shape[0], (call_uid, inputs, grad_outputs, samples)
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,6 +201,11 @@ class ExpertHost:
             replica.leaving = True
         if self.grpc_server is not None:
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        with contextlib.suppress(Exception):  # 'leaving' first: stage servers stop calling here
+            await asyncio.wait_for(
+                asyncio.gather(*(r.publish(force=True) for r in self.replicas.values())),
+                self.cfg.network.dht_request_timeout,
+            )
         deadline = time.monotonic() + self.cfg.server.shutdown_grace
         while self.inflight and time.monotonic() < deadline:  # finish the calls under way
             await asyncio.sleep(0.05)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peer.expert import ExpertInputError
+from peer.expert_host import MissingInputs
 from peer.replica import Replica
 from peer.runtime import Late
 from peer.servicer import ServicerBase, _Refused
@@ -65,18 +66,22 @@ class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
 
     async def _backward(self, request: expert_pb2.ExpertBackwardRequest, payloads: dict, deadline: float | None):
         replica = self._replica(request.run_id, 0, request.expert)
-        inputs = self._tokens(request, "inputs", payloads, replica)
+        # the inputs may be left out when this host did the forward: it uses the ones it kept
+        inputs = self._tokens(request, "inputs", payloads, replica) if request.HasField("inputs") else None
         grad_outputs = self._tokens(request, "grad_outputs", payloads, replica)
-        if grad_outputs.shape != inputs.shape:
+        if inputs is not None and grad_outputs.shape != inputs.shape:
             raise _Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"grad_outputs: shape {list(grad_outputs.shape)} differs from inputs {list(inputs.shape)}",
             )
         if request.samples < 1:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "samples: the caller's micro-batch size must be >= 1")
-        grad_inputs, epoch, seq, incarnation, stepped_seq = await self.host.backward(
-            request.expert, request.uid, inputs, grad_outputs, request.samples
-        )
+        result = await self.host.backward(request.expert, request.uid, inputs, grad_outputs, request.samples)
+        if isinstance(result, MissingInputs):
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, str(result))
+        if isinstance(result, ExpertInputError):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        grad_inputs, epoch, seq, incarnation, stepped_seq = result
         header, payload = codec.encode_payload(grad_inputs, request.output_codec)
         response = expert_pb2.ExpertBackwardResponse(
             grad_inputs=header, epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq

@@ -491,7 +491,7 @@ class Replica:
                 metadata, tensors = await self._fetch_state(donors)
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
                 logger.info(
-                    "loaded stage %d state (step %d) from %d donor(s) in %.2f s",
+                    "loaded %s state (step %d) from %d donor(s) in %.2f s",
                     self.label,
                     self.runtime.epoch,
                     min(len(donors), self.cfg.server.state_donors),

@@ -59,6 +59,7 @@ class Router:
         self.health: dict[str, _Health] = {}
         self.latency: dict[tuple[str, str], float] = {}  # (peer, kind of call) -> average seconds
         self.dead: set[str] = set()  # refused connections: the process is gone
+        self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
         self.leaving: set[str] = set()  # said so in an answer, before its record did
         self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
         self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
@@ -76,6 +77,9 @@ class Router:
             for pid, r in records.items():
                 if not expert:  # receipts and incarnations are the trainer's, for stages
                     self.note(pid, r)
+                elif (pid in self.dead or pid in self.leaving) and r.started > self.dead_since.get(pid, 0.0):
+                    self.dead.discard(pid)  # the host restarted (same key, a new process) after it was marked
+                    self.leaving.discard(pid)
                 present.add(pid)
             self.servers[slot] = {
                 pid: r
@@ -195,10 +199,12 @@ class Router:
     def report_dead(self, peer_id: str) -> None:
         """Its port refuses connections: the process is gone, with what it had accumulated."""
         self.dead.add(peer_id)
+        self.dead_since[peer_id] = time.time()
         self._unroute(peer_id)
 
     def report_leaving(self, peer_id: str) -> None:
         self.leaving.add(peer_id)
+        self.dead_since[peer_id] = time.time()
         self._unroute(peer_id)
 
     def _unroute(self, peer_id: str) -> None:

@@ -85,7 +85,9 @@ class ServicerBase:
         except Late as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except ExpertsUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"experts unavailable: {e}")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "experts unavailable: the expert calls ran out of time")
         finally:
             self.server.inflight -= 1
 

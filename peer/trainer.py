@@ -144,6 +144,7 @@ class Trainer:
                 logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
             timeout = self.router.deadline(pid, record, kind, samples, WORK[method])
             started = time.monotonic()
+            blame = True  # the server's own fault (banned); not when its MoE layer's experts did not answer
             try:
                 call = self.client.forward if method == "forward" else self.client.backward
                 response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
@@ -164,10 +165,16 @@ class Trainer:
                     self.router.report_leaving(pid)
                 elif e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details:
                     self.router.report_dead(pid)
+                elif e.code() == grpc.StatusCode.UNAVAILABLE and details.startswith("experts unavailable"):
+                    blame = False  # every replica of the stage would fail alike: wait for the experts instead
             except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
                 reason = str(e)
-            ban = self.router.report_failure(pid)
-            tried.add(pid)
+            if blame:
+                ban = self.router.report_failure(pid)
+                tried.add(pid)
+            else:
+                ban = 0.0
+                await asyncio.sleep(self.tcfg.ban_time)
             attempts += 1
             self.summary.failed_calls += 1
             self._write_call(stage, method, pid, record.endpoint, started, reason)

@@ -224,6 +224,13 @@ def test_remote_moe_matches_local_refuses_bad_input_and_trains(swarm):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await client.expert_forward(a, wrong_run, {}, timeout=10)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            no_inputs = expert_pb2.ExpertBackwardRequest(
+                run_id="moe", expert="1.0", uid="never-sent", samples=1, grad_outputs=_tensor(torch.randn(3, 64))
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.expert_backward(a, no_inputs, {}, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "send the inputs" in caught.value.details()
             response, returned = await call("1.0", torch.randn(5, 64))
             assert list(codec.decode(response.outputs, payload=returned.get("outputs")).shape) == [5, 64]
             assert (await client.info(a, timeout=10, expert="1.1")).state == "serving"
@@ -283,3 +290,10 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
 
     info = asyncio.run(newcomer_worked())
     assert info.epoch > 0 or info.samples_accumulated > 0, info  # the stage's calls reached the newcomer
+
+    # peer status shows the coverage: every expert of layer 1 hosted again, 1.0 by the newcomer alone
+    status = swarm.start("status", ["status", swarm.maddr])
+    assert status.wait(90) == 0, status.output()
+    row = re.search(r"│ 1 +│ (\d)/4 +│ ([0-9: ]+?) +│ (\S+) ", status.output())
+    assert row is not None, status.output()
+    assert row.group(1) == "4" and row.group(2).startswith("0:1 ") and row.group(3) == "none", status.output()
