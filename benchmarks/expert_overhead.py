@@ -11,8 +11,8 @@ For each hidden size (default 1024 and 4096), with batch 256 and one torch threa
 
 The module is the run's expert (SwiGLU, inner width 8/3 x hidden, the parameter count of
 hivemind's 4x ffn). Neither side takes an optimizer step during the timing (hivemind's backend
-gets no optimizer; our host's target batch is never reached), so both ratios are the cost of the
-path. Then, throughput with 8 concurrent callers of `--concurrent-tokens` tokens each, against
+gets no optimizer; our host's target batch is never reached), and both accumulate gradients as
+the local baseline does (into .grad), so both ratios are the cost of the path. Then, throughput with 8 concurrent callers of `--concurrent-tokens` tokens each, against
 our host with dynamic batching on and off (a second host whose batches hold one request).
 
 Last line: `ours=<remote/local at the first hidden size> hivemind=<same> ...`.
@@ -43,16 +43,21 @@ def inner(hidden: int) -> int:
     return (8 * hidden // 3 + 63) // 64 * 64
 
 
-def time_local(module: torch.nn.Module, hidden: int, repeats: int) -> float:
+def time_local(module, hidden: int, repeats: int) -> float:
+    """Median seconds of forward + backward through `module` (a local module, or hivemind's RemoteExpert).
+
+    Locally the gradients accumulate in .grad, as in training.
+    """
     x = torch.randn(BATCH, hidden)
     g = torch.randn(BATCH, hidden)
     times = []
     for _ in range(repeats + 1):
         started = time.perf_counter()
         xr = x.clone().requires_grad_(True)
-        y = module(xr)
-        torch.autograd.grad(y, [xr, *module.parameters()], g)
+        module(xr).backward(g)
         times.append(time.perf_counter() - started)
+    if isinstance(module, torch.nn.Module):
+        module.zero_grad(set_to_none=True)
     return statistics.median(times[1:])
 
 
@@ -83,9 +88,12 @@ def time_hivemind(hidden: int, repeats: int) -> tuple[float, float]:
     try:
         info = ExpertInfo("bench.0", server.dht.peer_id)
         (expert,) = create_remote_experts([info], dht)
-        remote = _time_callable(expert, hidden, repeats)
         module = server.module_backends["bench.0"].module
-        local = min(time_local(module, hidden, repeats), time_local(module, hidden, repeats))
+        remote, local = [], []
+        for _ in range(repeats):  # alternating, so both see the same load
+            local.append(time_local(module, hidden, 1))
+            remote.append(time_local(expert, hidden, 1))
+        remote, local = statistics.median(remote), statistics.median(local)
     finally:
         dht.shutdown()
         server.shutdown()
@@ -96,19 +104,6 @@ def _hivemind_child(conn, hiddens: list[int], repeats: int) -> None:
     torch.set_num_threads(1)
     conn.send({h: time_hivemind(h, repeats) for h in hiddens})
     conn.close()
-
-
-def _time_callable(fn, hidden: int, repeats: int) -> float:
-    x = torch.randn(BATCH, hidden)
-    g = torch.randn(BATCH, hidden)
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        xr = x.clone().requires_grad_(True)
-        y = fn(xr)
-        y.backward(g)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
 
 
 # ---- ours ---------------------------------------------------------------------------------
@@ -139,15 +134,18 @@ def start_host(procs: Processes, maddr: str, name: str, extra: list[str]) -> str
     return procs.log(name).split("Serving experts 0.0 at ")[1].split()[0].rstrip(".;")
 
 
-async def time_ours(endpoint: str, hidden: int, repeats: int) -> float:
+async def time_ours(endpoint: str, hidden: int, repeats: int) -> tuple[float, float]:
+    """(remote, local) median seconds, a remote and a local forward+backward alternating, so both see the same load."""
     from peer.client import StageClient
     from protocols import codec, expert_pb2
 
     client = StageClient(2 * 2**20, 2**30, stream_bytes=2 * 2**20)
     x, g = torch.randn(BATCH, hidden), torch.randn(BATCH, hidden)
-    times = []
+    module = SwiGLU(hidden, inner(hidden))
+    times, local = [], []
     try:
         for i in range(repeats + 1):
+            local.append(time_local(module, hidden, 1))
             started = time.perf_counter()
             header, payload = codec.encode_payload(x)
             request = expert_pb2.ExpertForwardRequest(run_id="bench", expert="0.0", uid=f"u{i}", train=True)
@@ -164,7 +162,7 @@ async def time_ours(endpoint: str, hidden: int, repeats: int) -> float:
             times.append(time.perf_counter() - started)
     finally:
         await client.close()
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), statistics.median(local[1:])
 
 
 async def concurrent_throughput(endpoint: str, hidden: int, tokens: int, callers: int, seconds: float) -> float:
@@ -205,7 +203,7 @@ async def concurrent_throughput(endpoint: str, hidden: int, tokens: int, callers
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", default="1024,4096", help="hidden sizes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward calls per measurement")
+    parser.add_argument("--repeats", type=int, default=9, help="timed forward+backward calls per measurement")
     parser.add_argument("--callers", type=int, default=8, help="concurrent callers for the throughput figure")
     parser.add_argument("--concurrent-tokens", type=int, default=32, help="tokens per call of each concurrent caller")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each throughput measurement")
@@ -227,9 +225,7 @@ def main() -> None:
             try:
                 maddr = start_coordinator(procs, Path(tmp), h)
                 endpoint = start_host(procs, maddr, "batching", [])
-                local_before = time_local(SwiGLU(h, inner(h)), h, args.repeats)
-                ours = asyncio.run(time_ours(endpoint, h, args.repeats))
-                local = min(local_before, time_local(SwiGLU(h, inner(h)), h, args.repeats))
+                ours, local = asyncio.run(time_ours(endpoint, h, args.repeats))
                 tput = {
                     "batching": asyncio.run(
                         concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)

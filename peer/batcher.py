@@ -1,8 +1,8 @@
 """Dynamic batching: concurrent requests for one expert merged into one batch for the torch thread.
 
-A request waits at most `max_wait` for others to join it, and a batch holds at most `max_rows`
-rows (tokens). While a batch runs, new requests queue and form the next one, so under load the
-batches grow by themselves and an idle expert adds no more than `max_wait` to a call.
+A batch holds at most `max_rows` rows (tokens). While a batch runs, new requests queue and form
+the next one, so under load the batches grow by themselves. When other requests for the expert
+are under way, a batch also waits up to `max_wait` for them to join it; a lone caller never waits.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self.batches = self.requests = 0  # counters, to see what batching gives
+        self.pending = 0  # requests submitted and not answered yet
 
     async def submit(self, rows: int, request: Any) -> Any:
         """Queue one request of `rows` rows; its result once its batch has run."""
@@ -36,7 +37,11 @@ class Batcher:
         self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work())
-        return await future
+        self.pending += 1
+        try:
+            return await future
+        finally:
+            self.pending -= 1
 
     async def _collect(self) -> list[_Item]:
         loop = asyncio.get_running_loop()
@@ -48,7 +53,8 @@ class Batcher:
                 batch.append(item)
                 rows += item.rows
             remaining = deadline - loop.time()
-            if self.queue or rows >= self.max_rows or remaining <= 0:
+            alone = self.pending <= len(batch)  # nobody else is under way: waiting gains nothing
+            if self.queue or rows >= self.max_rows or remaining <= 0 or alone:
                 return batch
             self._arrived.clear()
             try:

@@ -67,6 +67,16 @@ class StageClient:
         self.max_tensor_elements = max_tensor_elements
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = OrderedDict()
 
+    @classmethod
+    def for_server(cls, server_cfg) -> StageClient:
+        """A client with a peer's limits (`ServerConfig`: chunk, message, tensor and stream sizes)."""
+        return cls(
+            server_cfg.chunk_bytes,
+            server_cfg.max_message_bytes,
+            server_cfg.max_tensor_elements,
+            stream_bytes=server_cfg.stream_bytes,
+        )
+
     def _channel(self, endpoint: str) -> tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]:
         if endpoint in self._channels:
             self._channels.move_to_end(endpoint)

@@ -52,12 +52,7 @@ class RemoteExperts:
         self.uids = [expert_uid(layer, e) for layer in self.layers for e in range(spec.moe.num_experts)]
         self.slot = {uid: i for i, uid in enumerate(self.uids)}
         self.router = Router(dht, spec.name, 0, cfg.experts, cfg.network.record_ttl, experts=self.uids)
-        self.client = StageClient(
-            cfg.server.chunk_bytes,
-            cfg.server.max_message_bytes,
-            cfg.server.max_tensor_elements,
-            stream_bytes=cfg.server.stream_bytes,
-        )
+        self.client = StageClient.for_server(cfg.server)
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offline = False  # True while the stage times its own work: experts answer zeros, no call is made

@@ -16,18 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.averaging import GradientAverager
 from peer.batcher import Batcher
-from peer.client import StageClient, server_options
+from peer.client import StageClient
 from peer.config import PeerConfig, RunSpec
 from peer.expert import ExpertInputError, ExpertRuntime
 from peer.moe import expert_uid, parse_expert_uid
 from peer.replica import Part, Replica
-from peer.server import announce_host
+from peer.server import open_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +83,7 @@ class ExpertHost:
     ):
         self.spec, self.run_id, self.cfg, self.dht = spec, spec.name, cfg, dht
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self.client = StageClient(
-            cfg.server.chunk_bytes,
-            cfg.server.max_message_bytes,
-            cfg.server.max_tensor_elements,
-            stream_bytes=cfg.server.stream_bytes,
-        )
+        self.client = StageClient.for_server(cfg.server)
         self.inflight = 0
         self.leaving = False
         self.endpoint = ""
@@ -171,19 +166,9 @@ class ExpertHost:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        from peer.expert_service import ExpertServicer, add_to_server
+        from peer.expert_service import ExpertServicer
 
-        net = self.cfg.network
-        self.grpc_server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
-        add_to_server(ExpertServicer(self), self.grpc_server)
-        self.health = health.aio.HealthServicer()
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        port = self.grpc_server.add_insecure_port(f"{net.host}:{net.port}")
-        if port == 0:
-            raise OSError(f"could not listen on {net.host}:{net.port}")
-        await self.grpc_server.start()
-        self.endpoint = f"{announce_host(net.host, net.announce_host)}:{port}"
+        self.grpc_server, self.health, self.endpoint = await open_grpc_server(self.cfg, ExpertServicer(self))
         for replica in self.replicas.values():
             replica.endpoint = self.endpoint
         await asyncio.gather(*(r.publish(force=True) for r in self.replicas.values()))  # 'joining'

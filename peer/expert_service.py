@@ -16,13 +16,17 @@ from peer.expert_host import MissingInputs
 from peer.replica import Replica
 from peer.runtime import Late
 from peer.servicer import ServicerBase, _Refused
-from protocols import codec, expert_pb2, expert_pb2_grpc, framing, stage_pb2
+from protocols import codec, expert_pb2, expert_pb2_grpc
 
 if TYPE_CHECKING:
     from peer.expert_host import ExpertHost
 
 
 class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
+    SERVICE = "swarmtrain.Expert"
+    FORWARD = (expert_pb2.ExpertForwardRequest, expert_pb2.ExpertForwardResponse)
+    BACKWARD = (expert_pb2.ExpertBackwardRequest, expert_pb2.ExpertBackwardResponse)
+
     def __init__(self, host: ExpertHost):
         super().__init__(host, host.cfg.server)
         self.host = host
@@ -87,39 +91,3 @@ class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
             grad_inputs=header, epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq
         )
         return response, {"grad_inputs": payload}
-
-    async def Forward(self, request, context):
-        return framing.inline(*await self._guarded(self._forward, request, {}, context))
-
-    async def Backward(self, request, context):
-        return framing.inline(*await self._guarded(self._backward, request, {}, context))
-
-    async def ForwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, expert_pb2.ExpertForwardRequest, context)
-        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
-            yield frame
-
-    async def BackwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, expert_pb2.ExpertBackwardRequest, context)
-        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
-            yield frame
-
-
-def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
-    """Register the expert service: unary methods with protobuf messages, streams as raw framed bytes."""
-    unary = {
-        "Forward": (servicer.Forward, expert_pb2.ExpertForwardRequest, expert_pb2.ExpertForwardResponse),
-        "Backward": (servicer.Backward, expert_pb2.ExpertBackwardRequest, expert_pb2.ExpertBackwardResponse),
-        "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
-        "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
-    }
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
-        )
-        for name, (fn, req, resp) in unary.items()
-    }
-    handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)
-    handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
-    handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmtrain.Expert", handlers),))

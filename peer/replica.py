@@ -86,12 +86,7 @@ class Replica:
         self.dht, self.runtime, self.averager = dht, runtime, averager
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self.round_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
-        self.client = client or StageClient(
-            cfg.server.chunk_bytes,
-            cfg.server.max_message_bytes,
-            cfg.server.max_tensor_elements,
-            stream_bytes=cfg.server.stream_bytes,
-        )
+        self.client = client or StageClient.for_server(cfg.server)
         self.inflight = 0
         self.leaving = False
         self.state = "joining"
@@ -443,37 +438,19 @@ class Replica:
         ).epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = len(same)
-        results = await asyncio.gather(
-            *(
-                self.client.get_state(
-                    d.endpoint,
-                    self.run_id,
-                    self.stage,
-                    timeout,
-                    shard=i,
-                    num_shards=n,
-                    epoch=epoch,
-                    expert=self.part.expert,
-                )
-                for i, d in enumerate(same)
-            ),
-            return_exceptions=True,
-        )
+
+        def part(donor: ServerRecord, shard: int):
+            return self.client.get_state(
+                donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
+            )
+
+        results = await asyncio.gather(*(part(d, i) for i, d in enumerate(same)), return_exceptions=True)
         for i, result in enumerate(results):
             for other in same:  # a part whose donor failed comes from another donor
                 if not isinstance(result, BaseException):
                     break
                 with contextlib.suppress(Exception):
-                    result = await self.client.get_state(
-                        other.endpoint,
-                        self.run_id,
-                        self.stage,
-                        timeout,
-                        shard=i,
-                        num_shards=n,
-                        epoch=epoch,
-                        expert=self.part.expert,
-                    )
+                    result = await part(other, i)
             if isinstance(result, BaseException):
                 raise result
             results[i] = result

@@ -42,6 +42,21 @@ def announce_host(cfg_host: str, announce: str) -> str:
         return "127.0.0.1"
 
 
+async def open_grpc_server(cfg: PeerConfig, servicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+    """Start a gRPC server with `servicer` and health checking (NOT_SERVING until set); its announced endpoint."""
+    net = cfg.network
+    server = grpc.aio.server(options=server_options(cfg.server.max_message_bytes))
+    add_to_server(servicer, server)
+    checker = health.aio.HealthServicer()
+    await checker.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    port = server.add_insecure_port(f"{net.host}:{net.port}")
+    if port == 0:
+        raise OSError(f"could not listen on {net.host}:{net.port}")
+    await server.start()
+    return server, checker, f"{announce_host(net.host, net.announce_host)}:{port}"
+
+
 class StageServer(Replica):
     def __init__(
         self,
@@ -108,17 +123,7 @@ class StageServer(Replica):
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        net = self.cfg.network
-        self.grpc_server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
-        add_to_server(StageServicer(self), self.grpc_server)
-        self.health = health.aio.HealthServicer()
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        port = self.grpc_server.add_insecure_port(f"{net.host}:{net.port}")
-        if port == 0:
-            raise OSError(f"could not listen on {net.host}:{net.port}")
-        await self.grpc_server.start()
-        self.endpoint = f"{announce_host(net.host, net.announce_host)}:{port}"
+        self.grpc_server, self.health, self.endpoint = await open_grpc_server(self.cfg, StageServicer(self))
         await self.publish(force=True)  # as 'joining': not routed to yet
         if not await self.load_state_from_peers():
             logger.info("stage %d: no replica to load from; starting from the run's seed", self.stage)

@@ -38,9 +38,36 @@ class ServicerBase:
     requests and says when it is `leaving`.
     """
 
+    SERVICE = ""  # the gRPC service name
+    FORWARD: tuple = ()  # (request, response) message types of Forward
+    BACKWARD: tuple = ()  # and of Backward
+
     def __init__(self, owner, limits):
         self.server = owner
         self.limits = limits
+
+    async def _forward(self, request, payloads: dict, deadline: float | None):
+        """(response, payloads) of a forward; the subclass's work."""
+        raise NotImplementedError
+
+    async def _backward(self, request, payloads: dict, deadline: float | None):
+        raise NotImplementedError
+
+    async def Forward(self, request, context):
+        return framing.inline(*await self._guarded(self._forward, request, {}, context))
+
+    async def Backward(self, request, context):
+        return framing.inline(*await self._guarded(self._backward, request, {}, context))
+
+    async def ForwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, self.FORWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
+            yield frame
+
+    async def BackwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, self.BACKWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
+            yield frame
 
     def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
         """The replica a request names; _Refused when this server does not hold it or is leaving."""
@@ -174,6 +201,10 @@ class ServicerBase:
 
 
 class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
+    SERVICE = "swarmtrain.Stage"
+    FORWARD = (stage_pb2.ForwardRequest, stage_pb2.ForwardResponse)
+    BACKWARD = (stage_pb2.BackwardRequest, stage_pb2.BackwardResponse)
+
     def __init__(self, server: StageServer):
         super().__init__(server, server.cfg.server)
         self.runtime = server.runtime
@@ -237,28 +268,13 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
             response.has_loss, response.loss = True, loss
         return response, out
 
-    async def Forward(self, request, context):
-        return framing.inline(*await self._guarded(self._forward, request, {}, context))
 
-    async def Backward(self, request, context):
-        return framing.inline(*await self._guarded(self._backward, request, {}, context))
-
-    async def ForwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, stage_pb2.ForwardRequest, context)
-        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
-            yield frame
-
-    async def BackwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, stage_pb2.BackwardRequest, context)
-        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
-            yield frame
-
-
-def add_to_server(servicer: StageServicer, server: grpc.aio.Server) -> None:
-    """Register the stage service: unary methods with protobuf messages, streams as raw framed bytes."""
+def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
+    """Register a servicer's service: unary methods with protobuf messages, streams as raw framed bytes."""
+    forward_types, backward_types = servicer.FORWARD, servicer.BACKWARD
     unary = {
-        "Forward": (servicer.Forward, stage_pb2.ForwardRequest, stage_pb2.ForwardResponse),
-        "Backward": (servicer.Backward, stage_pb2.BackwardRequest, stage_pb2.BackwardResponse),
+        "Forward": (servicer.Forward, *forward_types),
+        "Backward": (servicer.Backward, *backward_types),
         "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
         "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
     }
@@ -271,4 +287,4 @@ def add_to_server(servicer: StageServicer, server: grpc.aio.Server) -> None:
     handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)
     handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
     handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmtrain.Stage", handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(servicer.SERVICE, handlers),))

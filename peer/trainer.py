@@ -66,12 +66,7 @@ class Trainer:
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
         self.ledger = Ledger()
-        self.client = StageClient(
-            cfg.server.chunk_bytes,
-            cfg.server.max_message_bytes,
-            cfg.server.max_tensor_elements,
-            stream_bytes=cfg.server.stream_bytes,
-        )
+        self.client = StageClient.for_server(cfg.server)
         seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
         self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
         self.val = (
