@@ -68,7 +68,7 @@ class GradientAverager:
         self.cfg = cfg
         previous = signal.getsignal(signal.SIGINT)
         self._averager = _StageAverager(
-            [torch.zeros_like(t) for t in template],
+            [torch.zeros_like(t, device="cpu") for t in template],  # hivemind forks: no CUDA tensors
             dht=dht.dht,
             prefix=prefix,
             start=True,

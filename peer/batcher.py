@@ -37,11 +37,8 @@ class Batcher:
         self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work())
-        self.pending += 1
-        try:
-            return await future
-        finally:
-            self.pending -= 1
+        self.pending += 1  # less one when its batch has run (in _work), so the next batch sees who is left
+        return await future
 
     async def _collect(self) -> list[_Item]:
         loop = asyncio.get_running_loop()
@@ -64,7 +61,9 @@ class Batcher:
 
     async def _work(self) -> None:
         while self.queue:
-            batch = [item for item in await self._collect() if not item.future.cancelled()]
+            collected = await self._collect()
+            batch = [item for item in collected if not item.future.cancelled()]
+            self.pending -= len(collected) - len(batch)
             if not batch:
                 continue
             self.batches += 1
@@ -72,12 +71,17 @@ class Batcher:
             try:
                 results = await self.run([item.request for item in batch])
             except Exception as e:  # every request of the batch gets the error
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(e)
-                continue
+                results = [e] * len(batch)
+                failed = True
+            else:
+                failed = False
+            self.pending -= len(batch)
             for item, result in zip(batch, results, strict=True):
-                if not item.future.done():
+                if item.future.done():
+                    continue
+                if failed:
+                    item.future.set_exception(result)
+                else:
                     item.future.set_result(result)
 
     def close(self) -> None:

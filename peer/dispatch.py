@@ -14,7 +14,6 @@ queue meanwhile); `bind` gives the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -57,23 +56,27 @@ class RemoteExperts:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offline = False  # True while the stage times its own work: experts answer zeros, no call is made
         self._refresher: asyncio.Task | None = None
+        self._refreshed = 0.0  # time.monotonic() of the last refresh of the expert list
         self.calls = self.retried = self.skipped = 0  # counters for status and logs
 
     # ---- the event loop side --------------------------------------------------------------
     async def bind(self) -> None:
         """Start serving calls from the torch thread on the running loop, and keep the expert list fresh."""
         self.loop = asyncio.get_running_loop()
-        with contextlib.suppress(Exception):
-            await self.router.refresh()
+        await self._refresh()
         self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def _refresh(self) -> None:
+        self._refreshed = time.monotonic()
+        try:
+            await self.router.refresh()
+        except Exception as e:
+            logger.debug("expert list refresh failed: %s", e)
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.ecfg.refresh_period)
-            try:
-                await self.router.refresh()
-            except Exception as e:
-                logger.debug("expert list refresh failed: %s", e)
+            await self._refresh()
 
     async def close(self) -> None:
         if self._refresher is not None:
@@ -99,9 +102,8 @@ class RemoteExperts:
             try:
                 pid, record = self.router.choose(slot, tried, prefer, kind)
             except NoServer:
-                if attempt == 0:
-                    with contextlib.suppress(Exception):
-                        await self.router.refresh()  # a newcomer may have announced since the last look
+                if attempt == 0 and not only and time.monotonic() - self._refreshed > self.ecfg.refresh_period:
+                    await self._refresh()  # a newcomer may have announced since the last look
                     continue
                 return None
             timeout = self.router.deadline(pid, record, kind, tokens, 1 / 3 if method == "forward" else 1.0)
@@ -198,8 +200,15 @@ class RemoteExperts:
         if self.loop is None:
             coro.close()
             raise RuntimeError("remote experts are not bound to an event loop yet")
-        limit = self.ecfg.request_timeout * max(1, self.ecfg.max_tries) + 5.0
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=limit)
+        # every try at its longest deadline (a backward has one more, without inputs), and a refresh
+        tries = max(1, self.ecfg.max_tries) + 1
+        limit = self.ecfg.request_timeout * tries + self.cfg.network.dht_request_timeout * 2 + 5.0
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout=limit)
+        except TimeoutError:
+            future.cancel()  # no call of it may add gradients after the stage gave up
+            raise
 
     def __call__(self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor, samples: int = 1):
         if self.offline:

@@ -37,6 +37,8 @@ class _Batch:
 
 
 class ExpertRuntime(PartRuntime):
+    keeps_stash = False  # a backward after a step recomputes with the new weights
+
     def __init__(
         self, spec: RunSpec, uid: str, device: str = "cpu", cache_size: int = 64, fingerprint_history: int = 64
     ):
@@ -115,6 +117,9 @@ class ExpertRuntime(PartRuntime):
             grad_out = torch.cat(by_position).to(self.device)
             self.cache_hits += 1
         else:
+            # batches holding any of these uids can never be reused now: free their graphs
+            for key in [k for k in self._cache if any(u in k for u in uids if u)]:
+                del self._cache[key]
             order = list(range(len(uids)))
             sizes = [t.shape[0] for t in inputs]
             x = torch.cat(inputs).to(self.device).requires_grad_(True)

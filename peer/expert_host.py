@@ -112,6 +112,8 @@ class ExpertHost:
             now = time.monotonic()
             live = [r for r in requests if r[3] is None or r[3] > now]  # (uid, inputs, train, deadline)
             epoch = runtime.epoch
+            if not live:
+                return [(None, epoch)] * len(requests)
             outputs = await replica.run_torch(
                 runtime.forward, [r[0] for r in live], [r[1] for r in live], all(r[2] for r in live)
             )
@@ -194,7 +196,7 @@ class ExpertHost:
         deadline = time.monotonic() + self.cfg.server.shutdown_grace
         while self.inflight and time.monotonic() < deadline:  # finish the calls under way
             await asyncio.sleep(0.05)
-        await asyncio.gather(*(r.finish() for r in self.replicas.values()), return_exceptions=True)
+        await asyncio.gather(*(r.finish(announced=True) for r in self.replicas.values()), return_exceptions=True)
         if self.grpc_server is not None:
             await self.grpc_server.stop(0.5)
         for batcher in [*self.forward_batchers.values(), *self.backward_batchers.values()]:

@@ -38,6 +38,8 @@ STEP_MEMBERS = 32  # recent steps whose group members travel with a state
 class PartRuntime:
     """The step and state side of one part; subclasses add its forward and backward."""
 
+    keeps_stash = True  # keep the previous step's weights, for backwards of forwards that ran on them
+
     def __init__(self, spec: RunSpec, name: str, module: torch.nn.Module, fingerprint_history: int = 64):
         self.spec, self.name, self.model = spec, name, module
         self.params = [p for _, p in module.named_parameters()]
@@ -126,7 +128,8 @@ class PartRuntime:
         self, grads: list[torch.Tensor], group_samples: int, seq: int, members: list[str] | None = None
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
-        self._stash = (self.epoch, [p.detach().clone() for p in self.params])
+        if self.keeps_stash:
+            self._stash = (self.epoch, [p.detach().clone() for p in self.params])
         self.restored = None  # taken with the rest of the accumulator into this step
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()

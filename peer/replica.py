@@ -106,8 +106,8 @@ class Replica:
         self.samples_averaging = 0  # samples taken out of the accumulator for the running round
         self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
-        # [monotonic end] of the torch thread's current wait for rounds, shared by replicas on one thread
-        self.pause_window = pause_window if pause_window is not None else [0.0]
+        # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
+        self.pause_window = pause_window
 
     def load(self) -> float:
         """Requests in flight or queued, as announced (an expert host reports its own)."""
@@ -237,10 +237,12 @@ class Replica:
             # meanwhile then run on the new weights. A slow round lets them go on after pause_limit
             # (their gradients then count one step later), so a hung round never stalls the stage.
             # Replicas sharing a torch thread (an expert host's) share one pause window.
-            now = time.monotonic()
-            if now >= self.pause_window[0]:
-                self.pause_window[0] = now + self.spec.averaging.pause_limit
-            concurrent.futures.wait([round_future], timeout=max(0.0, self.pause_window[0] - now))
+            limit, now = self.spec.averaging.pause_limit, time.monotonic()
+            if self.pause_window is not None:
+                if now >= self.pause_window[0]:
+                    self.pause_window[0] = now + limit
+                limit = max(0.0, self.pause_window[0] - now)
+            concurrent.futures.wait([round_future], timeout=limit)
             return finish() if round_future.done() else None
 
         try:
@@ -394,7 +396,8 @@ class Replica:
         period = self.cfg.network.progress_period
         while not self.leaving:
             await asyncio.sleep(period)
-            await self.run_torch(self._drop_if_expired)
+            if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
+                await self.run_torch(self._drop_if_expired)
             await self.refresh_peers()
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
@@ -411,12 +414,16 @@ class Replica:
         self.state = "serving"
         self._tasks.append(asyncio.create_task(self._progress_loop()))
 
-    async def finish(self) -> None:
-        """Leaving: wait (up to shutdown_grace) for work and a round under way, then announce 'left'."""
+    async def finish(self, announced: bool = False) -> None:
+        """Leaving: wait (up to shutdown_grace) for work and a round under way, then announce 'left'.
+
+        `announced`: the owner has already announced 'leaving' and waited for its calls.
+        """
         self.leaving = True
         timeout = self.cfg.network.dht_request_timeout
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.publish(force=True), timeout)  # trainers stop routing here
+        if not announced:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.publish(force=True), timeout)  # trainers stop routing here
         deadline = time.monotonic() + self.cfg.server.shutdown_grace
         while (self.inflight or self.stepping) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

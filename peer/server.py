@@ -73,7 +73,7 @@ class StageServer(Replica):
         self.balance = balance  # move to a better stage when it raises the bottleneck
         self.move_to: int | None = None  # the stage this server leaves to serve, once decided
         self.done = asyncio.Event()  # set when the server wants its process to end (it moves)
-        self._next_balance = time.monotonic() + cfg.server.balance_cooldown
+        self._next_balance = float("inf")  # set when serving starts: the cooldown counts from there
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
@@ -128,6 +128,7 @@ class StageServer(Replica):
         if not await self.load_state_from_peers():
             logger.info("stage %d: no replica to load from; starting from the run's seed", self.stage)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._next_balance = time.monotonic() + self.cfg.server.balance_cooldown
         self.start_progress()
         await self.publish(force=True)
 
