@@ -56,7 +56,7 @@ class RemoteExperts:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offline = False  # True while the stage times its own work: experts answer zeros, no call is made
         self._refresher: asyncio.Task | None = None
-        self._refreshed = 0.0  # time.monotonic() of the last refresh of the expert list
+        self._refreshing: asyncio.Future | None = None  # the read of the expert records under way
         self.calls = self.retried = self.skipped = 0  # counters for status and logs
 
     # ---- the event loop side --------------------------------------------------------------
@@ -67,7 +67,12 @@ class RemoteExperts:
         self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def _refresh(self) -> None:
-        self._refreshed = time.monotonic()
+        """Re-read the expert records; calls that ask at once share one read."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._read_records())
+        await asyncio.shield(self._refreshing)
+
+    async def _read_records(self) -> None:
         try:
             await self.router.refresh()
         except Exception as e:
@@ -102,7 +107,7 @@ class RemoteExperts:
             try:
                 pid, record = self.router.choose(slot, tried, prefer, kind)
             except NoServer:
-                if attempt == 0 and not only and time.monotonic() - self._refreshed > self.ecfg.refresh_period:
+                if attempt == 0 and not only:
                     await self._refresh()  # a newcomer may have announced since the last look
                     continue
                 return None
