@@ -221,6 +221,7 @@ class ServerConfig:
     stream_bytes: int = 2 * 1024 * 1024  # messages above this travel as a framed stream (below, unary calls are faster)
     max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
+    dedup_history: int = 1024  # uids of backwards added, so that a caller's retry of one is not counted twice
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part

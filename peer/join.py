@@ -97,7 +97,12 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             experts = RemoteExperts(spec, stage, cfg, dht)  # the gates live here, the experts on expert hosts
             print(f"Blocks {experts.layers} are mixture-of-experts layers; their experts live on expert hosts.")
         runtime = StageRuntime(
-            spec, stage, cfg.server.activation_cache_size, cfg.server.fingerprint_history, experts=experts
+            spec,
+            stage,
+            cfg.server.activation_cache_size,
+            cfg.server.fingerprint_history,
+            experts=experts,
+            dedup_history=cfg.server.dedup_history,
         )
         if cfg.server.throughput > 0:
             runtime.throughput, runtime.fixed_throughput = cfg.server.throughput, True

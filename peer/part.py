@@ -11,7 +11,7 @@ Every method runs on the owner's torch thread, one at a time, so nothing here ta
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +40,14 @@ class PartRuntime:
 
     keeps_stash = True  # keep the previous step's weights, for backwards of forwards that ran on them
 
-    def __init__(self, spec: RunSpec, name: str, module: torch.nn.Module, fingerprint_history: int = 64):
+    def __init__(
+        self,
+        spec: RunSpec,
+        name: str,
+        module: torch.nn.Module,
+        fingerprint_history: int = 64,
+        dedup_history: int = 1024,
+    ):
         self.spec, self.name, self.model = spec, name, module
         self.params = [p for _, p in module.named_parameters()]
         self.param_names = [n for n, _ in module.named_parameters()]
@@ -60,13 +67,21 @@ class PartRuntime:
         self.seq = 0  # backwards added to the accumulator in this incarnation
         self.stepped_seq = 0  # additions up to this one are in a finished optimizer step
         self.taken_seq = 0  # additions up to this one were taken out by take_gradients
+        # uid -> seq of the backwards added in this incarnation: a caller's retry of one (its answer came
+        # too late) is answered again but not added twice
+        self.counted: OrderedDict[str, int] = OrderedDict()
+        self._dedup_history = dedup_history
 
-    def _accumulate(self, grads, samples: int) -> int:
+    def _accumulate(self, grads, samples: int, uid: str = "") -> int:
         for acc, g in zip(self.accumulator, grads, strict=True):
             if g is not None:
                 acc.add_(g)
         self.samples_accumulated += samples
         self.seq += 1
+        if uid:
+            self.counted[uid] = self.seq
+            while len(self.counted) > self._dedup_history:
+                self.counted.popitem(last=False)
         return self.seq
 
     def _measure(self, batch: int, seconds: float, weight: float) -> None:
@@ -106,6 +121,7 @@ class PartRuntime:
         self.restored = None
         self.incarnation = random.getrandbits(63) or 1
         self.seq = self.stepped_seq = self.taken_seq = 0
+        self.counted.clear()
         return dropped
 
     def restore_gradients(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:

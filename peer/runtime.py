@@ -46,14 +46,16 @@ class StageRuntime(PartRuntime):
         activation_cache_size: int = 32,
         fingerprint_history: int = 64,
         experts=None,
+        dedup_history: int = 1024,
     ):
         self.stage = stage
         model = StageModel(spec, stage, experts)  # experts: the remote backend of its MoE layers, if any
         model.train()
-        super().__init__(spec, f"stage {stage}", model, fingerprint_history)
+        super().__init__(spec, f"stage {stage}", model, fingerprint_history, dedup_history)
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = activation_cache_size
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
+        self.duplicates = 0  # retried backwards answered without being added again
 
     # ---- input checks ---------------------------------------------------------------------
     def check_inputs(self, inputs: torch.Tensor) -> None:
@@ -190,7 +192,12 @@ class StageRuntime(PartRuntime):
         param_grads = grads if self.model.is_first else grads[1:]
         if deadline is not None and time.monotonic() > deadline - LATE_MARGIN:
             raise Late("the request's deadline passed during its backward")
-        seq = self._accumulate(param_grads, batch)
+        if uid and uid in self.counted:
+            # a retry of a backward already added (its answer reached the caller too late): answer it
+            # again with the first addition's number, and do not count it twice
+            self.duplicates += 1
+            return grad_inputs, loss, self.counted[uid]
+        seq = self._accumulate(param_grads, batch, uid)
         self._measure(batch, time.perf_counter() - started, weight=2 / 3)
         return grad_inputs, loss, seq
 
