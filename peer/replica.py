@@ -367,6 +367,10 @@ class Replica:
         if not force and not stale and signature == self._last_published:
             return True
         async with self._publish_lock:
+            if time.time() > self.record_expires:
+                # checked again under the lock: a publish that waited here through a freeze (behind
+                # one stuck in the DHT) must not announce a fresh record before the drop
+                await self.run_torch(self._drop_if_expired)
             record = self.record()
             try:
                 stored = await self.dht.astore(self.part.key(self.run_id), record, self.cfg.network.record_ttl)
