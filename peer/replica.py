@@ -41,6 +41,7 @@ from peer.part import PartRuntime
 
 logger = logging.getLogger(__name__)
 MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
+NOTHING_TO_STEP = -2  # a step's outcome when the accumulator was empty: no step was taken
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,10 @@ class Replica:
     def _step_job(self):
         """Torch thread: a step of this replica alone, from its own accumulator."""
         started = time.perf_counter()
+        if self.runtime.samples_accumulated == 0:
+            # nothing to step (the accumulator was dropped meanwhile): an empty step would still move
+            # the weights (momentum, weight decay) and set this replica apart from its partners
+            return 0, NOTHING_TO_STEP, time.perf_counter() - started
         grads, samples = self.runtime.take_gradients()
         self.runtime.apply_step(grads, samples, self.runtime.taken_seq, [self.dht.peer_id])
         return samples, 1, time.perf_counter() - started
@@ -292,7 +297,9 @@ class Replica:
     async def _finish_step(self, future) -> None:
         try:
             group_samples, members, seconds = await future
-            if members < 0:
+            if members == NOTHING_TO_STEP:
+                pass
+            elif members < 0:
                 logger.warning(
                     "%s: the round's %d samples were dropped with the accumulator", self.label, group_samples
                 )
@@ -309,7 +316,7 @@ class Replica:
                 self.steps_averaged += 1
             else:
                 self.steps_alone += 1
-            if members:
+            if members not in (0, NOTHING_TO_STEP):
                 logger.info(
                     "%s step %d: %d samples, averaged with %d peer(s) in %.2f s",
                     self.label,
