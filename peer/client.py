@@ -88,9 +88,6 @@ class StageClient:
             asyncio.ensure_future(old.close())
         return self._channels[endpoint]
 
-    def _stub(self, endpoint: str) -> stage_pb2_grpc.StageStub:
-        return self._channel(endpoint)[1]
-
     def _unary(self, endpoint: str, path: str, response_type):
         channel, _ = self._channel(endpoint)
         return channel.unary_unary(

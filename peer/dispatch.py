@@ -88,10 +88,6 @@ class RemoteExperts:
             self._refresher.cancel()
         await self.client.close()
 
-    def coverage(self) -> dict[str, int]:
-        """Live hosts per expert, as this stage sees them."""
-        return {uid: len(self.router.servers[i]) for uid, i in self.slot.items()}
-
     async def _call(
         self, expert: str, method: str, request, payloads: dict, tokens: int, prefer: str | None, only: bool = False
     ):
