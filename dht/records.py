@@ -29,7 +29,9 @@ class ServerRecord(Record):
     endpoint: str  # host:port of its gRPC server, as others should dial it
     throughput: float  # measured samples/s for forward+backward
     load: float = 0.0  # requests running or queued
-    epoch: int = 0  # optimizer steps taken by this stage
+    # optimizer steps taken by this part (local averaging mode: outer steps); replicas average at equal epochs
+    epoch: int = 0
+    step: int = 0  # training steps: the epoch, or in local mode the inner steps of all outer steps so far
     samples: int = 0  # samples accumulated since the last step
     samples_stepped: int = 0  # samples accounted by finished steps
     averaging_epoch: int = -1  # the epoch this server is averaging for right now, else -1
@@ -51,6 +53,6 @@ class TrainerRecord(Record):
     samples_per_second: float = 0.0
     train_loss: float | None = None  # recent mean training loss
     val_loss: float | None = None  # last validation loss, if this trainer evaluates
-    epoch: int = 0  # highest stage epoch seen
+    epoch: int = 0  # highest stage training step seen
     started: float = 0.0
     updated: float = 0.0

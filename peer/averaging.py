@@ -1,4 +1,7 @@
-"""Gradient averaging among the replicas of one stage, with hivemind's DecentralizedAverager.
+"""Averaging among the replicas of one part, with hivemind's DecentralizedAverager.
+
+What is averaged is the replicas' mean gradients (gradient mode) or their pseudo-gradients (local
+mode); either way a sample-weighted mean, compressed on the wire by `compression.averaging`.
 
 The one module of the runtime that imports hivemind's averaging. Replicas are matched through
 the DHT under one prefix per stage; the group key carries the epoch, so replicas at different
@@ -19,7 +22,8 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.utils import MPFuture
 
 from dht.node import SwarmDHT
-from peer.config import AveragingConfig
+from peer.averaging_codec import averaging_codec
+from peer.config import RunSpec
 
 logger = logging.getLogger(__name__)
 EPOCH_BITS = 16
@@ -64,8 +68,9 @@ class RoundResult:
 class GradientAverager:
     """Averages a stage's gradients with its replicas; must be created on the main thread."""
 
-    def __init__(self, dht: SwarmDHT, prefix: str, template: list[torch.Tensor], cfg: AveragingConfig):
-        self.cfg = cfg
+    def __init__(self, dht: SwarmDHT, prefix: str, template: list[torch.Tensor], spec: RunSpec):
+        self.cfg = cfg = spec.averaging
+        compression = averaging_codec(spec.compression.averaging, spec.compression.block_size)
         previous = signal.getsignal(signal.SIGINT)
         self._averager = _StageAverager(
             [torch.zeros_like(t, device="cpu") for t in template],  # hivemind forks: no CUDA tensors
@@ -79,6 +84,7 @@ class GradientAverager:
             allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 2,
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's
+            compression=compression,
         )
         signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
 

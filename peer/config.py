@@ -56,9 +56,15 @@ class TrainingConfig:
     eps: float = 1e-8  # AdamW epsilon
 
 
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+AVERAGING_MODES = ("gradients", "local")
+
+
 @dataclass
 class CompressionConfig:
-    activations: str = "none"  # hidden states and their gradients between stages: none, fp16, bf16
+    activations: str = "none"  # hidden states and their gradients between stages and experts: none, fp16, bf16, int8
+    averaging: str = "none"  # what replicas average (gradients; local mode: pseudo-gradients): none, fp16, bf16, int8
+    block_size: int = 128  # int8: elements per float32 scale (blockwise absmax quantization)
 
 
 @dataclass
@@ -70,6 +76,14 @@ class AveragingConfig:
     averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
     max_group_size: int = 32  # most replicas averaged in one group
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
+    # gradients: average gradients at every global step (exact data parallelism);
+    # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
+    # on the averaged pseudo-gradients every `inner_steps`
+    mode: str = "gradients"
+    inner_steps: int = 100  # local: inner optimizer steps of a replica between outer steps (DiLoCo's H)
+    inner_batch_size: int = 0  # local: samples per inner step of one replica; 0: training.target_batch_size
+    outer_lr: float = 0.7  # local: learning rate of the outer Nesterov step
+    outer_momentum: float = 0.9  # local: momentum of the outer Nesterov step
 
 
 @dataclass
@@ -98,6 +112,15 @@ class RunSpec:
         if not self.moe.num_experts:
             return []
         return sorted(self.moe.layers) if self.moe.layers else list(range(self.model.num_layers))
+
+    @property
+    def local_updates(self) -> bool:
+        """DiLoCo mode: replicas step on their own gradients and average pseudo-gradients now and then."""
+        return self.averaging.mode == "local"
+
+    def inner_batch(self) -> int:
+        """Local mode: samples per inner optimizer step of one replica."""
+        return self.averaging.inner_batch_size or self.training.target_batch_size
 
     def stage_of_block(self, block: int) -> int:
         return next(s for s in range(self.stages.num_stages) if block in self.stage_blocks(s))
@@ -167,11 +190,24 @@ class RunSpec:
             raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
-        if self.compression.activations not in ("none", "fp16", "bf16"):
-            raise ConfigError(
-                f"compression.activations: must be one of none, fp16, bf16, got {self.compression.activations!r}"
-            )
+        c = self.compression
+        for name in ("activations", "averaging"):
+            if getattr(c, name) not in COMPRESSIONS:
+                raise ConfigError(
+                    f"compression.{name}: must be one of {', '.join(COMPRESSIONS)}, got {getattr(c, name)!r}"
+                )
+        if not 1 <= c.block_size <= 1 << 20:
+            raise ConfigError(f"compression.block_size: must be within 1..1048576, got {c.block_size}")
         a = self.averaging
+        if a.mode not in AVERAGING_MODES:
+            raise ConfigError(f"averaging.mode: must be one of {', '.join(AVERAGING_MODES)}, got {a.mode!r}")
+        _positive("averaging.inner_steps", a.inner_steps)
+        if a.inner_batch_size < 0:
+            raise ConfigError(f"averaging.inner_batch_size: must be >= 0, got {a.inner_batch_size}")
+        if not a.outer_lr > 0:
+            raise ConfigError(f"averaging.outer_lr: must be positive, got {a.outer_lr}")
+        if not 0 <= a.outer_momentum < 1:
+            raise ConfigError(f"averaging.outer_momentum: must be within [0, 1), got {a.outer_momentum}")
         if a.pause_limit < 0:
             raise ConfigError(f"averaging.pause_limit: must be >= 0, got {a.pause_limit}")
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):

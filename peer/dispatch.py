@@ -53,6 +53,7 @@ class RemoteExperts:
         self.router = Router(dht, spec.name, 0, cfg.experts, cfg.network.record_ttl, experts=self.uids)
         self.client = StageClient.for_server(cfg.server)
         self.codec = codec.codec_from_name(spec.compression.activations)
+        self.block_size = spec.compression.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offline = False  # True while the stage times its own work: experts answer zeros, no call is made
         self._refresher: asyncio.Task | None = None
@@ -160,7 +161,7 @@ class RemoteExperts:
             request = expert_pb2.ExpertForwardRequest(
                 run_id=self.spec.name, expert=sent.expert, uid=sent.call_uid, output_codec=self.codec, train=train
             )
-            header, payload = codec.encode_payload(x, self.codec)
+            header, payload = codec.encode_payload(x, self.codec, self.block_size)
             request.inputs.CopyFrom(header)
             result = await self._call(sent.expert, "forward", request, {"inputs": payload}, x.shape[0], None)
             if result is None:
@@ -177,7 +178,7 @@ class RemoteExperts:
             request = expert_pb2.ExpertBackwardRequest(
                 run_id=self.spec.name, expert=sent.expert, uid=sent.call_uid, samples=samples, output_codec=self.codec
             )
-            header, grad_payload = codec.encode_payload(g, self.codec)
+            header, grad_payload = codec.encode_payload(g, self.codec, self.block_size)
             request.grad_outputs.CopyFrom(header)
             result = None
             if sent.peer in self.router.servers[self.slot[sent.expert]]:
@@ -185,7 +186,7 @@ class RemoteExperts:
                 payloads = {"grad_outputs": grad_payload}
                 result = await self._call(sent.expert, "backward", request, payloads, x.shape[0], sent.peer, only=True)
             if result is None:  # another replica, or the same one that lost the forward: send the inputs too
-                header, inputs_payload = codec.encode_payload(x, self.codec)
+                header, inputs_payload = codec.encode_payload(x, self.codec, self.block_size)
                 request.inputs.CopyFrom(header)
                 payloads = {"grad_outputs": grad_payload, "inputs": inputs_payload}
                 result = await self._call(sent.expert, "backward", request, payloads, x.shape[0], sent.peer)

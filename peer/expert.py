@@ -28,7 +28,7 @@ class ExpertInputError(ValueError):
 
 @dataclass
 class _Batch:
-    epoch: int
+    version: int  # the parameters it ran on (PartRuntime.version)
     uids: tuple[str, ...]
     inputs: torch.Tensor  # the merged inputs (on the device), requiring grad
     outputs: torch.Tensor  # with the graph
@@ -73,7 +73,7 @@ class ExpertRuntime(PartRuntime):
             with torch.enable_grad():
                 out = self.model(x)
             key = tuple(uids)
-            self._cache[key] = _Batch(self.epoch, key, x, out, sizes, list(inputs))
+            self._cache[key] = _Batch(self.version, key, x, out, sizes, list(inputs))
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
@@ -95,7 +95,7 @@ class ExpertRuntime(PartRuntime):
             if set(key) == set(uids) and len(key) == len(uids):
                 del self._cache[key]
                 order = [key.index(u) for u in uids]
-                same = batch.epoch == self.epoch and all(
+                same = batch.version == self.version and all(
                     batch.originals[o].shape == t.shape and torch.equal(batch.originals[o], t)
                     for o, t in zip(order, inputs, strict=True)
                 )

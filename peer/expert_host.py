@@ -111,7 +111,7 @@ class ExpertHost:
         async def run(requests):
             now = time.monotonic()
             live = [r for r in requests if r[3] is None or r[3] > now]  # (uid, inputs, train, deadline)
-            epoch = runtime.epoch
+            epoch = runtime.progress
             if not live:
                 return [(None, epoch)] * len(requests)
             outputs = await replica.run_torch(
@@ -127,7 +127,7 @@ class ExpertHost:
 
         def job(requests):
             replica._drop_if_expired()
-            epoch = runtime.epoch
+            epoch = runtime.progress
             results: list = [None] * len(requests)
             ready = []  # (position, uid, inputs, grads, samples)
             for i, (uid, inputs, grads, samples) in enumerate(requests):

@@ -65,7 +65,7 @@ class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
         outputs, epoch = await self.host.forward(request.expert, request.uid, inputs, request.train, deadline)
         if outputs is None:
             raise Late("the request's deadline passed while it waited")
-        header, payload = codec.encode_payload(outputs, request.output_codec)
+        header, payload = codec.encode_payload(outputs, request.output_codec, self.block_size)
         return expert_pb2.ExpertForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
     async def _backward(self, request: expert_pb2.ExpertBackwardRequest, payloads: dict, deadline: float | None):
@@ -86,7 +86,7 @@ class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
         if isinstance(result, ExpertInputError):
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         grad_inputs, epoch, seq, incarnation, stepped_seq = result
-        header, payload = codec.encode_payload(grad_inputs, request.output_codec)
+        header, payload = codec.encode_payload(grad_inputs, request.output_codec, self.block_size)
         response = expert_pb2.ExpertBackwardResponse(
             grad_inputs=header, epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq
         )

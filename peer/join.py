@@ -115,7 +115,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 experts.offline = False
             print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         # hivemind's averager forks: create it before any gRPC channel or server
-        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec.averaging)
+        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
 
         async def start():
@@ -190,7 +190,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
         # hivemind's averagers fork: create them before any gRPC channel or server
         for uid, runtime in runtimes.items():
             prefix = Part(0, uid).averaging_prefix(spec.name)
-            averagers[uid] = GradientAverager(dht, prefix, runtime.params, spec.averaging)
+            averagers[uid] = GradientAverager(dht, prefix, runtime.params, spec)
         host = ExpertHost(spec, cfg, dht, runtimes, averagers)
 
         async def start():

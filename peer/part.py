@@ -5,6 +5,12 @@ optimizer step divides by the samples it accounts (over the whole averaging grou
 are numbered within an incarnation for trainers' receipts. A part's state (parameters, optimizer
 state, metadata) is what a joining replica downloads, in shards from several donors.
 
+In local mode (DiLoCo, `averaging.mode = "local"`) a replica takes inner optimizer steps on its
+own gradients; a round then averages the pseudo-gradients (the anchor, i.e. the parameters after
+the last outer step, minus the parameters now) and the outer step is Nesterov momentum SGD on the
+anchor: m = mu*m + delta; anchor -= lr*(delta + mu*m). The parameters become the new anchor,
+plus whatever inner steps were taken while the round ran. `epoch` counts outer steps there.
+
 Every method runs on the owner's torch thread, one at a time, so nothing here takes a lock.
 """
 
@@ -53,13 +59,14 @@ class PartRuntime:
         self.param_names = [n for n, _ in module.named_parameters()]
         self.optimizer = build_optimizer(self.params, spec.training)
         self.accumulator = [torch.zeros_like(p) for p in self.params]
-        self.epoch = 0  # optimizer steps taken
+        self.epoch = 0  # optimizer steps taken (local mode: outer steps)
+        self.version = 0  # changes whenever the parameters do: cached forwards on other weights are stale
         self.samples_accumulated = 0  # samples in the accumulator
         self.samples_stepped = 0  # samples accounted by finished steps (whole averaging group)
         self.history: deque[Fingerprint] = deque(maxlen=fingerprint_history)
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
         self.fixed_throughput = False  # announced as configured, not measured
-        self._stash: tuple[int, list[torch.Tensor]] | None = None  # (epoch, weights) of the previous step
+        self._stash: tuple[int, list[torch.Tensor]] | None = None  # (version, weights) before the last step
         # (epoch, grads, samples, seq) of a failed round, back in the accumulator
         self.restored: tuple[int, list[torch.Tensor], int, int] | None = None
         # receipts: the accumulator's additions are numbered; stepped_seq says how many are in finished steps
@@ -71,6 +78,18 @@ class PartRuntime:
         # too late) is answered again but not added twice
         self.counted: OrderedDict[str, int] = OrderedDict()
         self._dedup_history = dedup_history
+        # local mode (DiLoCo): the anchor (parameters after the last outer step), the outer momentum,
+        # and the inner steps and samples since the last outer step
+        self.local = spec.local_updates
+        self.inner_steps = self.inner_samples = 0
+        self.anchor = [p.detach().clone() for p in self.params] if self.local else []
+        self.momentum = [torch.zeros_like(p) for p in self.params] if self.local else []
+        self._taken: tuple[list[torch.Tensor], int, int] | None = None  # (params, inner steps, samples) at a take
+
+    @property
+    def progress(self) -> int:
+        """Training steps: optimizer steps (gradient mode), or inner steps of the outer steps so far (local)."""
+        return self.epoch * self.spec.averaging.inner_steps + self.inner_steps if self.local else self.epoch
 
     def _accumulate(self, grads, samples: int, uid: str = "") -> int:
         for acc, g in zip(self.accumulator, grads, strict=True):
@@ -145,7 +164,7 @@ class PartRuntime:
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
         if self.keeps_stash:
-            self._stash = (self.epoch, [p.detach().clone() for p in self.params])
+            self._stash = (self.version, [p.detach().clone() for p in self.params])
         self.restored = None  # taken with the rest of the accumulator into this step
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()
@@ -155,15 +174,95 @@ class PartRuntime:
         self.epoch += 1
         self.samples_stepped += group_samples
         self.stepped_seq = max(self.stepped_seq, seq)
+        self.version += 1
         self._after_step()
         fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
         self.history.append(fingerprint)
         return fingerprint
 
+    # ---- local mode (DiLoCo) ---------------------------------------------------------------
+    def apply_inner_step(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:
+        """Local mode: an optimizer step of this replica alone, covering additions up to `seq`."""
+        if self.keeps_stash:
+            self._stash = (self.version, [p.detach().clone() for p in self.params])
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+        set_lr(self.optimizer, self.progress, self.spec.training)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner_steps += 1
+        self.inner_samples += samples
+        self.stepped_seq = max(self.stepped_seq, seq)
+        self.version += 1
+        self._after_step()
+
+    @torch.no_grad()
+    def take_delta(self) -> tuple[list[torch.Tensor], int]:
+        """Local mode: the pseudo-gradient (anchor - parameters, float32 CPU) and the samples it covers."""
+        current = [p.detach().clone() for p in self.params]
+        self._taken = (current, self.inner_steps, self.inner_samples)
+        delta = [(a - c).float().cpu() for a, c in zip(self.anchor, current, strict=True)]
+        return delta, self.inner_samples
+
+    @torch.no_grad()
+    def apply_outer_step(
+        self, delta: list[torch.Tensor], group_samples: int, members: list[str] | None = None
+    ) -> Fingerprint:
+        """Local mode: the outer Nesterov step with the group's averaged pseudo-gradient `delta`.
+
+        Inner steps taken since `take_delta` are kept on top of the new anchor.
+        """
+        taken, steps, samples = self._taken
+        self._taken = None
+        mu, lr = self.spec.averaging.outer_momentum, self.spec.averaging.outer_lr
+        if self.keeps_stash:
+            self._stash = (self.version, [p.detach().clone() for p in self.params])
+        for p, a, m, d, t in zip(self.params, self.anchor, self.momentum, delta, taken, strict=True):
+            d = d.to(device=a.device, dtype=a.dtype)
+            m.mul_(mu).add_(d)
+            a.sub_(d + mu * m, alpha=lr)
+            p.add_(a - t)  # = anchor + (inner progress since the take)
+        self.epoch += 1
+        self.inner_steps -= steps
+        self.inner_samples -= samples
+        self.samples_stepped += group_samples
+        self.version += 1
+        self._after_step()
+        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
+        self.history.append(fingerprint)
+        return fingerprint
+
+    def forget_delta(self) -> None:
+        """Local mode: a round failed; the next one takes the pseudo-gradient anew."""
+        self._taken = None
+
+    # ---- a round, in either mode ----------------------------------------------------------
+    def take_for_round(self) -> tuple[list[torch.Tensor], int]:
+        """What this replica averages: its mean gradients, or in local mode its pseudo-gradient."""
+        return self.take_delta() if self.local else self.take_gradients()
+
+    def apply_round(self, averaged: list[torch.Tensor], group_samples: int, seq: int, members: list[str]) -> None:
+        if self.local:
+            self.apply_outer_step(averaged, group_samples, members)
+        else:
+            self.apply_step(averaged, group_samples, seq, members)
+
+    def restore_round(self, taken: list[torch.Tensor], samples: int, seq: int) -> None:
+        """The round failed: gradients go back into the accumulator (local mode: nothing to put back)."""
+        if self.local:
+            self.forget_delta()
+        else:
+            self.restore_gradients(taken, samples, seq)
+
+    def has_work(self) -> bool:
+        """Whether a step alone would change anything: gradients accumulated, or inner steps to fold in."""
+        return bool(self.inner_samples) if self.local else bool(self.samples_accumulated)
+
     @torch.no_grad()
     def fingerprint_values(self) -> list[float]:
+        """Per parameter: sum, then sum of squares; of the anchor in local mode (the replicas' common point)."""
         values = []
-        for p in self.params:
+        for p in self.anchor if self.local else self.params:
             d = p.double()
             values += [d.sum().item(), d.pow(2).sum().item()]
         return values
@@ -181,6 +280,9 @@ class PartRuntime:
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     everything[f"optim/{name}/{key}"] = value
+        for name, a, m in zip(self.param_names, self.anchor, self.momentum, strict=False):
+            everything[f"outer/anchor/{name}"] = a
+            everything[f"outer/momentum/{name}"] = m
         part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
         tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
         metadata = {
@@ -200,14 +302,21 @@ class PartRuntime:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
             raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        # local mode: a replica starts from the anchor (the donor's inner steps since the outer step
+        # are the donor's own contribution to the next round, not ours to count again)
+        source = "outer/anchor" if self.local else "param"
         for name, p in zip(self.param_names, self.params, strict=True):
-            t = tensors.get(f"param/{name}")
-            if t is None or t.shape != p.shape:
-                raise StateError(f"state lacks parameter {name} of shape {list(p.shape)}")
-            if not torch.isfinite(t).all():
-                raise StateError(f"parameter {name} in the state is not finite")
-        for name, p in zip(self.param_names, self.params, strict=True):
-            p.copy_(tensors[f"param/{name}"])
+            for kind in (source, "outer/momentum") if self.local else (source,):
+                t = tensors.get(f"{kind}/{name}")
+                if t is None or t.shape != p.shape:
+                    raise StateError(f"state lacks {kind} {name} of shape {list(p.shape)}")
+                if not torch.isfinite(t).all():
+                    raise StateError(f"{kind} {name} in the state is not finite")
+        for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
+            p.copy_(tensors[f"{source}/{name}"])
+            if self.local:
+                self.anchor[i].copy_(p)
+                self.momentum[i].copy_(tensors[f"outer/momentum/{name}"])
             state = {}
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 t = tensors.get(f"optim/{name}/{key}")
@@ -222,11 +331,14 @@ class PartRuntime:
             self._drop_restored()
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
+        self.inner_steps = self.inner_samples = 0  # local mode: at the anchor, no inner step of ours on it yet
+        self._taken = None
         if self.epoch > 0:  # the parameters after this step are now the donor's
             self.history.append(
                 Fingerprint(self.epoch, int(metadata.get("last_step_samples", 0)), self.fingerprint_values())
             )
         self._stash = None
+        self.version += 1
         self._after_load()
 
 

@@ -13,6 +13,13 @@ for it up to `averaging.pause_limit` and applies the step in the same job, so th
 meanwhile run on the new weights; a round that takes longer lets them go on (their gradients then
 count one step later), so a slow or failing round never stalls the part.
 
+Local mode (DiLoCo). Each replica takes an inner optimizer step whenever its own accumulator
+holds `inner_batch` samples, queued on the torch thread right after the backward that filled it.
+After `averaging.inner_steps` inner steps it starts a round the same way, and the group averages
+pseudo-gradients instead of gradients, then takes the outer step (peer/part.py). `epoch` counts
+outer steps. A replica that misses a round is behind afterwards and loads the anchor from the
+replicas ahead (the resync below), so nobody waits for it.
+
 Receipts. Every backward added to the accumulator is numbered (`seq`, within an `incarnation`)
 and the replica announces how many are in finished steps (`stepped_seq`) and, before a round,
 what the round covers (`round_seq`). Trainers keep each backward until it is stepped, and replay
@@ -92,6 +99,7 @@ class Replica:
         self.leaving = False
         self.state = "joining"
         self.stepping = False
+        self._inner_queued = False  # local mode: an inner step is queued on the torch thread
         self.averaging_epoch = -1
         self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
         self.started = time.time()
@@ -142,6 +150,8 @@ class Replica:
         ]
 
     def _maybe_step(self) -> None:
+        if self.runtime.local:
+            self._maybe_inner_step()
         if self.stepping or self.state != "serving" or self.leaving or time.monotonic() < self._retry_after:
             return
         epoch = self.runtime.epoch
@@ -149,14 +159,44 @@ class Replica:
         if any(r.epoch > epoch for r in serving):
             return  # behind the stage: the progress loop resyncs first
         at_epoch = [r for r in serving if r.epoch == epoch]
+        flagged = any(r.averaging_epoch == epoch for r in at_epoch)
+        if self.runtime.local:
+            if self.runtime.inner_steps >= self.spec.averaging.inner_steps or (flagged and self.runtime.has_work()):
+                self._start_step()
+            return
         local = self.runtime.samples_accumulated
         total = local + sum(r.samples for r in at_epoch)
-        flagged = any(r.averaging_epoch == epoch for r in at_epoch)
         # the others' counts are a progress period old, so a replica also starts when it alone has its
         # share of the target: with balanced routing the group then averages close to the target batch
         target = self.spec.training.target_batch_size
         if total >= target or local * (1 + len(at_epoch)) >= target or flagged:
             self._start_step()
+
+    def _maybe_inner_step(self) -> None:
+        """Local mode: queue an inner step on the torch thread now, if the accumulator holds a batch."""
+        if self._inner_queued or self.state != "serving" or self.leaving:
+            return
+        if self.runtime.samples_accumulated < self.spec.inner_batch():
+            return
+        self._inner_queued = True
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._inner_job)
+        self._tasks.append(asyncio.create_task(self._after_inner(future)))
+
+    def _inner_job(self) -> None:
+        rt = self.runtime
+        if rt.samples_accumulated:
+            grads, samples = rt.take_gradients()
+            rt.apply_inner_step(grads, samples, rt.taken_seq)
+
+    async def _after_inner(self, future) -> None:
+        try:
+            await future
+        except Exception:
+            logger.exception("%s: inner optimizer step failed", self.label)
+        finally:
+            self._inner_queued = False
+        await self.publish(force=True)
+        self._maybe_step()
 
     def _start_step(self) -> None:
         self.stepping = True
@@ -224,13 +264,13 @@ class Replica:
 
         def finish():
             result = round_future.result()
-            if rt.incarnation != incarnation:
+            if rt.incarnation != incarnation and not rt.local:
                 return samples, -1  # the accumulator was dropped meanwhile: trainers replay these samples
             if result is None:
                 # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
-                rt.restore_gradients(grads, samples, seq)
+                rt.restore_round(grads, samples, seq)
                 return samples, 0
-            rt.apply_step(result.gradients, result.group_samples, seq, result.members)
+            rt.apply_round(result.gradients, result.group_samples, seq, result.members)
             return result.group_samples, result.group_size
 
         def hold():
@@ -258,7 +298,7 @@ class Replica:
 
     def _take(self):
         rt = self.runtime
-        grads, samples = rt.take_gradients()
+        grads, samples = rt.take_for_round()
         return grads, samples, rt.taken_seq, rt.incarnation
 
     def join_round(self, epoch: int) -> bool:
@@ -285,13 +325,13 @@ class Replica:
 
     def _step_job(self):
         """Torch thread: a step of this replica alone, from its own accumulator."""
-        started = time.perf_counter()
-        if self.runtime.samples_accumulated == 0:
+        started, rt = time.perf_counter(), self.runtime
+        if not rt.has_work():
             # nothing to step (the accumulator was dropped meanwhile): an empty step would still move
             # the weights (momentum, weight decay) and set this replica apart from its partners
             return 0, NOTHING_TO_STEP, time.perf_counter() - started
-        grads, samples = self.runtime.take_gradients()
-        self.runtime.apply_step(grads, samples, self.runtime.taken_seq, [self.dht.peer_id])
+        grads, samples = rt.take_for_round()
+        rt.apply_round(grads, samples, rt.taken_seq, [self.dht.peer_id])
         return samples, 1, time.perf_counter() - started
 
     async def _finish_step(self, future) -> None:
@@ -316,7 +356,7 @@ class Replica:
                 self.steps_averaged += 1
             else:
                 self.steps_alone += 1
-            if members not in (0, NOTHING_TO_STEP):
+            if members > 0:
                 logger.info(
                     "%s step %d: %d samples, averaged with %d peer(s) in %.2f s",
                     self.label,
@@ -346,6 +386,7 @@ class Replica:
             throughput=rt.throughput,
             load=self.load(),
             epoch=rt.epoch,
+            step=rt.progress,
             samples=rt.samples_accumulated,
             samples_stepped=rt.samples_stepped,
             averaging_epoch=self.averaging_epoch,

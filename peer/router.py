@@ -87,7 +87,7 @@ class Router:
                 if r.state == "serving" and pid not in self.dead and pid not in self.leaving
             }
             for r in self.servers[slot].values():
-                self.max_epoch = max(self.max_epoch, r.epoch)
+                self.max_epoch = max(self.max_epoch, r.step, r.epoch)
         self.present = present
         self._forget_old()
 

@@ -29,7 +29,7 @@ class Late(RuntimeError):
 
 @dataclass
 class _CachedForward:
-    epoch: int
+    version: int  # the parameters it ran on (PartRuntime.version)
     inputs: torch.Tensor
     outputs: torch.Tensor
     aux: torch.Tensor | None = None  # the weighted MoE load-balancing loss of this forward
@@ -111,7 +111,7 @@ class StageRuntime(PartRuntime):
         started = time.perf_counter()
         if train and uid and targets is None:
             x, out, aux = self._graph(inputs, None)
-            self._cache[uid] = _CachedForward(self.epoch, x, out, aux)
+            self._cache[uid] = _CachedForward(self.version, x, out, aux)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             result = out.detach()
@@ -159,10 +159,10 @@ class StageRuntime(PartRuntime):
             cached is not None and cached.inputs.shape == inputs.shape and torch.equal(cached.inputs.detach(), inputs)
         )
         params = self.params
-        if same_inputs and cached.epoch == self.epoch:
+        if same_inputs and cached.version == self.version:
             x, out, aux = cached.inputs, cached.outputs, cached.aux
             self.cache_hits += 1
-        elif same_inputs and self._stash is not None and cached.epoch == self._stash[0]:
+        elif same_inputs and self._stash is not None and cached.version == self._stash[0]:
             # the forward ran on the weights of the previous step: recompute with those (weight stashing),
             # so these gradients match the activations the later stages saw; they apply one step late
             params = [p.detach().requires_grad_(True) for p in self._stash[1]]
@@ -224,7 +224,7 @@ class StageRuntime(PartRuntime):
         # cached graphs hold the old weights, which the step changed in place: keep only their inputs,
         # for a recompute with the stashed weights
         self._cache = OrderedDict(
-            (uid, _CachedForward(c.epoch, c.inputs.detach(), c.outputs.detach())) for uid, c in self._cache.items()
+            (uid, _CachedForward(c.version, c.inputs.detach(), c.outputs.detach())) for uid, c in self._cache.items()
         )
 
     def _after_load(self) -> None:

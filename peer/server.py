@@ -78,7 +78,7 @@ class StageServer(Replica):
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
         rt = self.runtime
-        epoch = rt.epoch
+        epoch = rt.progress
         grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline)
         return grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq
 

@@ -45,6 +45,7 @@ class ServicerBase:
     def __init__(self, owner, limits):
         self.server = owner
         self.limits = limits
+        self.block_size = owner.spec.compression.block_size  # int8 outputs: elements per scale
 
     async def _forward(self, request, payloads: dict, deadline: float | None):
         """(response, payloads) of a forward; the subclass's work."""
@@ -239,7 +240,7 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None):
         inputs = self._routed_inputs(request, payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
-        epoch = self.runtime.epoch
+        epoch = self.runtime.progress
 
         def job():
             if deadline is not None and time.monotonic() > deadline:
@@ -249,7 +250,7 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         result = await self.server.run_torch(job)
         if targets is not None:
             return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
-        header, payload = codec.encode_payload(result, request.output_codec)
+        header, payload = codec.encode_payload(result, request.output_codec, self.block_size)
         return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
     async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict, deadline: float | None):
@@ -262,7 +263,7 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         response = stage_pb2.BackwardResponse(epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq)
         out = {}
         if grad_inputs is not None:
-            header, out["grad_inputs"] = codec.encode_payload(grad_inputs, request.output_codec)
+            header, out["grad_inputs"] = codec.encode_payload(grad_inputs, request.output_codec, self.block_size)
             response.grad_inputs.CopyFrom(header)
         if loss is not None:
             response.has_loss, response.loss = True, loss

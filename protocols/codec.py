@@ -26,8 +26,11 @@ _ELEMENT_SIZE = {
     tensor_pb2.INT32: 4,
     tensor_pb2.UINT8: 1,
 }
-_CODEC_BY_NAME = {"none": tensor_pb2.NONE, "fp16": tensor_pb2.FP16, "bf16": tensor_pb2.BF16}
-_CODEC_ELEMENT_SIZE = {tensor_pb2.FP16: 2, tensor_pb2.BF16: 2}
+_CODEC_BY_NAME = {"none": tensor_pb2.NONE, "fp16": tensor_pb2.FP16, "bf16": tensor_pb2.BF16, "int8": tensor_pb2.INT8}
+_CODEC_ELEMENT_SIZE = {tensor_pb2.FP16: 2, tensor_pb2.BF16: 2, tensor_pb2.INT8: 1}
+CODEC_NAMES = tuple(_CODEC_BY_NAME)  # what a run spec may name
+DEFAULT_BLOCK_SIZE = 128  # elements per int8 scale: 4 bytes per 128 keep int8 at 0.258 of fp32
+MAX_BLOCK_SIZE = 1 << 20
 
 
 class TensorDecodeError(ValueError):
@@ -35,14 +38,42 @@ class TensorDecodeError(ValueError):
 
 
 def codec_from_name(name: str) -> int:
-    """The wire codec for a run spec's compression name ('none', 'fp16', 'bf16')."""
+    """The wire codec for a run spec's compression name ('none', 'fp16', 'bf16', 'int8')."""
     try:
         return _CODEC_BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown compression {name!r}; expected one of {sorted(_CODEC_BY_NAME)}") from None
 
 
-def _payload_array(tensor: torch.Tensor, codec: int):
+def quantize_int8(tensor: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax int8: (float32 scale per block, int8 per element) of a float tensor, on its device.
+
+    Each block of `block_size` consecutive elements (row-major; the last block may be short) is
+    scaled by its largest magnitude / 127 and rounded, so an element's error is at most half its
+    block's scale. A block with a NaN or infinity gets a NaN scale: it decodes to NaN, and the
+    receiver refuses it as it would the raw tensor.
+    """
+    flat = tensor.detach().reshape(-1).float()
+    n = flat.numel()
+    blocks = -(-n // block_size)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block_size - n)).view(blocks, block_size)
+    absmax = padded.abs().amax(dim=1, keepdim=True)
+    absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
+    scale = absmax / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.nan_to_num(padded / safe, nan=0.0).round_().clamp_(-127, 127).to(torch.int8)
+    return scale.view(-1), q.view(-1)[:n]
+
+
+def dequantize_int8(scales: torch.Tensor, q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 elements (flat) that quantize_int8 encoded as `scales` and `q`."""
+    n = q.numel()
+    blocks = scales.numel()
+    padded = torch.nn.functional.pad(q.to(torch.float32), (0, blocks * block_size - n)).view(blocks, block_size)
+    return padded.mul_(scales.view(-1, 1)).view(-1)[:n]
+
+
+def _payload_array(tensor: torch.Tensor, codec: int, block_size: int = DEFAULT_BLOCK_SIZE):
     tensor = tensor.detach()
     if tensor.dtype not in _TO_WIRE_DTYPE:
         raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
@@ -52,24 +83,38 @@ def _payload_array(tensor: torch.Tensor, codec: int):
         payload = tensor.to(torch.float16)
     elif codec == tensor_pb2.BF16:
         payload = tensor.to(torch.bfloat16).view(torch.int16)
+    elif codec == tensor_pb2.INT8:
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"int8 block size must be within 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        scales, q = quantize_int8(tensor, block_size)
+        payload = torch.cat([scales.view(torch.uint8), q.view(torch.uint8)]) if tensor.numel() else q
     elif codec == tensor_pb2.NONE:
         payload = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
     else:
         raise ValueError(f"unknown codec {codec}")
     header = tensor_pb2.Tensor(shape=list(tensor.shape), dtype=_TO_WIRE_DTYPE[tensor.dtype], codec=codec)
+    if codec == tensor_pb2.INT8:
+        header.block_size = block_size
     return header, payload.contiguous().cpu().numpy()
 
 
-def encode(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tensor_pb2.Tensor:
-    """Serialize a CPU or GPU tensor. `codec` applies to float tensors only; integers travel raw."""
-    header, array = _payload_array(tensor, codec)
+def encode(
+    tensor: torch.Tensor, codec: int = tensor_pb2.NONE, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tensor_pb2.Tensor:
+    """Serialize a CPU or GPU tensor. `codec` applies to float tensors only; integers travel raw.
+
+    `block_size`: elements per scale when `codec` is INT8.
+    """
+    header, array = _payload_array(tensor, codec, block_size)
     header.data = array.tobytes()
     return header
 
 
-def encode_payload(tensor: torch.Tensor, codec: int = tensor_pb2.NONE) -> tuple[tensor_pb2.Tensor, memoryview]:
+def encode_payload(
+    tensor: torch.Tensor, codec: int = tensor_pb2.NONE, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[tensor_pb2.Tensor, memoryview]:
     """The Tensor header (no data) and a view of the encoded elements, for streaming without copies."""
-    header, array = _payload_array(tensor, codec)
+    header, array = _payload_array(tensor, codec, block_size)
     return header, memoryview(array.reshape(-1)).cast("B")
 
 
@@ -77,7 +122,7 @@ def payload_bytes(message: tensor_pb2.Tensor, max_elements: int | None = None) -
     """How many data bytes a Tensor header announces; TensorDecodeError if the header is unusable."""
     if message.dtype not in _FROM_WIRE_DTYPE:
         raise TensorDecodeError(f"unknown tensor dtype {message.dtype}")
-    if message.codec not in (tensor_pb2.NONE, tensor_pb2.FP16, tensor_pb2.BF16):
+    if message.codec not in (tensor_pb2.NONE, tensor_pb2.FP16, tensor_pb2.BF16, tensor_pb2.INT8):
         raise TensorDecodeError(f"unknown tensor codec {message.codec}")
     shape = tuple(message.shape)
     if any(d < 0 for d in shape):
@@ -89,6 +134,10 @@ def payload_bytes(message: tensor_pb2.Tensor, max_elements: int | None = None) -
         raise TensorDecodeError(
             f"codec {message.codec} applies to float tensors, got dtype {_FROM_WIRE_DTYPE[message.dtype]}"
         )
+    if message.codec == tensor_pb2.INT8:
+        if not 1 <= message.block_size <= MAX_BLOCK_SIZE:
+            raise TensorDecodeError(f"int8 tensor has block_size {message.block_size}, expected 1..{MAX_BLOCK_SIZE}")
+        return numel + 4 * -(-numel // message.block_size)
     return numel * _CODEC_ELEMENT_SIZE.get(message.codec, _ELEMENT_SIZE[message.dtype])
 
 
@@ -114,6 +163,11 @@ def decode(message: tensor_pb2.Tensor, max_elements: int | None = None, payload=
             out = torch.frombuffer(data, dtype=torch.float16).to(dtype, copy=True)
         elif message.codec == tensor_pb2.BF16:
             out = torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16).to(dtype, copy=True)
+        elif message.codec == tensor_pb2.INT8:
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+            blocks = -(-math.prod(shape) // message.block_size)
+            scales = raw[: 4 * blocks].view(torch.float32)
+            out = dequantize_int8(scales, raw[4 * blocks :].view(torch.int8), message.block_size).to(dtype)
         else:
             raw = torch.frombuffer(data, dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
             out = raw if owned else raw.clone()

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protocols/tensor.proto\x12\nswarmtrain\"i\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.swarmtrain.DType\x12 \n\x05\x63odec\x18\x03 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*g\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05UINT8\x10\x06*%\n\x05\x43odec\x12\x08\n\x04NONE\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protocols/tensor.proto\x12\nswarmtrain\"}\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.swarmtrain.DType\x12 \n\x05\x63odec\x18\x03 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*g\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05UINT8\x10\x06*/\n\x05\x43odec\x12\x08\n\x04NONE\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04INT8\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocols.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=168
-  _globals['_DTYPE']._serialized_end=271
-  _globals['_CODEC']._serialized_start=273
-  _globals['_CODEC']._serialized_end=310
+  _globals['_DTYPE']._serialized_start=188
+  _globals['_DTYPE']._serialized_end=291
+  _globals['_CODEC']._serialized_start=293
+  _globals['_CODEC']._serialized_end=340
   _globals['_TENSOR']._serialized_start=38
-  _globals['_TENSOR']._serialized_end=143
-  _globals['_CHUNK']._serialized_start=145
-  _globals['_CHUNK']._serialized_end=166
+  _globals['_TENSOR']._serialized_end=163
+  _globals['_CHUNK']._serialized_start=165
+  _globals['_CHUNK']._serialized_end=186
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NONE: _ClassVar[Codec]
     FP16: _ClassVar[Codec]
     BF16: _ClassVar[Codec]
+    INT8: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -32,18 +33,21 @@ UINT8: DType
 NONE: Codec
 FP16: Codec
 BF16: Codec
+INT8: Codec
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "data")
+    __slots__ = ("shape", "dtype", "codec", "data", "block_size")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
     data: bytes
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    block_size: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -70,3 +71,68 @@ def test_framed_stream_roundtrip_keeps_tensors_out_of_protobuf():
         asyncio.run(read(1000))
     with pytest.raises(framing.FramingError, match="ended inside tensor"):
         asyncio.run(read(10**7, frames[:-1]))
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64, 128, 4096])
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (2, 33, 64), (1000,)])
+def test_int8_roundtrip_error_is_within_half_a_step_of_each_block(block_size, shape):
+    t = torch.randn(*shape) * torch.logspace(-3, 3, math.prod(shape)).view(shape)  # blocks of very different scales
+    message = codec.encode(t, tensor_pb2.INT8, block_size)
+    out = codec.decode(message)
+    assert out.dtype == torch.float32 and out.shape == t.shape
+    flat, err = t.reshape(-1), (out - t).abs().reshape(-1)
+    for start in range(0, flat.numel(), block_size):
+        block = slice(start, start + block_size)
+        bound = flat[block].abs().max() / 254 * (1 + 1e-6)  # half of one quantization step: absmax/127/2
+        assert err[block].max() <= bound, (start, err[block].max(), bound)
+    blocks = -(-t.numel() // block_size)
+    assert codec.wire_bytes(message) == t.numel() + 4 * blocks
+
+
+def test_int8_cuts_activation_bytes_to_about_a_quarter():
+    hidden = torch.randn(16, 128, 192)  # a micro-batch of hidden states
+    ratio = codec.wire_bytes(codec.encode(hidden, tensor_pb2.INT8)) / codec.wire_bytes(codec.encode(hidden))
+    assert ratio <= 0.26
+    relative = (codec.decode(codec.encode(hidden, tensor_pb2.INT8)) - hidden).norm() / hidden.norm()
+    assert relative < 0.01
+
+
+def test_int8_keeps_zeros_and_marks_non_finite_blocks():
+    t = torch.zeros(300)
+    t[200] = float("inf")
+    out = codec.decode(codec.encode(t, tensor_pb2.INT8, 128))
+    assert torch.equal(out[:128], torch.zeros(128))  # an all-zero block stays exactly zero
+    assert torch.isnan(out[128:256]).all()  # the receiver sees the block as non-finite and refuses it
+    assert torch.equal(out[256:], torch.zeros(44))
+
+
+def test_int8_bad_headers_name_the_problem():
+    message = codec.encode(torch.randn(10), tensor_pb2.INT8, 4)
+    message.block_size = 0
+    with pytest.raises(codec.TensorDecodeError, match="block_size 0"):
+        codec.decode(message)
+    message.block_size = 4
+    message.data = message.data[:-1]
+    with pytest.raises(codec.TensorDecodeError, match="needs 22"):
+        codec.decode(message)
+    ids = codec.encode(torch.arange(5), tensor_pb2.INT8)
+    assert ids.codec == tensor_pb2.NONE  # integers travel raw
+
+
+@pytest.mark.parametrize(("name", "tolerance"), [("bf16", 1e-2), ("int8", 1.0 / 254), ("fp16", 1e-3)])
+def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+
+    from peer.averaging_codec import averaging_codec
+
+    chosen = averaging_codec(name, block_size=64)
+    t = torch.randn(1000, 3)
+    message = chosen.compress(t, CompressionInfo.from_tensor(t))
+    out = deserialize_torch_tensor(message)  # as the receiving peer decodes it
+    assert out.shape == t.shape and out.dtype == t.dtype
+    assert (out - t).abs().max() <= tolerance * t.abs().max() * 1.01
+    # the reducer sends the averaged delta back with the codec registered for the part's type
+    back = deserialize_torch_tensor(serialize_torch_tensor(t, message.compression))
+    assert (back - t).abs().max() <= tolerance * t.abs().max() * 1.01
+    expected = {"fp16": 2, "bf16": 2, "int8": 1 + 4 / 64}[name]
+    assert len(message.buffer) <= t.numel() * expected + 16

@@ -1,0 +1,102 @@
+"""Compression of the tensors replicas average, as hivemind codecs.
+
+hivemind's all-reduce compresses the parts a peer sends with the averager's codec, and the peer
+that reduces a part compresses the averaged delta it sends back with the codec registered in
+hivemind for the part's compression type. So a codec of our own must both be the averager's codec
+and be registered under a hivemind compression type.
+
+- `none`: hivemind's NoCompression.
+- `fp16`: hivemind's Float16Compression (as fast as a torch cast; see benchmarks/codecs.py).
+- `bf16`, `int8`: `TorchCodec`, the torch codecs of protocols.codec (int8: blockwise absmax with a
+  float32 scale per `block_size` elements). It takes the slot of hivemind's BLOCKWISE_8BIT, whose
+  own codec needs bitsandbytes (not installed); hivemind's other 8-bit codecs keep one codebook
+  per part and run slower (benchmarks/codecs.py). Every peer of a run uses the run spec's codec,
+  so the slot means the same on both sides. The buffer starts with the format and block size, so
+  a mismatch is an error, never a silent misreading.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.proto import runtime_pb2
+
+from protocols import codec
+
+_HEADER = struct.Struct("<BI")  # format, block size
+_FORMATS = {"bf16": 1, "int8": 2}
+
+
+class TorchCodec(CompressionBase):
+    """bf16 or blockwise int8, in hivemind's codec interface."""
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+
+    def __init__(self, name: str, block_size: int = codec.DEFAULT_BLOCK_SIZE):
+        if name not in _FORMATS:
+            raise ValueError(f"TorchCodec handles {sorted(_FORMATS)}, not {name!r}")
+        self.name, self.block_size = name, block_size
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        if not tensor.is_floating_point():
+            raise ValueError(f"{self.name} compresses float tensors, got {tensor.dtype}")
+        tensor = tensor.detach().cpu()
+        if self.name == "bf16":
+            body = tensor.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        else:
+            scales, q = codec.quantize_int8(tensor, self.block_size)
+            body = scales.numpy().tobytes() + q.numpy().tobytes()
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=_HEADER.pack(_FORMATS[self.name], self.block_size) + body,
+            size=tensor.shape,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        fmt, block_size = _HEADER.unpack_from(buffer)
+        shape = tuple(serialized_tensor.size)
+        dtype = getattr(torch, serialized_tensor.dtype)
+        body = bytearray(buffer[_HEADER.size :])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if fmt == _FORMATS["bf16"]:
+            if len(body) != 2 * numel:
+                raise ValueError(f"bf16 part has {len(body)} bytes for {numel} elements")
+            flat = torch.frombuffer(body, dtype=torch.int16).view(torch.bfloat16) if numel else torch.empty(0)
+        elif fmt == _FORMATS["int8"] and block_size >= 1:
+            blocks = -(-numel // block_size)
+            if len(body) != 4 * blocks + numel:
+                raise ValueError(f"int8 part has {len(body)} bytes for {numel} elements in blocks of {block_size}")
+            raw = torch.frombuffer(body, dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+            flat = codec.dequantize_int8(
+                raw[: 4 * blocks].view(torch.float32), raw[4 * blocks :].view(torch.int8), block_size
+            )
+        else:
+            raise ValueError(f"unknown averaging codec format {fmt} (block size {block_size})")
+        return flat.to(dtype).reshape(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        bits = torch.finfo(info.descriptor.dtype).bits
+        return 16.0 / bits if self.name == "bf16" else (8.0 + 32.0 / self.block_size) / bits
+
+
+def averaging_codec(name: str, block_size: int = codec.DEFAULT_BLOCK_SIZE) -> CompressionBase:
+    """The hivemind codec for a run spec's `compression.averaging`; registers ours with hivemind.
+
+    Registration changes hivemind's table of codecs in this process (and the averager processes it
+    forks afterwards): call it before creating the averager.
+    """
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    chosen = TorchCodec(name, block_size)
+    hivemind_serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = chosen
+    return chosen
