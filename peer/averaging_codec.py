@@ -6,13 +6,14 @@ hivemind for the part's compression type. So a codec of our own must both be the
 and be registered under a hivemind compression type.
 
 - `none`: hivemind's NoCompression.
-- `fp16`: hivemind's Float16Compression (as fast as a torch cast; see benchmarks/codecs.py).
-- `bf16`, `int8`: `TorchCodec`, the torch codecs of protocols.codec (int8: blockwise absmax with a
-  float32 scale per `block_size` elements). It takes the slot of hivemind's BLOCKWISE_8BIT, whose
-  own codec needs bitsandbytes (not installed); hivemind's other 8-bit codecs keep one codebook
-  per part and run slower (benchmarks/codecs.py). Every peer of a run uses the run spec's codec,
-  so the slot means the same on both sides. The buffer starts with the format and block size, so
-  a mismatch is an error, never a silent misreading.
+- `fp16`, `bf16`, `int8`: `TorchCodec`, the torch codecs of protocols.codec (int8: blockwise absmax
+  with a float32 scale per `block_size` elements). benchmarks/codecs.py measured them against
+  hivemind's: its FLOAT16 decodes 4-8x slower (through numpy), and its UNIFORM_8BIT and
+  QUANTILE_8BIT keep one 256-entry codebook per part, so they are 2-30x slower and 15-65x less
+  accurate on gradients. TorchCodec takes the slot of hivemind's BLOCKWISE_8BIT, whose own codec
+  needs bitsandbytes (not installed). Every peer of a run uses the run spec's codec, so the slot
+  means the same on both sides; the buffer starts with the format and block size, so a mismatch
+  is an error, never a silent misreading.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from __future__ import annotations
 import struct
 
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
 
 from protocols import codec
 
 _HEADER = struct.Struct("<BI")  # format, block size
-_FORMATS = {"bf16": 1, "int8": 2}
+_FORMATS = {"bf16": 1, "int8": 2, "fp16": 3}
 
 
 class TorchCodec(CompressionBase):
-    """bf16 or blockwise int8, in hivemind's codec interface."""
+    """fp16, bf16 or blockwise int8, in hivemind's codec interface."""
 
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
 
@@ -46,6 +47,8 @@ class TorchCodec(CompressionBase):
         tensor = tensor.detach().cpu()
         if self.name == "bf16":
             body = tensor.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        elif self.name == "fp16":
+            body = tensor.to(torch.float16).numpy().tobytes()
         else:
             scales, q = codec.quantize_int8(tensor, self.block_size)
             body = scales.numpy().tobytes() + q.numpy().tobytes()
@@ -66,10 +69,11 @@ class TorchCodec(CompressionBase):
         numel = 1
         for d in shape:
             numel *= d
-        if fmt == _FORMATS["bf16"]:
+        if fmt in (_FORMATS["bf16"], _FORMATS["fp16"]):
             if len(body) != 2 * numel:
-                raise ValueError(f"bf16 part has {len(body)} bytes for {numel} elements")
-            flat = torch.frombuffer(body, dtype=torch.int16).view(torch.bfloat16) if numel else torch.empty(0)
+                raise ValueError(f"16-bit part has {len(body)} bytes for {numel} elements")
+            half = torch.float16 if fmt == _FORMATS["fp16"] else torch.bfloat16
+            flat = torch.frombuffer(body, dtype=torch.int16).view(half) if numel else torch.empty(0)
         elif fmt == _FORMATS["int8"] and block_size >= 1:
             blocks = -(-numel // block_size)
             if len(body) != 4 * blocks + numel:
@@ -84,7 +88,7 @@ class TorchCodec(CompressionBase):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         bits = torch.finfo(info.descriptor.dtype).bits
-        return 16.0 / bits if self.name == "bf16" else (8.0 + 32.0 / self.block_size) / bits
+        return (8.0 + 32.0 / self.block_size) / bits if self.name == "int8" else 16.0 / bits
 
 
 def averaging_codec(name: str, block_size: int = codec.DEFAULT_BLOCK_SIZE) -> CompressionBase:
@@ -95,8 +99,6 @@ def averaging_codec(name: str, block_size: int = codec.DEFAULT_BLOCK_SIZE) -> Co
     """
     if name == "none":
         return NoCompression()
-    if name == "fp16":
-        return Float16Compression()
     chosen = TorchCodec(name, block_size)
     hivemind_serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = chosen
     return chosen
