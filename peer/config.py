@@ -278,6 +278,7 @@ class TrainerConfig:
     deadline_floor: float = 1.0  # s: a call's deadline is this plus deadline_margin times its expected time
     deadline_margin: float = 3.0  # expected time (the server's measured latency for such a call) times this
     request_timeout: float = 30.0  # s: the longest deadline of one forward or backward call
+    min_link_mbit: float = 10.0  # Mbit/s: a first call's deadline allows its bytes to cross a link this slow
     max_retries: int = (
         8  # tries of one forward on replicas before the micro-batch is given up (backwards never give up)
     )
@@ -308,6 +309,7 @@ class ExpertsConfig:
     deadline_floor: float = 1.0  # s: a stage's call to an expert gets this plus deadline_margin x its latency
     deadline_margin: float = 3.0  # measured latency of such calls to that host, times this
     request_timeout: float = 30.0  # s: the longest deadline of one expert call
+    min_link_mbit: float = 10.0  # Mbit/s: a first call's deadline allows its bytes to cross a link this slow
     ban_time: float = 2.0  # s a failing expert host is avoided, doubling on each failure in a row
     max_ban: float = 60.0  # s: the longest ban
     max_tries: int = 3  # replicas one expert call tries before the expert is skipped for that call

@@ -108,7 +108,8 @@ class RemoteExperts:
                     await self._refresh()  # a newcomer may have announced since the last look
                     continue
                 return None
-            timeout = self.router.deadline(pid, record, kind, tokens, 1 / 3 if method == "forward" else 1.0)
+            nbytes = request.ByteSize() + sum(len(p) for p in payloads.values()) * 2  # the answer: as many rows
+            timeout = self.router.deadline(pid, record, kind, tokens, 1 / 3 if method == "forward" else 1.0, nbytes)
             started = time.monotonic()
             try:
                 call = self.client.expert_forward if method == "forward" else self.client.expert_backward

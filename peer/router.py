@@ -155,15 +155,19 @@ class Router:
         weights = [self.weight(pid, r, kind) for pid, r in candidates]
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
-    def deadline(self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float) -> float:
+    def deadline(
+        self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float, nbytes: int = 0
+    ) -> float:
         """Seconds to allow a call: its expected time (measured, else estimated) times a margin, plus a floor.
 
-        `work` is the call's share of a forward+backward (a forward is about 1/3).
+        `work` is the call's share of a forward+backward (a forward is about 1/3). Before a
+        measurement, the estimate also allows the call's `nbytes` (both ways) to cross a link of
+        `min_link_mbit`: on a thin home link, moving the tensors takes longer than computing them.
         """
         expected = self.latency.get((peer_id, kind))
         if expected is None:
             estimate = samples * work / max(record.throughput, 1e-3) * (1.0 + record.load)
-            expected = max(estimate, UNMEASURED)
+            expected = max(estimate, UNMEASURED) + nbytes * 8 / (self.cfg.min_link_mbit * 1e6)
         return min(self.cfg.request_timeout, self.cfg.deadline_floor + self.cfg.deadline_margin * expected)
 
     # ---- outcomes -------------------------------------------------------------------------

@@ -137,7 +137,9 @@ class Trainer:
             if stage in self._no_server_since:
                 since = self._no_server_since.pop(stage)
                 logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
-            timeout = self.router.deadline(pid, record, kind, samples, WORK[method])
+            timeout = self.router.deadline(
+                pid, record, kind, samples, WORK[method], self._call_bytes(stage, method, request, payloads)
+            )
             started = time.monotonic()
             blame = True  # the server's own fault (banned); not when its MoE layer's experts did not answer
             try:
@@ -288,6 +290,16 @@ class Trainer:
             await asyncio.sleep(0.5)
         if self.ledger.receipts:
             logger.warning("%d receipts unsettled after %.0f s", len(self.ledger), self.tcfg.drain_timeout)
+
+    def _call_bytes(self, stage: int, method: str, request, payloads: dict | None) -> int:
+        """Bytes a call moves: its request, and the hidden states or input gradients it gets back."""
+        sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())
+        returns = (method == "forward" and stage < self.num_stages - 1) or (method == "backward" and stage > 0)
+        if not returns or not request.inputs.shape:
+            return sent
+        rows = math.prod(request.inputs.shape[:2])
+        per_element = {tensor_pb2.NONE: 4, tensor_pb2.FP16: 2, tensor_pb2.BF16: 2, tensor_pb2.INT8: 1}[self.codec]
+        return sent + rows * self.spec.model.hidden_size * per_element
 
     def _check_answer(self, stage: int, method: str, request, response, payloads: dict) -> None:
         last = stage == self.num_stages - 1
