@@ -504,7 +504,7 @@ def rehearse(
             for i, name in enumerate(names):
                 stage = ["--stage", str(i % stages)] if servers >= stages else []
                 procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), *stage], peer_settings)
-            servers_up = lambda: all("Serving stage" in _log(work, hosts[n]) for n in names)  # noqa: E731
+            servers_up = lambda: all(re.search(r"Serving stage \d+ at ", _log(work, hosts[n])) for n in names)  # noqa: E731
             wait_for("the stage servers", servers_up, procs, work, hosts, start_timeout)
             base, started = {name: host.counters() for name, host in hosts.items()}, time.time()
             for i in range(trainers):
