@@ -452,24 +452,16 @@ def rehearse(
     Prints progress every `interval` s and a summary; returns the summary (samples, samples_per_s, per-host bytes).
     `duration` bounds the training time (from the trainers' start; None: until they finish).
     """
-    import tomllib
 
     from rich.console import Console
 
-    from peer.config import RunSpec, set_path
+    from peer.config import RunSpec, apply_override
     from peer.demo import spec_to_toml
 
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     spec = RunSpec.from_toml(spec_path)
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        set_path(spec, key.strip(), value)
+        apply_override(spec, item)
     work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-lab-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     (work / "run.toml").write_text(spec_to_toml(spec))

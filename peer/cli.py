@@ -6,11 +6,10 @@ import argparse
 import logging
 import multiprocessing as mp
 import sys
-import tomllib
 
 from dht.identity import Identity, IdentityError, default_identity_path
 from dht.node import DHTStartError
-from peer.config import ConfigError, PeerConfig, RunSpec, set_path
+from peer.config import ConfigError, PeerConfig, RunSpec, apply_override, set_path
 from peer.corpus import CorpusError
 
 # flag -> PeerConfig field; every flag is also settable in a peer config file or with --set
@@ -66,14 +65,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
     if args.identity:
         cfg.identity = args.identity
     for item in args.set:
-        field, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        set_path(cfg, field.strip(), value)
+        apply_override(cfg, item)
     return cfg
 
 

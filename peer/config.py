@@ -401,6 +401,18 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
     raise ConfigError(f"{name}: unsupported field type {hint}")
 
 
+def apply_override(obj: Any, item: str) -> None:
+    """Apply one `FIELD=VALUE` override (VALUE in TOML syntax, else taken as a string) to a config dataclass."""
+    field_name, sep, raw = item.partition("=")
+    if not sep:
+        raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    set_path(obj, field_name.strip(), value)
+
+
 def set_path(obj: Any, dotted: str, value: Any) -> None:
     """Override one field (e.g. 'network.port') of a config dataclass with a flag's value, type-checked."""
     *parents, last = dotted.split(".")

@@ -163,18 +163,11 @@ class PartRuntime:
         self, grads: list[torch.Tensor], group_samples: int, seq: int, members: list[str] | None = None
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
-        if self.keeps_stash:
-            self._stash = (self.version, [p.detach().clone() for p in self.params])
         self.restored = None  # taken with the rest of the accumulator into this step
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-        set_lr(self.optimizer, self.epoch, self.spec.training)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer_step(grads, self.epoch)
         self.epoch += 1
         self.samples_stepped += group_samples
         self.stepped_seq = max(self.stepped_seq, seq)
-        self.version += 1
         self._after_step()
         fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
         self.history.append(fingerprint)
@@ -183,18 +176,22 @@ class PartRuntime:
     # ---- local mode (DiLoCo) ---------------------------------------------------------------
     def apply_inner_step(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:
         """Local mode: an optimizer step of this replica alone, covering additions up to `seq`."""
+        self._optimizer_step(grads, self.progress)
+        self.inner_steps += 1
+        self.inner_samples += samples
+        self.stepped_seq = max(self.stepped_seq, seq)
+        self._after_step()
+
+    def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: int) -> None:
+        """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step`; a new version."""
         if self.keeps_stash:
             self._stash = (self.version, [p.detach().clone() for p in self.params])
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-        set_lr(self.optimizer, self.progress, self.spec.training)
+        set_lr(self.optimizer, schedule_step, self.spec.training)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.inner_steps += 1
-        self.inner_samples += samples
-        self.stepped_seq = max(self.stepped_seq, seq)
         self.version += 1
-        self._after_step()
 
     @torch.no_grad()
     def take_delta(self) -> tuple[list[torch.Tensor], int]:
