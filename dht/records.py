@@ -43,6 +43,8 @@ class ServerRecord(Record):
     round_seq: int = 0  # while averaging_epoch >= 0: the additions that round covers if it succeeds
     started: float = 0.0  # unix time the server started
     updated: float = 0.0  # unix time of this announcement
+    tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
+    devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
 
 
 class TrainerRecord(Record):

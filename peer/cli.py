@@ -26,6 +26,8 @@ _FLAG_FIELDS = {
     "log_file": "trainer.log_file",
     "progress": "trainer.progress",
     "device": "experts.device",
+    "tp": "parallel.tp",
+    "devices": "parallel.devices",
 }
 
 
@@ -66,6 +68,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         cfg.identity = args.identity
     for item in args.set:
         apply_override(cfg, item)
+    cfg.validate()
     return cfg
 
 
@@ -110,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(expert 0 and 5 of block 1)",
     )
     p.add_argument("--device", help="experts: torch device to host them on (default: cuda when there is one, else cpu)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="server: split the stage over N tensor-parallel ranks in this box (NCCL on GPUs, gloo on CPU)",
+    )
+    p.add_argument(
+        "--devices",
+        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
+        metavar="DEV,...",
+        help="server: one torch device per rank, e.g. cuda:0,cuda:1 (default: cuda:0.. when there are enough, else cpu)",
+    )
     p.add_argument("--data", help="trainer: a text file or directory (default: Python's standard library)")
     p.add_argument("--seed", type=int, help="trainer: seed of the micro-batch order")
     p.add_argument("--max-micro-batches", type=int, help="trainer: stop after this many micro-batches")
@@ -183,11 +197,15 @@ def _dispatch(args: argparse.Namespace) -> int | None:
     if args.experts is not None:
         if args.role == "trainer" or args.stage is not None:
             raise ConfigError("--experts makes this peer an expert host: leave out --role trainer and --stage")
+        if cfg.parallel.tp != 1:
+            raise ConfigError("--tp splits a stage; expert hosts hold whole experts (use --device)")
         run_experts(args.maddr, cfg, _identity(cfg), args.experts)
         return 0
     if args.role == "trainer":
         if args.stage is not None:
             raise ConfigError("--stage is for servers; a trainer uses every stage")
+        if cfg.parallel.tp != 1 or cfg.parallel.devices:
+            raise ConfigError("--tp and --devices are for stage servers, not trainers")
         return run_trainer(args.maddr, cfg, _identity(cfg))
     run_server(args.maddr, cfg, _identity(cfg), args.stage)
     return 0

@@ -317,6 +317,18 @@ class ExpertsConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel ranks of a stage server in this box (Megatron-style shards); 1: none
+    devices: list[str] = field(
+        default_factory=list
+    )  # one torch device per rank; empty: cuda:0.. when there are enough, else cpu
+    start_timeout: float = 60.0  # s for the other ranks to start and join the group
+    collective_timeout: float = 120.0  # s one collective may wait for the other ranks before it fails
+    watch_period: float = 0.2  # s between checks that every rank is alive
+    exit_grace: float = 5.0  # s a peer whose rank died has to leave cleanly before it exits regardless
+
+
+@dataclass
 class PeerConfig:
     identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
     threads: int = 0  # torch threads; 0: torch's default
@@ -324,10 +336,17 @@ class PeerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:
-        return from_dict(cls, data, "")
+        cfg = from_dict(cls, data, "")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.parallel.tp < 1:
+            raise ConfigError(f"parallel.tp: must be at least 1, got {self.parallel.tp}")
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PeerConfig:

@@ -69,11 +69,10 @@ def rejoin_argv(argv: list[str], stage: int) -> list[str]:
 
 def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | None) -> None:
     from peer.averaging import GradientAverager
-    from peer.runtime import StageRuntime
     from peer.server import StageServer
 
     dht, spec = connect(maddr, cfg, identity)
-    averager = server = None
+    averager = server = ranks = None
     try:
         n = spec.stages.num_stages
         if stage is not None and not 0 <= stage < n:
@@ -96,14 +95,17 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
 
             experts = RemoteExperts(spec, stage, cfg, dht)  # the gates live here, the experts on expert hosts
             print(f"Blocks {experts.layers} are mixture-of-experts layers; their experts live on expert hosts.")
-        runtime = StageRuntime(
-            spec,
-            stage,
-            cfg.server.activation_cache_size,
-            cfg.server.fingerprint_history,
-            experts=experts,
-            dedup_history=cfg.server.dedup_history,
-        )
+        runtime, ranks = _stage_runtime(spec, stage, cfg, experts)
+        # hivemind's averager forks: create it before any gRPC channel or server, and before the other ranks
+        template = runtime.full_template() if ranks is not None else runtime.params
+        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), template, spec)
+        if ranks is not None:
+            ranks.start_group(runtime.tp, cfg.parallel.collective_timeout)
+            print(
+                f"Split stage {stage} over {runtime.tp_degree} tensor-parallel ranks on {', '.join(runtime.devices)} "
+                f"(ranks 1.. are pids {', '.join(map(str, ranks.pids))}).",
+                flush=True,
+            )
         if cfg.server.throughput > 0:
             runtime.throughput, runtime.fixed_throughput = cfg.server.throughput, True
             print(f"Announcing {cfg.server.throughput:.1f} samples/s for this stage (server.throughput).", flush=True)
@@ -114,11 +116,12 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             if experts is not None:
                 experts.offline = False
             print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
-        # hivemind's averager forks: create it before any gRPC channel or server
-        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), runtime.params, spec)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
 
         async def start():
+            if ranks is not None:  # a rank that dies ends this peer: leave cleanly (exit_grace bounds it)
+                loop = asyncio.get_running_loop()
+                ranks.on_death = lambda reason: loop.call_soon_threadsafe(server.done.set)
             if experts is not None:
                 await experts.bind()
             await server.start()
@@ -135,15 +138,45 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
 
         asyncio.run(_until_signalled(start, stop, server.done))
     finally:
+        if ranks is not None:
+            ranks.close()
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+    if ranks is not None and ranks.dead:
+        raise SystemExit(f"peer join: {ranks.dead}; this peer stopped (the swarm routes around it)")
     if server is not None and server.move_to is not None:
         # a fresh process for the new stage: hivemind's averager must be created before any gRPC
         # object in a process, and the identity (same peer id) and settings carry over
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, rejoin_argv(sys.argv[1:], server.move_to))
+
+
+def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
+    """The stage's runtime on this peer's device(s): split over `parallel.tp` ranks, or whole."""
+    from peer.runtime import StageRuntime
+    from peer.tp import TPGroup, check_degree
+    from peer.tp_runtime import Ranks, ShardedStageRuntime, tp_devices
+
+    pcfg = cfg.parallel
+    problem = check_degree(spec, stage, pcfg.tp)
+    if problem:
+        raise SystemExit(f"peer join: --tp {pcfg.tp}: {problem}")
+    try:
+        devices = tp_devices(pcfg) if pcfg.tp > 1 or pcfg.devices else ["cpu"]
+    except ValueError as e:
+        raise SystemExit(f"peer join: --devices: {e}") from None
+    sizes = {
+        "activation_cache_size": cfg.server.activation_cache_size,
+        "fingerprint_history": cfg.server.fingerprint_history,
+        "dedup_history": cfg.server.dedup_history,
+    }
+    if pcfg.tp == 1:
+        return StageRuntime(spec, stage, experts=experts, device=devices[0], **sizes), None
+    ranks = Ranks(pcfg, {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": cfg.threads})
+    runtime = ShardedStageRuntime(spec, stage, TPGroup(0, pcfg.tp, torch.device(devices[0])), ranks, devices, **sizes)
+    return runtime, ranks
 
 
 def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) -> None:

@@ -29,14 +29,21 @@ class ExpertsUnavailable(RuntimeError):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    """down(silu(gate(x)) * up(x)); with `tp` (peer.tp.TPGroup) gate/up are column- and down row-parallel."""
+
+    def __init__(self, hidden: int, inner: int, tp=None):
         super().__init__()
+        self.tp = tp
+        inner //= tp.world if tp else 1
         self.gate = nn.Linear(hidden, inner, bias=False)
         self.up = nn.Linear(hidden, inner, bias=False)
         self.down = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.tp is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        x = self.tp.copy_in(x)
+        return self.tp.reduce_out(self.down(F.silu(self.gate(x)) * self.up(x)))
 
 
 def expert_size(cfg: ModelConfig, moe: MoEConfig) -> int:

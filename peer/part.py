@@ -55,6 +55,8 @@ class PartRuntime:
         dedup_history: int = 1024,
     ):
         self.spec, self.name, self.model = spec, name, module
+        self.tp_degree = 1  # ranks this part is split over (peer.tp); 1: unsplit
+        self.devices: list[str] = []  # the torch devices it runs on, one per rank
         self.params = [p for _, p in module.named_parameters()]
         self.param_names = [n for n, _ in module.named_parameters()]
         self.optimizer = build_optimizer(self.params, spec.training)
@@ -182,6 +184,16 @@ class PartRuntime:
         self.stepped_seq = max(self.stepped_seq, seq)
         self._after_step()
 
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The parameters as CPU copies (a split part gathers them from its ranks)."""
+        return [p.detach().cpu().clone() for p in self.params]
+
+    def inner_step(self) -> None:
+        """Local mode: an inner step with what the accumulator holds (nothing if it is empty)."""
+        if self.samples_accumulated:
+            grads, samples = self.take_gradients()
+            self.apply_inner_step(grads, samples, self.taken_seq)
+
     def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: int) -> None:
         """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step`; a new version."""
         if self.keeps_stash:
@@ -272,6 +284,13 @@ class PartRuntime:
         With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that
         several donors can each send a part.
         """
+        everything = self.state_tensors()
+        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
+        tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
+        return self.state_metadata(len(everything)), tensors
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a state holds, by name: parameters, optimizer state, and in local mode anchor and momentum."""
         everything = {f"param/{n}": p for n, p in zip(self.param_names, self.params, strict=True)}
         for name, p in zip(self.param_names, self.params, strict=True):
             for key, value in self.optimizer.state.get(p, {}).items():
@@ -280,19 +299,19 @@ class PartRuntime:
         for name, a, m in zip(self.param_names, self.anchor, self.momentum, strict=False):
             everything[f"outer/anchor/{name}"] = a
             everything[f"outer/momentum/{name}"] = m
-        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
-        tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
-        metadata = {
+        return everything
+
+    def state_metadata(self, tensor_count: int) -> dict:
+        return {
             "part": self.name,
             "epoch": self.epoch,
             "samples_stepped": self.samples_stepped,
             "last_step_samples": self.history[-1].samples if self.history else 0,
             "spec": self.spec.fingerprint(),
-            "tensor_count": len(everything),
+            "tensor_count": tensor_count,
             # who made the recent steps: a replica that resyncs keeps gradients no step of the donor counted
             "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
         }
-        return metadata, tensors
 
     @torch.no_grad()
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
@@ -341,10 +360,15 @@ class PartRuntime:
 
 def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:
     """Split tensor names into `num_shards` parts of similar bytes; every replica computes the same split."""
+    return shards_by_bytes({n: t.numel() * t.element_size() for n, t in tensors.items()}, num_shards)
+
+
+def shards_by_bytes(sizes: dict[str, int], num_shards: int) -> list[set[str]]:
+    """Split names into `num_shards` parts of similar total bytes, the largest first; deterministic."""
     parts: list[set[str]] = [set() for _ in range(num_shards)]
-    sizes = [0] * num_shards
-    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
-        lightest = min(range(num_shards), key=lambda i: (sizes[i], i))
+    totals = [0] * num_shards
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        lightest = min(range(num_shards), key=lambda i: (totals[i], i))
         parts[lightest].add(name)
-        sizes[lightest] += t.numel() * t.element_size()
+        totals[lightest] += size
     return parts

@@ -183,10 +183,7 @@ class Replica:
         self._tasks.append(asyncio.create_task(self._after_inner(future)))
 
     def _inner_job(self) -> None:
-        rt = self.runtime
-        if rt.samples_accumulated:
-            grads, samples = rt.take_gradients()
-            rt.apply_inner_step(grads, samples, rt.taken_seq)
+        self.runtime.inner_step()
 
     async def _after_inner(self, future) -> None:
         try:
@@ -396,6 +393,8 @@ class Replica:
             round_seq=self.round_seq if self.averaging_epoch >= 0 else 0,
             started=self.started,
             updated=time.time(),
+            tp=rt.tp_degree,
+            devices=rt.devices,
         )
 
     async def publish(self, force: bool = False) -> bool:

@@ -47,11 +47,16 @@ class StageRuntime(PartRuntime):
         fingerprint_history: int = 64,
         experts=None,
         dedup_history: int = 1024,
+        device: str = "cpu",
+        tp=None,
     ):
         self.stage = stage
-        model = StageModel(spec, stage, experts)  # experts: the remote backend of its MoE layers, if any
+        self.device = torch.device(device)
+        # experts: the remote backend of its MoE layers, if any; tp: this rank's place (peer.tp) when split
+        model = StageModel(spec, stage, experts, tp).to(self.device)
         model.train()
         super().__init__(spec, f"stage {stage}", model, fingerprint_history, dedup_history)
+        self.devices = [str(self.device)]
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = activation_cache_size
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
@@ -97,6 +102,13 @@ class StageRuntime(PartRuntime):
             raise InputError(f"target ids must lie in [0, {self.spec.model.vocab_size})")
 
     # ---- forward / backward ---------------------------------------------------------------
+    def _agree(self, flag: bool) -> bool:
+        """A decision every rank of a split stage must share (rank 0's); unsplit, the flag itself."""
+        return flag
+
+    def _on_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(self.device)
+
     def _graph(self, inputs: torch.Tensor, targets: torch.Tensor | None):
         """(inputs that need grad, outputs, weighted MoE aux loss or None), with the autograd graph."""
         x = inputs if self.model.is_first else inputs.detach().requires_grad_(True)
@@ -109,7 +121,8 @@ class StageRuntime(PartRuntime):
         self.check_inputs(inputs)
         self.check_targets(inputs, targets, required=False)
         started = time.perf_counter()
-        if train and uid and targets is None:
+        inputs, targets = self._on_device(inputs), self._on_device(targets)
+        if train and uid and targets is None and not self.model.is_last:  # the last stage's backward needs the loss
             x, out, aux = self._graph(inputs, None)
             self._cache[uid] = _CachedForward(self.version, x, out, aux)
             while len(self._cache) > self._cache_size:
@@ -119,7 +132,7 @@ class StageRuntime(PartRuntime):
             with torch.no_grad():
                 result = self.model(inputs, targets)
         self._measure(inputs.shape[0], time.perf_counter() - started, weight=1 / 3)
-        return result
+        return result.cpu()
 
     def backward(
         self,
@@ -151,9 +164,10 @@ class StageRuntime(PartRuntime):
                 raise InputError("grad_outputs contain NaN or Inf")
         elif grad_outputs is not None:
             raise InputError("the last stage computes its own loss: send targets, not grad_outputs")
-        if deadline is not None and time.monotonic() > deadline:
+        if self._agree(deadline is not None and time.monotonic() > deadline):
             raise Late("the request's deadline passed while it waited")
         started = time.perf_counter()
+        inputs, targets, grad_outputs = self._on_device(inputs), self._on_device(targets), self._on_device(grad_outputs)
         cached = self._cache.pop(uid, None) if uid else None
         same_inputs = (
             cached is not None and cached.inputs.shape == inputs.shape and torch.equal(cached.inputs.detach(), inputs)
@@ -190,7 +204,7 @@ class StageRuntime(PartRuntime):
                 grads = torch.autograd.grad(outputs, wrt, grads_out, allow_unused=True)
         grad_inputs = None if self.model.is_first else grads[0]
         param_grads = grads if self.model.is_first else grads[1:]
-        if deadline is not None and time.monotonic() > deadline - LATE_MARGIN:
+        if self._agree(deadline is not None and time.monotonic() > deadline - LATE_MARGIN):
             raise Late("the request's deadline passed during its backward")
         if uid and uid in self.counted:
             # a retry of a backward already added (its answer reached the caller too late): answer it
@@ -199,7 +213,7 @@ class StageRuntime(PartRuntime):
             return grad_inputs, loss, self.counted[uid]
         seq = self._accumulate(param_grads, batch, uid)
         self._measure(batch, time.perf_counter() - started, weight=2 / 3)
-        return grad_inputs, loss, seq
+        return None if grad_inputs is None else grad_inputs.cpu(), loss, seq
 
     def benchmark(self, batch: int, seq_len: int, repeats: int = 2) -> float:
         """Measure samples/s of forward+backward on made-up data, without touching the accumulator."""
@@ -210,6 +224,7 @@ class StageRuntime(PartRuntime):
         else:
             inputs = torch.randn(batch, seq_len, cfg.hidden_size, generator=gen)
         targets = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen) if self.model.is_last else None
+        inputs, targets = self._on_device(inputs), self._on_device(targets)
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()

@@ -1,0 +1,90 @@
+"""Rank 0 of a tensor-parallel stage, against the same stage unsplit: prints the largest differences as JSON.
+
+Run by tests/test_tp.py as `python tests/tp_check.py STAGE WORLD`: it starts ranks 1.. the way
+`peer join --tp` does (peer.rank processes, gloo), drives the split stage through its public
+operations, and compares outputs, input gradients, parameter gradients (gathered to full), the
+optimizer step, and a state handed to an unsplit replica.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from peer.config import ParallelConfig, RunSpec
+from peer.runtime import StageRuntime
+from peer.tp import TPGroup
+from peer.tp_runtime import Ranks, ShardedStageRuntime
+
+SPEC = {
+    "name": "tp",
+    "seed": 7,
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 96, "max_seq_len": 32},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 3, "seq_len": 16, "target_batch_size": 6, "lr": 0.01, "warmup_steps": 0},
+}
+
+
+def biggest(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def main() -> None:
+    stage, world = int(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    spec = RunSpec.from_dict(SPEC)
+    sizes = {"activation_cache_size": 4, "fingerprint_history": 8, "dedup_history": 16}
+    ranks = Ranks(ParallelConfig(tp=world), {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": 1})
+    split = ShardedStageRuntime(spec, stage, TPGroup(0, world, torch.device("cpu")), ranks, **sizes)
+    ranks.start_group(split.tp, 60.0)
+    whole = StageRuntime(spec, stage, **sizes)
+    gen = torch.Generator().manual_seed(1)
+    b, t, h, v = 3, 16, 64, spec.model.vocab_size
+    inputs = torch.randint(0, v, (b, t), generator=gen) if stage == 0 else torch.randn(b, t, h, generator=gen)
+    targets = torch.randint(0, v, (b, t), generator=gen) if stage == 1 else None
+    grad_out = torch.randn(b, t, h, generator=gen) if stage == 0 else None
+    report = {"init": biggest(split.full_parameters(), whole.full_parameters())}
+    # outputs: hidden states (stage 0), logits (stage 1, gathered over the vocab) and the loss
+    report["forward"] = biggest([split.forward("f", inputs, None, False)], [whole.forward("f", inputs, None, False)])
+    if stage == 1:
+        report["loss"] = abs(
+            float(split.forward("l", inputs, targets, False)) - float(whole.forward("l", inputs, targets, False))
+        )
+    for rt in (split, whole):
+        rt.forward("u", inputs, None, True)  # a cached graph (stage 0), then its backward
+    gi_split, loss_split, _ = split.backward("u", inputs, grad_out, targets)
+    gi_whole, loss_whole, _ = whole.backward("u", inputs, grad_out, targets)
+    split.backward("r", inputs, grad_out, targets)  # a recomputed backward (no cached forward)
+    whole.backward("r", inputs, grad_out, targets)
+    if stage == 1:
+        report["input_grad"] = biggest([gi_split], [gi_whole])
+        report["backward_loss"] = abs(loss_split - loss_whole)
+    grads_split, n_split = split.take_for_round()
+    grads_whole, n_whole = whole.take_for_round()
+    assert n_split == n_whole == 2 * b
+    report["param_grad"] = biggest(grads_split, grads_whole)
+    report["grad_scale"] = max(float(g.abs().max()) for g in grads_whole)
+    for rt, grads in ((split, grads_whole), (whole, grads_whole)):
+        rt.apply_round(grads, 2 * b, rt.taken_seq, [])
+    report["after_step"] = biggest(split.full_parameters(), whole.full_parameters())
+    report["fingerprint"] = max(
+        abs(x - y) / max(1.0, abs(y)) for x, y in zip(split.history[-1].values, whole.history[-1].values, strict=True)
+    )
+    # a state split over the ranks, loaded by an unsplit replica, and back
+    metadata, tensors = split.snapshot()
+    joiner = StageRuntime(spec, stage, **sizes)
+    joiner.load_state(metadata, tensors)
+    report["state_to_whole"] = biggest(joiner.full_parameters(), whole.full_parameters())
+    report["state_keys_equal"] = sorted(tensors) == sorted(whole.snapshot()[1])
+    parts = [split.snapshot(i, 3)[1] for i in range(3)]
+    report["shards_cover"] = sorted(k for part in parts for k in part) == sorted(tensors)
+    split.load_state(*whole.snapshot())
+    report["state_from_whole"] = biggest(split.full_parameters(), whole.full_parameters())
+    ranks.close()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
