@@ -16,11 +16,15 @@ from peer.config import RunSpec
 from peer.model import StageModel
 from peer.part import Fingerprint, PartRuntime, StateError, state_shards
 
-__all__ = ["Fingerprint", "InputError", "Late", "StageRuntime", "StateError", "state_shards"]
+__all__ = ["Fingerprint", "InputError", "Late", "RankDied", "StageRuntime", "StateError", "state_shards"]
 
 
 class InputError(ValueError):
     """A request whose tensors do not fit this stage; the message says which and why."""
+
+
+class RankDied(RuntimeError):
+    """A rank of this peer's tensor-parallel group is gone (peer.tp_runtime): the stage cannot be served here."""
 
 
 class Late(RuntimeError):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peer.moe import ExpertsUnavailable
-from peer.runtime import InputError, Late
+from peer.runtime import InputError, Late, RankDied
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class ServicerBase:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Late as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except RankDied as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this server is stopping: {e}")
         except ExpertsUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"experts unavailable: {e}")
         except TimeoutError:

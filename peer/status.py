@@ -45,6 +45,15 @@ def coverage(spec: RunSpec, experts: dict[str, dict[str, ServerRecord]]) -> list
     return rows
 
 
+def devices_label(devices: list[str]) -> str:
+    """cpu x2, or cuda:0,cuda:1; '?' for a peer too old to say."""
+    if not devices:
+        return "?"
+    if len(set(devices)) == 1 and len(devices) > 1:
+        return f"{devices[0]} x{len(devices)}"
+    return ",".join(devices)
+
+
 def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
     console = console or Console(width=None if Console().is_terminal else 140)
     now = time.time()
@@ -57,12 +66,25 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
         f"{samples} samples trained, target batch {spec.training.target_batch_size} samples"
     )
     table = Table(title="Stages and servers")
-    for column in ("stage", "blocks", "server", "endpoint", "state", "samples/s", "load", "step", "age"):
+    for column in (
+        "stage",
+        "blocks",
+        "server",
+        "endpoint",
+        "state",
+        "tp",
+        "devices",
+        "samples/s",
+        "load",
+        "step",
+        "age",
+    ):
         table.add_column(column)
     for stage, servers in enumerate(stages):
         blocks = spec.stage_blocks(stage)
         if not servers:
-            table.add_row(str(stage), f"{blocks.start}-{blocks.stop - 1}", "[red]none[/red]", "", "", "", "", "", "")
+            row = [str(stage), f"{blocks.start}-{blocks.stop - 1}", "[red]none[/red]"]
+            table.add_row(*row, *[""] * 8)
         for pid, r in sorted(servers.items(), key=lambda kv: kv[1].endpoint):
             table.add_row(
                 str(stage),
@@ -70,6 +92,8 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
                 pid[-8:],
                 r.endpoint,
                 r.state,
+                str(r.tp),
+                devices_label(r.devices),
                 f"{r.throughput:.1f}",
                 f"{r.load:.0f}",
                 str(r.epoch),

@@ -31,17 +31,13 @@ import torch
 
 from peer.config import ParallelConfig, RunSpec
 from peer.part import Fingerprint, StateError, shards_by_bytes
-from peer.runtime import InputError, Late, StageRuntime
+from peer.runtime import InputError, Late, RankDied, StageRuntime
 from peer.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
 
 logger = logging.getLogger(__name__)
 _EXPECTED = (InputError, Late, StateError)  # raised alike on every rank: the group stays in step
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
-
-
-class RankDied(RuntimeError):
-    """A rank of this peer's tensor-parallel group is gone: the peer cannot serve its stage any more."""
 
 
 def tp_devices(pcfg: ParallelConfig) -> list[str]:
@@ -110,20 +106,32 @@ class Ranks:
                 raise RankDied(self.dead) from None
 
     def fail(self, reason: str) -> None:
-        """The group is out of step (an operation failed on rank 0 alone): stop the other ranks."""
-        self._died(reason)
+        """The group is out of step (an operation failed on rank 0): stop the other ranks.
+
+        A collective fails at once when a rank dies, often before the watch sees the exit: then the
+        exit is the reason given.
+        """
+        time.sleep(self.cfg.watch_period)
+        self._died(self._exited() or reason)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
 
+    def _exited(self) -> str:
+        """Which rank has exited and how, or empty."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"signal {-code}" if code < 0 else f"code {code}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with {how}"
+        return ""
+
     def _watch(self) -> None:
         while not self.closing and not self.dead:
-            for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None and not self.closing:
-                    how = f"signal {-code}" if code < 0 else f"code {code}"
-                    self._died(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with {how}")
-                    return
+            reason = self._exited()
+            if reason and not self.closing:
+                self._died(reason)
+                return
             time.sleep(self.cfg.watch_period)
 
     def _died(self, reason: str) -> None:
