@@ -26,23 +26,31 @@ def stage_totals(records: Iterable[Iterable[ServerRecord]], num_stages: int) -> 
     return totals, counts
 
 
-def weakest_stage(totals: list[float]) -> int:
-    """The stage with the least total throughput (the lowest index on ties)."""
-    return min(range(len(totals)), key=lambda s: (totals[s], s))
+def weakest_stage(totals: list[float], allowed: set[int] | None = None) -> int:
+    """The stage with the least total throughput (the lowest index on ties), among `allowed` (None: all)."""
+    return min((s for s in range(len(totals)) if allowed is None or s in allowed), key=lambda s: (totals[s], s))
 
 
-def plan_move(totals: list[float], counts: list[int], stage: int, throughput: float, margin: float) -> int | None:
+def plan_move(
+    totals: list[float],
+    counts: list[int],
+    stage: int,
+    throughput: float,
+    margin: float,
+    allowed: set[int] | None = None,
+) -> int | None:
     """The stage a server of `stage` with `throughput` should move to, or None to stay.
 
     It moves only if the bottleneck after the move exceeds the bottleneck now by `margin`
-    (a fraction), never away from a stage it would leave unserved, never to its own stage.
+    (a fraction), never away from a stage it would leave unserved, never to its own stage, and
+    only to a stage in `allowed` (None: any; a tensor-parallel peer cannot split every stage).
     """
     if counts[stage] < 2 or throughput <= 0:
         return None
     now = min(totals)
     best, best_bottleneck = None, now * (1 + margin)
     for target in range(len(totals)):
-        if target == stage:
+        if target == stage or (allowed is not None and target not in allowed):
             continue
         after = list(totals)
         after[stage] -= throughput

@@ -262,6 +262,7 @@ class ServerConfig:
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    compute_dtype: str = "float32"  # the stage's matmuls: float32, or bfloat16 / float16 (autocast; for GPUs)
     throughput: float = 0.0  # samples/s this server announces; 0: measure it (a benchmark, then the real work)
     rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
     balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
@@ -325,7 +326,7 @@ class ParallelConfig:
     start_timeout: float = 60.0  # s for the other ranks to start and join the group
     collective_timeout: float = 120.0  # s one collective may wait for the other ranks before it fails
     watch_period: float = 0.2  # s between checks that every rank is alive
-    exit_grace: float = 5.0  # s a peer whose rank died has to leave cleanly before it exits regardless
+    exit_grace: float = 15.0  # s a peer whose rank died has to leave cleanly before it exits regardless
 
 
 @dataclass

@@ -81,8 +81,14 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
         if mode not in ("auto", "always", "never"):
             raise SystemExit(f"peer join: server.rebalance must be auto, always or never, got {mode!r}")
         balance = mode == "always" or (mode == "auto" and stage is None)
+        from peer.tp import check_degree
+
+        # a peer split over tensor-parallel ranks serves only the stages that split over them
+        splittable = {s for s in range(n) if check_degree(spec, s, cfg.parallel.tp) is None}
+        if not splittable:
+            raise SystemExit(f"peer join: --tp {cfg.parallel.tp}: {check_degree(spec, 0, cfg.parallel.tp)}")
         if stage is None:
-            stage = choose_stage(dht, spec)
+            stage = choose_stage(dht, spec, splittable)
         blocks = spec.stage_blocks(stage)
         print(
             f"Joined run '{spec.name}' (spec signed by its coordinator). Serving stage {stage} of {n} "
@@ -117,6 +123,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 experts.offline = False
             print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
+        server.allowed_stages = splittable
 
         async def start():
             if ranks is not None:  # a rank that dies ends this peer: leave cleanly (exit_grace bounds it)
@@ -155,7 +162,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
 
 def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
     """The stage's runtime on this peer's device(s): split over `parallel.tp` ranks, or whole."""
-    from peer.runtime import StageRuntime
+    from peer.runtime import COMPUTE_DTYPES, StageRuntime
     from peer.tp import TPGroup, check_degree
     from peer.tp_runtime import Ranks, ShardedStageRuntime, tp_devices
 
@@ -164,17 +171,24 @@ def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
     if problem:
         raise SystemExit(f"peer join: --tp {pcfg.tp}: {problem}")
     try:
-        devices = tp_devices(pcfg) if pcfg.tp > 1 or pcfg.devices else ["cpu"]
+        devices = tp_devices(pcfg)
     except ValueError as e:
         raise SystemExit(f"peer join: --devices: {e}") from None
+    if cfg.server.compute_dtype not in COMPUTE_DTYPES:
+        raise SystemExit(f"peer join: server.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}")
     sizes = {
         "activation_cache_size": cfg.server.activation_cache_size,
         "fingerprint_history": cfg.server.fingerprint_history,
         "dedup_history": cfg.server.dedup_history,
+        "compute_dtype": cfg.server.compute_dtype,
     }
     if pcfg.tp == 1:
         return StageRuntime(spec, stage, experts=experts, device=devices[0], **sizes), None
-    ranks = Ranks(pcfg, {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": cfg.threads})
+    threads = cfg.threads
+    if threads == 0 and devices[0] == "cpu":  # ranks on CPU share the cores rather than each take them all
+        threads = max(1, (os.cpu_count() or 1) // pcfg.tp)
+        torch.set_num_threads(threads)
+    ranks = Ranks(pcfg, {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": threads})
     runtime = ShardedStageRuntime(spec, stage, TPGroup(0, pcfg.tp, torch.device(devices[0])), ranks, devices, **sizes)
     return runtime, ranks
 

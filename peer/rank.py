@@ -34,7 +34,9 @@ def main() -> int:
     if init["threads"] > 0:
         torch.set_num_threads(init["threads"])
     spec = RunSpec.from_dict(init["spec"])
-    tp = TPGroup.join(init["rank"], init["world"], init["port"], init["device"], init["timeout"])
+    # build the shard first (every rank draws the whole tensors from the seed), then join the group:
+    # rank 0's first collective then waits for nothing but the group
+    tp = TPGroup(init["rank"], init["world"], torch.device(init["device"]))
     runtime = ShardedStageRuntime(
         spec,
         init["stage"],
@@ -42,7 +44,9 @@ def main() -> int:
         activation_cache_size=init["activation_cache_size"],
         fingerprint_history=init["fingerprint_history"],
         dedup_history=init["dedup_history"],
+        compute_dtype=init["compute_dtype"],
     )
+    tp.connect(init["port"], init["timeout"])
     try:
         runtime.serve(sys.stdin.buffer)
     finally:

@@ -6,6 +6,7 @@ so the accumulator and the optimizer need no locks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class _CachedForward:
     aux: torch.Tensor | None = None  # the weighted MoE load-balancing loss of this forward
 
 
+# the dtype of a stage's matmuls (torch.autocast); weights, optimizer state and the wire stay float32
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LATE_MARGIN = 0.25  # s: gradients finished closer than this to the deadline are not kept (the answer could come late)
 
 
@@ -53,9 +56,13 @@ class StageRuntime(PartRuntime):
         dedup_history: int = 1024,
         device: str = "cpu",
         tp=None,
+        compute_dtype: str = "float32",
     ):
         self.stage = stage
         self.device = torch.device(device)
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"server.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         # experts: the remote backend of its MoE layers, if any; tp: this rank's place (peer.tp) when split
         model = StageModel(spec, stage, experts, tp).to(self.device)
         model.train()
@@ -105,10 +112,29 @@ class StageRuntime(PartRuntime):
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.spec.model.vocab_size):
             raise InputError(f"target ids must lie in [0, {self.spec.model.vocab_size})")
 
+    def check_grad_outputs(self, inputs: torch.Tensor, grad_outputs: torch.Tensor | None) -> None:
+        if not self.model.is_last:
+            if grad_outputs is None:
+                raise InputError(f"stage {self.stage} needs grad_outputs for its backward")
+            expected = [*inputs.shape[:2], self.spec.model.hidden_size]
+            if grad_outputs.dtype != torch.float32 or list(grad_outputs.shape) != expected:
+                raise InputError(
+                    f"grad_outputs must be float32 of shape {expected}, got {grad_outputs.dtype} {list(grad_outputs.shape)}"
+                )
+            if not torch.isfinite(grad_outputs).all():
+                raise InputError("grad_outputs contain NaN or Inf")
+        elif grad_outputs is not None:
+            raise InputError("the last stage computes its own loss: send targets, not grad_outputs")
+
     # ---- forward / backward ---------------------------------------------------------------
     def _agree(self, flag: bool) -> bool:
         """A decision every rank of a split stage must share (rank 0's); unsplit, the flag itself."""
         return flag
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _on_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(self.device)
@@ -117,7 +143,8 @@ class StageRuntime(PartRuntime):
         """(inputs that need grad, outputs, weighted MoE aux loss or None), with the autograd graph."""
         x = inputs if self.model.is_first else inputs.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self.model(x, targets)
+            with self._autocast():
+                out = self.model(x, targets)
             return x, out, self.model.aux_loss()
 
     def forward(self, uid: str, inputs: torch.Tensor, targets: torch.Tensor | None, train: bool) -> torch.Tensor:
@@ -131,10 +158,10 @@ class StageRuntime(PartRuntime):
             self._cache[uid] = _CachedForward(self.version, x, out, aux)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            result = out.detach()
+            result = out.detach().float()
         else:
-            with torch.no_grad():
-                result = self.model(inputs, targets)
+            with torch.no_grad(), self._autocast():
+                result = self.model(inputs, targets).float()
         self._measure(inputs.shape[0], time.perf_counter() - started, weight=1 / 3)
         return result.cpu()
 
@@ -156,18 +183,7 @@ class StageRuntime(PartRuntime):
         self.check_inputs(inputs)
         self.check_targets(inputs, targets, required=self.model.is_last)
         batch = inputs.shape[0]
-        if not self.model.is_last:
-            if grad_outputs is None:
-                raise InputError(f"stage {self.stage} needs grad_outputs for its backward")
-            expected = [*inputs.shape[:2], self.spec.model.hidden_size]
-            if grad_outputs.dtype != torch.float32 or list(grad_outputs.shape) != expected:
-                raise InputError(
-                    f"grad_outputs must be float32 of shape {expected}, got {grad_outputs.dtype} {list(grad_outputs.shape)}"
-                )
-            if not torch.isfinite(grad_outputs).all():
-                raise InputError("grad_outputs contain NaN or Inf")
-        elif grad_outputs is not None:
-            raise InputError("the last stage computes its own loss: send targets, not grad_outputs")
+        self.check_grad_outputs(inputs, grad_outputs)
         if self._agree(deadline is not None and time.monotonic() > deadline):
             raise Late("the request's deadline passed while it waited")
         started = time.perf_counter()
@@ -187,7 +203,8 @@ class StageRuntime(PartRuntime):
             x = inputs if self.model.is_first else inputs.detach().requires_grad_(True)
             named = dict(zip(self.param_names, params, strict=True))
             with torch.enable_grad():
-                out = torch.func.functional_call(self.model, named, (x, targets))
+                with self._autocast():
+                    out = torch.func.functional_call(self.model, named, (x, targets))
                 aux = self.model.aux_loss()
             self.cache_stashed += 1
         else:

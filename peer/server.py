@@ -71,6 +71,7 @@ class StageServer(Replica):
         super().__init__(spec, Part(stage), cfg, dht, runtime, averager)
         self.grpc_server: grpc.aio.Server | None = None
         self.balance = balance  # move to a better stage when it raises the bottleneck
+        self.allowed_stages: set[int] | None = None  # stages this peer may move to (None: any)
         self.move_to: int | None = None  # the stage this server leaves to serve, once decided
         self.done = asyncio.Event()  # set when the server wants its process to end (it moves)
         self._next_balance = float("inf")  # set when serving starts: the cooldown counts from there
@@ -100,7 +101,8 @@ class StageServer(Replica):
             found[self.dht.peer_id] = self.record() if stage == self.stage else found.get(self.dht.peer_id)
             records.append([r for r in found.values() if r is not None and r.stage == stage])
         totals, counts = stage_totals(records, self.spec.stages.num_stages)
-        return plan_move(totals, counts, self.stage, self.runtime.throughput, self.cfg.server.balance_margin)
+        margin = self.cfg.server.balance_margin
+        return plan_move(totals, counts, self.stage, self.runtime.throughput, margin, self.allowed_stages)
 
     async def _check_balance(self) -> None:
         """Move to another stage if that raises the swarm's bottleneck by the configured margin."""

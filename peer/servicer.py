@@ -187,7 +187,10 @@ class ServicerBase:
             )
         self.server.inflight += 1
         try:
-            metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards)
+            try:
+                metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards)
+            except RankDied as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"this server is stopping: {e}")
         finally:
             self.server.inflight -= 1
         if request.HasField("epoch") and metadata["epoch"] != request.epoch:

@@ -18,9 +18,11 @@ exit when rank 0's pipe closes or rank 0 is gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -37,7 +39,10 @@ from peer.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
 logger = logging.getLogger(__name__)
 _EXPECTED = (InputError, Late, StateError)  # raised alike on every rank: the group stays in step
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
+_DTYPES = {
+    str(d): d
+    for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+}
 
 
 def tp_devices(pcfg: ParallelConfig) -> list[str]:
@@ -45,7 +50,21 @@ def tp_devices(pcfg: ParallelConfig) -> list[str]:
     if pcfg.devices:
         if len(pcfg.devices) != pcfg.tp:
             raise ValueError(f"parallel.devices names {len(pcfg.devices)} devices for {pcfg.tp} ranks (--tp)")
-        return list(pcfg.devices)
+        try:
+            devices = [torch.device(d) for d in pcfg.devices]
+        except RuntimeError as e:
+            raise ValueError(f"parallel.devices: {e}") from None
+        kinds = {d.type for d in devices}
+        if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+            raise ValueError(f"parallel.devices must be all cpu or all cuda devices, got {', '.join(pcfg.devices)}")
+        if kinds == {"cuda"}:
+            indices = [d.index or 0 for d in devices]
+            if len(set(indices)) != len(indices):
+                raise ValueError(f"parallel.devices names a GPU twice: {', '.join(pcfg.devices)}")
+            if max(indices) >= torch.cuda.device_count():
+                raise ValueError(f"parallel.devices: this machine has {torch.cuda.device_count()} visible GPUs")
+            return [f"cuda:{i}" for i in indices]
+        return ["cpu"] * pcfg.tp
     if torch.cuda.is_available() and torch.cuda.device_count() >= pcfg.tp:
         return [f"cuda:{i}" for i in range(pcfg.tp)]
     return ["cpu"] * pcfg.tp
@@ -87,7 +106,13 @@ class Ranks:
             proc.stdin.flush()
         # a rank that fails to start ends the process (on_death's default) rather than leave the join waiting
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+        late = threading.Timer(
+            self.cfg.start_timeout, self._died, (f"the other ranks did not join within {self.cfg.start_timeout} s",)
+        )
+        late.daemon = True
+        late.start()
         tp.connect(port, timeout)
+        late.cancel()
 
     @property
     def pids(self) -> list[int]:
@@ -101,7 +126,7 @@ class Ranks:
             try:
                 proc.stdin.write(line)
                 proc.stdin.flush()
-            except (BrokenPipeError, OSError):
+            except (BrokenPipeError, OSError, ValueError):  # ValueError: the pipe was closed (leaving)
                 self._died(f"tensor-parallel rank {rank} (pid {proc.pid}) is gone")
                 raise RankDied(self.dead) from None
 
@@ -165,11 +190,22 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # the torch thread may still sit in a collective with a rank that is gone (NCCL waits out its
+        # timeout): the process must end anyway once its owner is done
+        backstop = threading.Timer(self.cfg.exit_grace + 30.0, _exit_now, ("still busy after leaving", 0))
+        backstop.daemon = True
+        backstop.start()
 
 
-def _exit_now(reason: str) -> None:
+def _exit_now(reason: str, code: int = 1) -> None:
+    """End the process now; its forked helpers (hivemind's DHT and averager) get SIGTERM first."""
     print(f"peer: {reason}; exiting.", file=sys.stderr, flush=True)
-    os._exit(1)
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=2.0)
+    os._exit(code)
 
 
 class ShardedStageRuntime(StageRuntime):
@@ -196,6 +232,11 @@ class ShardedStageRuntime(StageRuntime):
         """Rank 0: have every rank run `_op_<op>(meta, tensors, full)`; returns rank 0's result."""
         descs = [None if t is None else [list(t.shape), str(t.dtype)] for t in tensors]
         self.ranks.send({"op": op, "meta": meta, "tensors": descs})
+        on_gpu = torch.cuda.device(self.tp.device) if self.tp.device.type == "cuda" else contextlib.nullcontext()
+        with on_gpu:
+            return self._run(op, meta, tensors, full)
+
+    def _run(self, op: str, meta: dict, tensors, full):
         try:
             received = [None if t is None else self.tp.broadcast(t) for t in tensors]
             return getattr(self, f"_op_{op}")(meta, received, full)
@@ -230,6 +271,7 @@ class ShardedStageRuntime(StageRuntime):
     def backward(self, uid, inputs, grad_outputs, targets, deadline=None):
         self.check_inputs(inputs)
         self.check_targets(inputs, targets, required=self.model.is_last)
+        self.check_grad_outputs(inputs, grad_outputs)
         return self._call("backward", {"uid": uid, "deadline": deadline}, [inputs, grad_outputs, targets])
 
     def benchmark(self, batch: int, seq_len: int, repeats: int = 2) -> float:
@@ -276,6 +318,10 @@ class ShardedStageRuntime(StageRuntime):
         return StageRuntime.drop_accumulator(self)
 
     def _op_inner_step(self, meta, tensors, full):
+        # replicated parameters (norms) step with rank 0's gradients everywhere, so they never drift apart
+        for acc, dim in zip(self.accumulator, self.dims, strict=True):
+            if dim is None:
+                acc.copy_(self.tp.broadcast(acc))
         StageRuntime.inner_step(self)
 
     def _op_take_for_round(self, meta, tensors, full):
@@ -314,9 +360,10 @@ class ShardedStageRuntime(StageRuntime):
         local = {}
         for key, (shape, dtype) in sorted(meta["shapes"].items()):
             dim = state_dim(key)
-            like = torch.empty(shape, dtype=_DTYPES[dtype])
+            local_shape = list(shape)
             if dim is not None:
-                like = like.chunk(self.tp.world, dim)[0]
+                local_shape[dim] //= self.tp.world
+            like = torch.empty(local_shape, dtype=_DTYPES[dtype])
             local[key] = self.tp.scatter(None if full is None else full[key], like, dim).cpu()
         StageRuntime.load_state(self, meta["metadata"], local, meta["me"])
 
@@ -333,16 +380,23 @@ class ShardedStageRuntime(StageRuntime):
                     raise StateError(f"state lacks {kind} {name} of shape {shape}")
                 if not torch.isfinite(t).all():
                     raise StateError(f"{kind} {name} in the state is not finite")
-        known = {f"param/{n}" for n in self.param_names}
-        known |= {f"outer/{k}/{n}" for n in self.param_names for k in ("anchor", "momentum")} if self.local else set()
-        known |= {f"optim/{n}/{s}" for n in self.param_names for s in ("step", "exp_avg", "exp_avg_sq")}
+        # what the load reads, with the full shape each must have (the AdamW step count: one element)
+        expected = {}
+        for name, shape in zip(self.param_names, self.full_shapes, strict=True):
+            expected[f"{source}/{name}"] = shape
+            if self.local:
+                expected[f"outer/momentum/{name}"] = shape
+            expected[f"optim/{name}/exp_avg"] = expected[f"optim/{name}/exp_avg_sq"] = shape
+            expected[f"optim/{name}/step"] = None
         shapes = {}
         for key, t in tensors.items():
-            if key not in known:
+            if key not in expected:
                 continue
-            dim = state_dim(key)
-            if dim is not None and t.shape[dim] % self.tp.world:
-                raise StateError(f"{key} of shape {list(t.shape)} does not split over {self.tp.world} ranks")
+            want = expected[key]
+            if (want is None and t.numel() != 1) or (want is not None and list(t.shape) != want):
+                raise StateError(f"{key} in the state has shape {list(t.shape)}, not {want or 'one element'}")
+            if t.dtype not in (torch.float32, torch.float64) and not key.endswith("/step"):
+                raise StateError(f"{key} in the state is {t.dtype}, not float32")
             shapes[key] = [list(t.shape), str(t.dtype)]
         return shapes
 

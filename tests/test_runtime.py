@@ -28,3 +28,18 @@ def test_a_retried_backward_is_answered_again_but_counted_once():
     assert runtime.backward("mb-2", x, None, y)[2] == 2 and runtime.samples_accumulated == 6
     runtime.drop_accumulator()
     assert runtime.backward("mb-1", x, None, y)[2] == 1 and runtime.samples_accumulated == 3
+
+
+def test_bfloat16_compute_keeps_float32_weights_and_wire():
+    """server.compute_dtype = bfloat16 runs the matmuls under autocast; what is stored and sent stays float32."""
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    exact, fast = StageRuntime(spec, 0), StageRuntime(spec, 0, compute_dtype="bfloat16")
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    want, got = exact.forward("", ids, None, False), fast.forward("", ids, None, False)
+    assert got.dtype == torch.float32 and all(p.dtype == torch.float32 for p in fast.params)
+    assert not torch.equal(got, want)  # the matmuls did run in bfloat16
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    fast.backward("b", ids, torch.ones_like(want), None)
+    assert all(a.dtype == torch.float32 and torch.isfinite(a).all() for a in fast.accumulator)

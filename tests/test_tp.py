@@ -14,6 +14,7 @@ import time
 import pytest
 from conftest import PEER, ROOT, info
 
+from peer.balance import plan_move, weakest_stage
 from peer.config import RunSpec
 from peer.tp import check_degree
 
@@ -64,6 +65,10 @@ def test_degree_must_divide_the_stage():
     )
     assert check_degree(odd, 1, 2) is None  # a middle stage holds no vocabulary
     assert "vocab_size (255)" in check_degree(odd, 2, 2)
+    # a split peer chooses, and moves to, only the stages it can split
+    assert weakest_stage([5.0, 1.0, 3.0], {0, 2}) == 2
+    assert plan_move([30.0, 5.0, 10.0], [3, 1, 1], stage=0, throughput=10.0, margin=0.2) == 1
+    assert plan_move([30.0, 5.0, 10.0], [3, 1, 1], stage=0, throughput=10.0, margin=0.2, allowed={0, 2}) is None
 
 
 def test_split_and_whole_replicas_train_together_then_a_rank_dies(swarm):

@@ -35,7 +35,7 @@ def main() -> None:
     stage, world = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     spec = RunSpec.from_dict(SPEC)
-    sizes = {"activation_cache_size": 4, "fingerprint_history": 8, "dedup_history": 16}
+    sizes = {"activation_cache_size": 4, "fingerprint_history": 8, "dedup_history": 16, "compute_dtype": "float32"}
     ranks = Ranks(ParallelConfig(tp=world), {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": 1})
     split = ShardedStageRuntime(spec, stage, TPGroup(0, world, torch.device("cpu")), ranks, **sizes)
     ranks.start_group(split.tp, 60.0)
