@@ -110,11 +110,16 @@ class Peer:
             self.known_pids.update(descendants(self.proc.pid))
             os.kill(self.proc.pid, sig)
 
-    def kill(self, grace: float = 8.0) -> None:
+    def terminate(self) -> None:
+        """Ask the peer (its process group) to leave: SIGTERM."""
         if self.proc.poll() is None:
             self.known_pids.update(descendants(self.proc.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def kill(self, grace: float = 8.0) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace)
         for pid in [self.proc.pid, *self.known_pids]:
@@ -182,8 +187,12 @@ class Swarm:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
     def stop_all(self) -> list[int]:
+        # all leave at once (SIGTERM), then each gets what is left of one grace period before SIGKILL
         for peer in reversed(self.peers):
-            peer.kill()
+            peer.terminate()
+        deadline = time.monotonic() + 8.0
+        for peer in reversed(self.peers):
+            peer.kill(grace=max(0.0, deadline - time.monotonic()))
         time.sleep(0.5)
         return [pid for peer in self.peers for pid in peer.known_pids if alive(pid)]
 
