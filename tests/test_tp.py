@@ -35,11 +35,18 @@ SPEC = {
 }
 
 
-@pytest.mark.parametrize("stage", [0, 1], ids=["embedding+blocks", "blocks+head+loss"])
-def test_split_stage_matches_whole_stage(stage):
-    """TP=2 against TP=1: outputs, loss, input and parameter gradients within 1e-5; steps and states map exactly."""
+@pytest.mark.parametrize(
+    ("stage", "mode"),
+    [(0, "gradients"), (1, "gradients"), (1, "local")],
+    ids=["embedding+blocks", "blocks+head+loss", "local-updates"],
+)
+def test_split_stage_matches_whole_stage(stage, mode):
+    """TP=2 against TP=1: outputs, loss, input and parameter gradients within 1e-5; steps and states map exactly.
+
+    In local mode (DiLoCo) also the inner step, and the pseudo-gradients a round averages.
+    """
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "tp_check.py"), str(stage), "2"],
+        [sys.executable, str(ROOT / "tests" / "tp_check.py"), str(stage), "2", mode],
         capture_output=True,
         text=True,
         timeout=120,
@@ -47,10 +54,16 @@ def test_split_stage_matches_whole_stage(stage):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    keys = ["init", "forward", "param_grad", "after_step", "state_to_whole", "state_from_whole"]
+    keys = ["init", "forward", "after_step", "state_to_whole", "state_from_whole"]
+    keys += ["param_grad"] if mode == "gradients" else []
     keys += ["loss", "input_grad", "backward_loss"] if stage == 1 else []
     for key in keys:
         assert report[key] < 1e-5, (key, report)
+    if mode == "local":
+        # an AdamW step divides by |gradient| + eps: on elements with a tiny gradient, the 1e-8
+        # differences of summation order become about 1e-3 of the learning rate (measured 1.2e-5)
+        lr = 0.01
+        assert report["after_inner"] < 1e-2 * lr and report["param_grad"] < 1e-2 * lr, report
     assert report["grad_scale"] > 1e-3  # the gradients compared are not all zero
     assert report["fingerprint"] < 1e-12
     assert report["state_keys_equal"] and report["shards_cover"], report

@@ -33,8 +33,10 @@ def biggest(a, b) -> float:
 
 def main() -> None:
     stage, world = int(sys.argv[1]), int(sys.argv[2])
+    local = len(sys.argv) > 3 and sys.argv[3] == "local"  # DiLoCo: inner steps, then pseudo-gradients
     torch.set_num_threads(1)
-    spec = RunSpec.from_dict(SPEC)
+    averaging = {"mode": "local", "inner_steps": 2, "inner_batch_size": 6} if local else {}
+    spec = RunSpec.from_dict({**SPEC, "averaging": averaging})
     sizes = {"activation_cache_size": 4, "fingerprint_history": 8, "dedup_history": 16, "compute_dtype": "float32"}
     ranks = Ranks(ParallelConfig(tp=world), {**sizes, "spec": spec.to_dict(), "stage": stage, "threads": 1})
     split = ShardedStageRuntime(spec, stage, TPGroup(0, world, torch.device("cpu")), ranks, **sizes)
@@ -61,13 +63,17 @@ def main() -> None:
     if stage == 1:
         report["input_grad"] = biggest([gi_split], [gi_whole])
         report["backward_loss"] = abs(loss_split - loss_whole)
+    if local:
+        split.inner_step()
+        whole.inner_step()
+        report["after_inner"] = biggest(split.full_parameters(), whole.full_parameters())
     grads_split, n_split = split.take_for_round()
     grads_whole, n_whole = whole.take_for_round()
     assert n_split == n_whole == 2 * b
     report["param_grad"] = biggest(grads_split, grads_whole)
     report["grad_scale"] = max(float(g.abs().max()) for g in grads_whole)
-    for rt, grads in ((split, grads_whole), (whole, grads_whole)):
-        rt.apply_round(grads, 2 * b, rt.taken_seq, [])
+    for rt in (split, whole):
+        rt.apply_round([g * 0.5 for g in grads_whole], 2 * b, rt.taken_seq, [])
     report["after_step"] = biggest(split.full_parameters(), whole.full_parameters())
     report["fingerprint"] = max(
         abs(x - y) / max(1.0, abs(y)) for x, y in zip(split.history[-1].values, whole.history[-1].values, strict=True)
