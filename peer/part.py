@@ -313,21 +313,33 @@ class PartRuntime:
             "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
         }
 
+    def check_state(self, metadata: dict, tensors: dict[str, torch.Tensor], shapes: list[list[int]]) -> str:
+        """Refuse (StateError) a donor's state that does not fit parameters of `shapes`; the key kind to load.
+
+        Local mode: a replica starts from the anchor (the donor's inner steps since the outer step
+        are the donor's own contribution to the next round, not ours to count again).
+        """
+        if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
+            raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        source = "outer/anchor" if self.local else "param"
+        for name, shape in zip(self.param_names, shapes, strict=True):
+            for kind in (source, "outer/momentum") if self.local else (source,):
+                t = tensors.get(f"{kind}/{name}")
+                if t is None or list(t.shape) != list(shape):
+                    raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
+                if not torch.isfinite(t).all():
+                    raise StateError(f"{kind} {name} in the state is not finite")
+            for slot in ("exp_avg", "exp_avg_sq", "step"):
+                t = tensors.get(f"optim/{name}/{slot}")
+                want = [] if slot == "step" else list(shape)
+                if t is not None and (t.numel() != 1 if slot == "step" else list(t.shape) != want):
+                    raise StateError(f"optim/{name}/{slot} in the state has shape {list(t.shape)}, not {want}")
+        return source
+
     @torch.no_grad()
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
-        if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
-            raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
-        # local mode: a replica starts from the anchor (the donor's inner steps since the outer step
-        # are the donor's own contribution to the next round, not ours to count again)
-        source = "outer/anchor" if self.local else "param"
-        for name, p in zip(self.param_names, self.params, strict=True):
-            for kind in (source, "outer/momentum") if self.local else (source,):
-                t = tensors.get(f"{kind}/{name}")
-                if t is None or t.shape != p.shape:
-                    raise StateError(f"state lacks {kind} {name} of shape {list(p.shape)}")
-                if not torch.isfinite(t).all():
-                    raise StateError(f"{kind} {name} in the state is not finite")
+        source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
         for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
             p.copy_(tensors[f"{source}/{name}"])
             if self.local:

@@ -369,35 +369,17 @@ class ShardedStageRuntime(StageRuntime):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_state(self, metadata: dict, tensors: dict[str, torch.Tensor]) -> dict:
-        """Rank 0, before anything is sent: the donor's full state fits this stage; its keys' shapes."""
-        if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
-            raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
-        source = "outer/anchor" if self.local else "param"
-        for name, shape in zip(self.param_names, self.full_shapes, strict=True):
-            for kind in (source, "outer/momentum") if self.local else (source,):
-                t = tensors.get(f"{kind}/{name}")
-                if t is None or list(t.shape) != shape:
-                    raise StateError(f"state lacks {kind} {name} of shape {shape}")
-                if not torch.isfinite(t).all():
-                    raise StateError(f"{kind} {name} in the state is not finite")
-        # what the load reads, with the full shape each must have (the AdamW step count: one element)
-        expected = {}
-        for name, shape in zip(self.param_names, self.full_shapes, strict=True):
-            expected[f"{source}/{name}"] = shape
-            if self.local:
-                expected[f"outer/momentum/{name}"] = shape
-            expected[f"optim/{name}/exp_avg"] = expected[f"optim/{name}/exp_avg_sq"] = shape
-            expected[f"optim/{name}/step"] = None
+        """Rank 0, before anything is sent: the donor's full state fits this stage; the shapes of what loads."""
+        source = self.check_state(metadata, tensors, self.full_shapes)
+        reads = {f"{source}/{n}" for n in self.param_names}
+        reads |= {f"outer/momentum/{n}" for n in self.param_names} if self.local else set()
+        reads |= {f"optim/{n}/{s}" for n in self.param_names for s in ("step", "exp_avg", "exp_avg_sq")}
         shapes = {}
         for key, t in tensors.items():
-            if key not in expected:
-                continue
-            want = expected[key]
-            if (want is None and t.numel() != 1) or (want is not None and list(t.shape) != want):
-                raise StateError(f"{key} in the state has shape {list(t.shape)}, not {want or 'one element'}")
-            if t.dtype not in (torch.float32, torch.float64) and not key.endswith("/step"):
-                raise StateError(f"{key} in the state is {t.dtype}, not float32")
-            shapes[key] = [list(t.shape), str(t.dtype)]
+            if key in reads:
+                if t.dtype not in (torch.float32, torch.float64) and not key.endswith("/step"):
+                    raise StateError(f"{key} in the state is {t.dtype}, not float32")
+                shapes[key] = [list(t.shape), str(t.dtype)]
         return shapes
 
     def fingerprint_values(self) -> list[float]:
