@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true", default=None, help="trainer: print progress lines")
     _add_peer_flags(p)
 
+    p = sub.add_parser("export", help="write a checkpoint's model weights to one safetensors file")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a directory of them (the newest complete one)")
+    p.add_argument("out", help="the .safetensors file to write (loads into peer.model.StageModel)")
+
     p = sub.add_parser("status", help="print a table of a run's stages, servers and trainers")
     p.add_argument("maddr", help="a multiaddr of the run's coordinator")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the DHT and the spec")
@@ -182,6 +186,16 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
     if args.command == "status":
         return _status(args)
+    if args.command == "export":
+        from peer.checkpoint import CheckpointError, export
+
+        try:
+            count, params = export(args.checkpoint, args.out)
+        except (CheckpointError, OSError) as e:
+            print(f"peer export: {args.checkpoint}: {e}", file=sys.stderr)
+            return 2
+        print(f"Wrote {count} tensors ({params / 1e6:.2f}M parameters) to {args.out}.")
+        return 0
     cfg = _peer_config(args)
     from peer.join import set_threads
 

@@ -1,0 +1,118 @@
+"""Checkpoints: atomic writes (a killed writer leaves nothing that loads), checksums, export to plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT
+
+from peer import checkpoint
+from peer.config import RunSpec
+from peer.runtime import StageRuntime
+
+SPEC = RunSpec.from_dict(
+    {
+        "name": "ckpt",
+        "seed": 4,
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
+        "stages": {"num_stages": 2},
+        "training": {"micro_batch_size": 2, "seq_len": 16, "lr": 0.01, "warmup_steps": 0},
+    }
+)
+
+
+def trained_stages() -> list[StageRuntime]:
+    """Two stages after one optimizer step on a fixed micro-batch."""
+    gen = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
+    first, last = StageRuntime(SPEC, 0), StageRuntime(SPEC, 1)
+    hidden = first.forward("a", ids, None, True)
+    grad_hidden, _, _ = last.backward("a", hidden, None, targets)
+    first.backward("a", ids, grad_hidden, None)
+    for rt in (first, last):
+        grads, samples = rt.take_gradients()
+        rt.apply_step(grads, samples, rt.taken_seq)
+    return [first, last]
+
+
+def parts_of(stages) -> list[checkpoint.Part]:
+    return [
+        checkpoint.Part(rt.name, rt.state_metadata(0), rt.state_tensors(), peer=f"peer{i}")
+        for i, rt in enumerate(stages)
+    ]
+
+
+def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
+    stages = trained_stages()
+    path = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(stages))
+    assert checkpoint.latest(tmp_path) == path
+    manifest = checkpoint.read_manifest(path)
+    assert manifest["step"] == 1 and manifest["parts"]["stage 1"]["peer"] == "peer1"
+    # a replica loads the checkpoint's state as it would a donor's
+    fresh = StageRuntime(SPEC, 1)
+    fresh.load_state(*checkpoint.load_part(path, manifest, "stage 1"))
+    for a, b in zip(fresh.params, stages[1].params, strict=True):
+        assert torch.equal(a, b)
+    assert fresh.epoch == 1
+    # exported weights in the plain model give the swarm's loss on a fixed batch
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "export", str(tmp_path), str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    model = checkpoint.load_exported(out)
+    gen = torch.Generator().manual_seed(9)
+    ids, targets = torch.randint(0, 256, (3, 16), generator=gen), torch.randint(0, 256, (3, 16), generator=gen)
+    with torch.no_grad():
+        plain = float(model(ids, targets))
+    swarm = float(stages[1].forward("", stages[0].forward("", ids, None, False), targets, False))
+    assert abs(plain - swarm) < 1e-6
+
+
+def test_a_checkpoint_cut_off_mid_write_is_never_taken_for_whole(tmp_path):
+    stages = trained_stages()
+    good = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(stages))
+    # a writer of a big checkpoint, SIGKILLed while it writes
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; from peer import checkpoint; "
+            "big = {f'param/w{i}': torch.randn(1024, 1024) for i in range(64)}; "
+            "checkpoint.write(sys.argv[1], {'name': 'ckpt'}, 'x', 2, [checkpoint.Part('stage 0', {}, big)])",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".safetensors") for t in tmp_path.glob(".tmp-*") for p in t.iterdir()):
+        assert writer.poll() is None and time.monotonic() < deadline, "the writer finished before it could be killed"
+        time.sleep(0.01)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    assert checkpoint.latest(tmp_path) == good
+    assert checkpoint.complete(tmp_path) == [good]
+    # a checkpoint damaged after it was written is refused too, naming the file
+    damaged = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 3, parts_of(stages))
+    with open(damaged / "stage-0.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\0\0\0\0")
+    assert checkpoint.latest(tmp_path) == good
+    with pytest.raises(checkpoint.CheckpointError, match="stage-0.safetensors does not match its checksum"):
+        checkpoint.read_manifest(damaged)
+    manifest = json.loads((good / "manifest.json").read_text())
+    assert manifest["spec_fingerprint"] == SPEC.fingerprint()
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    parts = parts_of(trained_stages())
+    for step in range(1, 6):
+        checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), step, parts, keep=2)
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000004", "step-00000005"]
