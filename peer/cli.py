@@ -28,6 +28,7 @@ _FLAG_FIELDS = {
     "device": "experts.device",
     "tp": "parallel.tp",
     "devices": "parallel.devices",
+    "checkpoints": "coordinator.checkpoint_dir",
 }
 
 
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="start a run: first DHT node, publishes the signed run spec")
     p.add_argument("spec", help="the run spec, a TOML file (see examples/run.toml)")
     p.add_argument("--info-file", default="", help="also write the multiaddrs and join line to this JSON file")
+    p.add_argument(
+        "--checkpoints",
+        metavar="DIR",
+        help="write checkpoints of the run here (every coordinator.checkpoint_every_minutes / _steps)",
+    )
     _add_peer_flags(p)
 
     p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")

@@ -318,6 +318,16 @@ class ExpertsConfig:
 
 
 @dataclass
+class CoordinatorConfig:
+    report_period: float = 10.0  # s between the coordinator's looks at the run (summary line, checkpoints due)
+    checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
+    checkpoint_every_steps: int = 0  # a checkpoint whenever the run's step crosses a multiple of this; 0: not by steps
+    checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
+    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are removed
+    checkpoint_timeout: float = 120.0  # s to download one part's state from a server
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks of a stage server in this box (Megatron-style shards); 1: none
     devices: list[str] = field(
@@ -338,6 +348,7 @@ class PeerConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:

@@ -6,6 +6,7 @@ on while the coordinator is down.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord, TrainerRecord
+from peer.checkpointer import Checkpointer
 from peer.config import PeerConfig, RunSpec
 from peer.swarm import publish_spec
 
@@ -78,7 +80,10 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                 json.dump({"maddrs": maddrs, "join": join, "peer_id": identity.peer_id, "run": spec.name}, f)
             os.replace(info_file + ".tmp", info_file)
         last_publish = time.monotonic()
-        while not stop.wait(10.0):
+        checkpointer = Checkpointer(spec, cfg, dht)
+        if cfg.coordinator.checkpoint_dir:
+            print(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.", flush=True)
+        while not stop.wait(cfg.coordinator.report_period):
             if time.monotonic() - last_publish > SPEC_REPUBLISH:
                 publish_spec(dht, spec, SPEC_TTL)
                 last_publish = time.monotonic()
@@ -94,5 +99,19 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                 f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples",
                 flush=True,
             )
+            step = max(s["step"] for s in summary["stages"])
+            if checkpointer.due(step):
+                started = time.perf_counter()
+                try:
+                    path = asyncio.run(checkpointer.take(step))
+                except Exception as e:
+                    logger.warning("checkpoint at step %d failed: %s", step, e)
+                    continue
+                if path is not None:
+                    print(
+                        f"Wrote checkpoint {path} (step {step}, {len(checkpointer.parts())} parts) "
+                        f"in {time.perf_counter() - started:.1f} s.",
+                        flush=True,
+                    )
     finally:
         dht.shutdown()

@@ -143,7 +143,7 @@ class Swarm:
         self.peers.append(peer)
         return peer
 
-    def coordinator(self, spec: dict, timeout: float = 60) -> str:
+    def coordinator(self, spec: dict, timeout: float = 60, extra: list[str] = ()) -> str:
         path = write_spec(self.workdir / "run.toml", spec)
         info = self.workdir / "coordinator.json"
         peer = self.start(
@@ -157,6 +157,7 @@ class Swarm:
                 "127.0.0.1",
                 "--info-file",
                 str(info),
+                *extra,
             ],
         )
         deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, info
 
 from peer import checkpoint
 from peer.config import RunSpec
@@ -116,3 +116,55 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     for step in range(1, 6):
         checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), step, parts, keep=2)
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000004", "step-00000005"]
+
+
+SWARM_SPEC = {
+    "name": "ckpt-swarm",
+    "seed": 5,
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 32},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 8, "total_steps": 8, "lr": 0.01},
+}
+
+
+def test_the_coordinator_checkpoints_a_running_swarm(swarm):
+    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint."""
+    root = swarm.workdir / "checkpoints"
+    swarm.coordinator(
+        SWARM_SPEC,
+        extra=[
+            "--checkpoints",
+            str(root),
+            "--set",
+            "coordinator.report_period=0.5",
+            "--set",
+            "coordinator.checkpoint_every_steps=2",
+            "--set",
+            "coordinator.checkpoint_every_minutes=0",
+        ],
+    )
+    servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
+    endpoints = [swarm.endpoint(s) for s in servers]
+    trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1"])
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    deadline = time.monotonic() + 30
+    while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
+        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
+        time.sleep(0.5)
+    kept = checkpoint.complete(root)
+    assert 1 <= len(kept) <= 3  # checkpoint_keep
+    path = kept[-1]
+    manifest = checkpoint.read_manifest(path)
+    assert sorted(manifest["parts"]) == ["stage 0", "stage 1"]
+    spec = RunSpec.from_dict(SWARM_SPEC)
+    for stage, endpoint in enumerate(endpoints):
+        entry = manifest["parts"][f"stage {stage}"]
+        _, tensors = checkpoint.load_part(path, manifest, f"stage {stage}")
+        state = info(endpoint)
+        assert entry["peer"] == state.peer_id
+        # the checkpoint holds the weights the server had after that step (its fingerprint of them)
+        fingerprint = {f.epoch: f.values for f in state.history}[entry["epoch"]]
+        names = [n for n, _ in StageRuntime(spec, stage).model.named_parameters()]
+        sums = [v for n in names for v in (tensors[f"param/{n}"].double().sum().item(),)]
+        assert sums == pytest.approx(fingerprint[0::2], rel=1e-9, abs=1e-9)
+    assert "Wrote checkpoint" in swarm.peers[0].output()
