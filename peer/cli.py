@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write checkpoints of the run here (every coordinator.checkpoint_every_minutes / _steps)",
     )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="go on from a checkpoint (a checkpoint directory, or the newest complete one in DIR): "
+        "servers that join start from its weights",
+    )
     _add_peer_flags(p)
 
     p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")
@@ -210,7 +216,7 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         from peer.coordinator import run_coordinator
 
         spec = RunSpec.from_toml(args.spec)
-        run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file)
+        run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file, resume=args.resume or "")
         return 0
     from peer.join import run_experts, run_server, run_trainer
 

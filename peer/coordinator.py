@@ -18,6 +18,7 @@ from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord, TrainerRecord
+from peer import checkpoint
 from peer.checkpointer import Checkpointer
 from peer.config import PeerConfig, RunSpec
 from peer.swarm import publish_spec
@@ -57,7 +58,25 @@ def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
     return {"stages": stages, "trainers": len(trainers), "samples": sum(t.samples for t in trainers.values())}
 
 
-def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "") -> None:
+def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
+    """The checkpoint to go on from, served to joiners (peer.archive); SystemExit naming what is wrong."""
+    from peer.archive import Archive
+
+    try:
+        path = checkpoint.latest(resume)
+        if path is None:
+            raise checkpoint.CheckpointError("no complete checkpoint there")
+        archive = Archive(path, spec, cfg, dht)
+        archive.start()
+    except (checkpoint.CheckpointError, OSError) as e:
+        raise SystemExit(f"peer coordinator: --resume {resume}: {e}") from None
+    archive.announce()
+    parts = ", ".join(sorted(archive.manifest["parts"]))
+    print(f"Resuming from {path} (step {archive.step}; {parts}), served at {archive.endpoint}.", flush=True)
+    return archive
+
+
+def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     dht = SwarmDHT(
         identity, [], host_maddrs, announce_maddrs, cfg.network.dht_startup_timeout, cfg.network.dht_request_timeout
@@ -65,7 +84,9 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    archive = None
     try:
+        archive = open_archive(resume, spec, cfg, dht) if resume else None
         if not publish_spec(dht, spec, SPEC_TTL):
             logger.warning("the run spec was not stored on any DHT node yet; will retry")
         maddrs = dht.visible_maddrs()
@@ -81,12 +102,19 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             os.replace(info_file + ".tmp", info_file)
         last_publish = time.monotonic()
         checkpointer = Checkpointer(spec, cfg, dht)
+        if archive is not None:
+            checkpointer.last_step = archive.step
         if cfg.coordinator.checkpoint_dir:
             print(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.", flush=True)
         while not stop.wait(cfg.coordinator.report_period):
             if time.monotonic() - last_publish > SPEC_REPUBLISH:
                 publish_spec(dht, spec, SPEC_TTL)
                 last_publish = time.monotonic()
+            if archive is not None:
+                try:
+                    archive.announce()
+                except Exception as e:
+                    logger.debug("archive announcement failed: %s", e)
             try:
                 summary = swarm_summary(dht, spec)
             except Exception as e:
@@ -114,4 +142,6 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                         flush=True,
                     )
     finally:
+        if archive is not None:
+            archive.stop()
         dht.shutdown()

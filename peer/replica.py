@@ -491,9 +491,13 @@ class Replica:
         """The state of the part at one step, in parts from up to `state_donors` donors at once."""
         timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=lambda r: r.epoch)
-        epoch = (
-            await self.client.info(lead.endpoint, timeout=self.cfg.network.dht_request_timeout, expert=self.part.expert)
-        ).epoch
+        if lead.state == "archive":  # a resumed run's checkpoint (peer.archive): one copy, at its record's step
+            epoch = lead.epoch
+        else:
+            info = await self.client.info(
+                lead.endpoint, timeout=self.cfg.network.dht_request_timeout, expert=self.part.expert
+            )
+            epoch = info.epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = len(same)
 
@@ -537,16 +541,21 @@ class Replica:
                 logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, e)
                 await asyncio.sleep(0.2 * (attempt + 1))
                 await self.refresh_peers()
-                fresh = [r for r in self.peers.values() if r.state == "serving"]
+                fresh = self._donors()
                 donors = [r for r in fresh if r.epoch >= min(d.epoch for d in donors)] or fresh
                 if not donors:
                     return False
         return False
 
+    def _donors(self) -> list[ServerRecord]:
+        """Serving replicas; when there is none, the resumed run's checkpoint (an `archive` record)."""
+        serving = [r for r in self.peers.values() if r.state == "serving"]
+        return serving or [r for r in self.peers.values() if r.state == "archive"]
+
     async def load_state_from_peers(self) -> bool:
-        """Load parameters and optimizer state from serving replicas; False if none answered."""
+        """Load parameters and optimizer state from serving replicas (or the run's archive); False if none answered."""
         await self.refresh_peers()
-        donors = [r for r in self.peers.values() if r.state == "serving"]
+        donors = self._donors()
         return bool(donors) and await self._load_from(donors)
 
     async def _resync(self, ahead: list[ServerRecord]) -> None:

@@ -123,7 +123,7 @@ SWARM_SPEC = {
     "seed": 5,
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 32},
     "stages": {"num_stages": 2},
-    "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 8, "total_steps": 8, "lr": 0.01},
+    "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 8, "total_steps": 100, "lr": 0.01},
 }
 
 
@@ -145,7 +145,7 @@ def test_the_coordinator_checkpoints_a_running_swarm(swarm):
     )
     servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
     endpoints = [swarm.endpoint(s) for s in servers]
-    trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1"])
+    trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "16"])
     assert trainer.wait(240) == 0, trainer.output()[-3000:]
     deadline = time.monotonic() + 30
     while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
@@ -168,3 +168,36 @@ def test_the_coordinator_checkpoints_a_running_swarm(swarm):
         sums = [v for n in names for v in (tensors[f"param/{n}"].double().sum().item(),)]
         assert sums == pytest.approx(fingerprint[0::2], rel=1e-9, abs=1e-9)
     assert "Wrote checkpoint" in swarm.peers[0].output()
+
+
+def test_a_killed_swarm_resumes_from_its_checkpoint(swarm):
+    """Kill the whole swarm; a coordinator started with --resume serves the checkpoint, and the run goes on."""
+    root = swarm.workdir / "checkpoints"
+    every = ["--set", "coordinator.report_period=0.5", "--set", "coordinator.checkpoint_every_steps=2"]
+    swarm.coordinator(SWARM_SPEC, extra=["--checkpoints", str(root), *every])
+    for stage in range(2):
+        swarm.endpoint(swarm.server(f"a{stage}", stage))
+    trainer = swarm.trainer("ta", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "16"])
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    deadline = time.monotonic() + 30
+    while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
+        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
+        time.sleep(0.5)
+    for peer in swarm.peers:  # the whole swarm goes down
+        peer.kill(grace=0)
+    manifest = checkpoint.read_manifest(checkpoint.latest(root))
+    before = [e["loss"] for e in swarm.log("ta") if e["type"] == "micro_batch"]
+
+    (swarm.workdir / "coordinator.json").unlink()
+    swarm.coordinator(SWARM_SPEC, extra=["--resume", str(root)])
+    assert f"step {manifest['step']}" in swarm.peers[-1].wait_for(r"Resuming from .*", 30).group(0)
+    for stage in range(2):
+        server = swarm.server(f"b{stage}", stage)
+        step = int(server.wait_for(r"Serving stage \d+ at \S+ from step (\d+)", 120).group(1))
+        assert step == manifest["parts"][f"stage {stage}"]["epoch"] > 0
+    resumed = swarm.trainer("tb", ["--seed", "4", "--max-inflight", "1", "--max-micro-batches", "4"])
+    assert resumed.wait(240) == 0, resumed.output()[-3000:]
+    after = [e["loss"] for e in swarm.log("tb") if e["type"] == "micro_batch"]
+    # the resumed run's first losses continue where the old run was, not from scratch
+    assert after[0] < before[0] - 0.5, (before, after)
+    assert abs(after[0] - sum(before[-4:]) / 4) < 0.5, (before, after)
