@@ -201,3 +201,13 @@ def test_a_killed_swarm_resumes_from_its_checkpoint(swarm):
     # the resumed run's first losses continue where the old run was, not from scratch
     assert after[0] < before[0] - 0.5, (before, after)
     assert abs(after[0] - sum(before[-4:]) / 4) < 0.5, (before, after)
+
+
+def test_resume_refuses_a_checkpoint_of_another_spec(tmp_path):
+    from peer.archive import Archive
+    from peer.config import PeerConfig
+
+    path = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
+    other = RunSpec.from_dict({**SPEC.to_dict(), "seed": 99})
+    with pytest.raises(checkpoint.CheckpointError, match="another run spec"):
+        Archive(path, other, PeerConfig(), dht=None)
