@@ -43,6 +43,9 @@ class ServerRecord(Record):
     round_seq: int = 0  # while averaging_epoch >= 0: the additions that round covers if it succeeds
     started: float = 0.0  # unix time the server started
     updated: float = 0.0  # unix time of this announcement
+    metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
+    requests: int = 0  # requests this peer served (all its parts together)
+    errors: int = 0  # of those, the ones answered with an error
     tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
     devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
 
@@ -56,5 +59,7 @@ class TrainerRecord(Record):
     train_loss: float | None = None  # recent mean training loss
     val_loss: float | None = None  # last validation loss, if this trainer evaluates
     epoch: int = 0  # highest stage training step seen
+    failed_calls: int = 0  # calls that failed (each rerouted)
+    metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     started: float = 0.0
     updated: float = 0.0

@@ -29,6 +29,7 @@ _FLAG_FIELDS = {
     "tp": "parallel.tp",
     "devices": "parallel.devices",
     "checkpoints": "coordinator.checkpoint_dir",
+    "metrics_port": "metrics.port",
 }
 
 
@@ -49,6 +50,9 @@ def _add_peer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dht-port", type=int, help="DHT (libp2p) port (default: any free one)")
     p.add_argument("--announce-host", help="address other machines dial to reach this one (public IP or name)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--metrics-port", type=int, help="Prometheus metrics on this HTTP port (default: any free one; -1: none)"
+    )
 
 
 def _peer_config(args: argparse.Namespace) -> PeerConfig:

@@ -318,6 +318,12 @@ class ExpertsConfig:
 
 
 @dataclass
+class MetricsConfig:
+    port: int = 0  # HTTP port of this peer's Prometheus metrics (/metrics); 0: any free one; -1: none
+    host: str = ""  # address the metrics endpoint listens on; empty: network.host
+
+
+@dataclass
 class CoordinatorConfig:
     report_period: float = 10.0  # s between the coordinator's looks at the run (summary line, checkpoints due)
     checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
@@ -349,6 +355,7 @@ class PeerConfig:
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:

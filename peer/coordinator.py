@@ -21,6 +21,7 @@ from dht.records import ServerRecord, TrainerRecord
 from peer import checkpoint
 from peer.checkpointer import Checkpointer
 from peer.config import PeerConfig, RunSpec
+from peer.metrics import open_metrics, serve_metrics
 from peer.swarm import publish_spec
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,37 @@ def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
             }
         )
     trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
-    return {"stages": stages, "trainers": len(trainers), "samples": sum(t.samples for t in trainers.values())}
+    requests = errors = 0
+    for stage in range(spec.stages.num_stages):
+        for r in dht.get(keys.servers_key(spec.name, stage), ServerRecord).values():
+            requests, errors = requests + r.requests, errors + r.errors
+    return {
+        "stages": stages,
+        "trainers": len(trainers),
+        "samples": sum(t.samples for t in trainers.values()),
+        "samples_per_second": sum(t.samples_per_second for t in trainers.values()),
+        "failed_calls": sum(t.failed_calls for t in trainers.values()),
+        "requests": requests,
+        "errors": errors,
+    }
+
+
+def swarm_levels(summary: dict) -> dict:
+    """The coordinator's metrics: the swarm's view, from its last look at the DHT."""
+    if not summary:
+        return {}
+    stages = summary["stages"]
+    return {
+        "servers": ("gauge", "Serving stage servers in the swarm", sum(s["servers"] for s in stages)),
+        "trainers": ("gauge", "Trainers announcing in the swarm", summary["trainers"]),
+        "step": ("gauge", "Highest training step of any stage", max(s["step"] for s in stages)),
+        "bottleneck_throughput": ("gauge", "Samples/s of the slowest stage", min(s["throughput"] for s in stages)),
+        "total_samples": ("counter", "Samples the trainers completed", summary["samples"]),
+        "total_samples_per_second": ("gauge", "Samples/s of all trainers", summary["samples_per_second"]),
+        "total_failed_calls": ("counter", "Calls the trainers rerouted", summary["failed_calls"]),
+        "total_requests": ("counter", "Requests the stage servers served", summary["requests"]),
+        "total_errors": ("counter", "Requests the stage servers answered with an error", summary["errors"]),
+    }
 
 
 def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
@@ -101,6 +132,9 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                 json.dump({"maddrs": maddrs, "join": join, "peer_id": identity.peer_id, "run": spec.name}, f)
             os.replace(info_file + ".tmp", info_file)
         last_publish = time.monotonic()
+        view: dict = {}
+        metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
+        serve_metrics(metrics, cfg)
         checkpointer = Checkpointer(spec, cfg, dht)
         if archive is not None:
             checkpointer.last_step = archive.step
@@ -120,6 +154,8 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             except Exception as e:
                 logger.debug("summary failed: %s", e)
                 continue
+            view.clear()
+            view.update(summary)
             stages = ", ".join(
                 f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
             )

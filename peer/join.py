@@ -16,6 +16,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import load_corpus
+from peer.metrics import open_metrics, serve_metrics
 from peer.swarm import choose_stage, coordinator_peer_id, fetch_spec
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,23 @@ async def _until_signalled(start, stop, done: asyncio.Event | None = None) -> No
         await event.wait()
     finally:
         await stop()
+
+
+def _server_levels(server) -> dict:
+    rt = server.runtime
+    return {
+        "step": ("gauge", "Training steps of this server's part", rt.progress),
+        "samples_accumulated": ("gauge", "Samples in the accumulator, not yet in a step", rt.samples_accumulated),
+        "samples_stepped": (
+            "counter",
+            "Samples accounted by finished steps (whole averaging group)",
+            rt.samples_stepped,
+        ),
+        "throughput": ("gauge", "Measured samples/s of forward+backward", rt.throughput),
+        "queue_depth": ("gauge", "Requests running or queued", server.inflight),
+        "steps_averaged": ("counter", "Steps averaged with other replicas", server.steps_averaged),
+        "steps_alone": ("counter", "Steps taken alone", server.steps_alone),
+    }
 
 
 def rejoin_argv(argv: list[str], stage: int) -> list[str]:
@@ -124,6 +142,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             print(f"Measured {rate:.1f} samples/s for this stage on this machine.", flush=True)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
         server.allowed_stages = splittable
+        server.metrics = open_metrics(cfg, "stage server", lambda: _server_levels(server))
 
         async def start():
             if ranks is not None:  # a rank that dies ends this peer: leave cleanly (exit_grace bounds it)
@@ -131,6 +150,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 ranks.on_death = lambda reason: loop.call_soon_threadsafe(server.done.set)
             if experts is not None:
                 await experts.bind()
+            serve_metrics(server.metrics, cfg)
             await server.start()
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
 
@@ -239,8 +259,25 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
             prefix = Part(0, uid).averaging_prefix(spec.name)
             averagers[uid] = GradientAverager(dht, prefix, runtime.params, spec)
         host = ExpertHost(spec, cfg, dht, runtimes, averagers)
+        metrics = open_metrics(
+            cfg,
+            "expert host",
+            lambda: {
+                "queue_depth": ("gauge", "Expert calls running or queued", host.inflight),
+                "experts": ("gauge", "Experts hosted", len(runtimes)),
+                "step": (
+                    "gauge",
+                    "Highest training step of the hosted experts",
+                    max(r.progress for r in runtimes.values()),
+                ),
+            },
+        )
+        host.metrics = metrics
+        for replica in host.replicas.values():
+            replica.metrics = metrics
 
         async def start():
+            serve_metrics(metrics, cfg)
             await host.start()
             loaded = f"; loaded the state of {', '.join(host.loaded)} from replicas" if host.loaded else ""
             print(f"Serving experts {', '.join(wanted)} at {host.endpoint}{loaded}.", flush=True)
@@ -268,6 +305,21 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
             flush=True,
         )
         trainer = Trainer(spec, cfg, dht, corpus)
+        s = trainer.summary
+        trainer.metrics = open_metrics(
+            cfg,
+            "trainer",
+            lambda: {
+                "samples": ("counter", "Samples through every stage, forward and backward", s.samples),
+                "micro_batches": ("counter", "Micro-batches completed", s.micro_batches),
+                "failed_calls": ("counter", "Calls that failed and were rerouted", s.failed_calls),
+                "replayed": ("counter", "Backwards replayed on another replica", s.replayed),
+                "samples_per_second": ("gauge", "Samples/s over the last 20 s", trainer.samples_per_second()),
+                "train_loss": ("gauge", "Recent mean training loss", trainer.train_loss() or 0.0),
+                "receipts": ("gauge", "Backwards kept until their server steps them", len(trainer.ledger)),
+            },
+        )
+        serve_metrics(trainer.metrics, cfg)
 
         async def main():
             loop = asyncio.get_running_loop()

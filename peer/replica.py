@@ -117,6 +117,7 @@ class Replica:
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
+        self.metrics = None  # peer.metrics.Metrics of this process, when it serves them
 
     def load(self) -> float:
         """Requests in flight or queued, as announced (an expert host reports its own)."""
@@ -334,6 +335,12 @@ class Replica:
     async def _finish_step(self, future) -> None:
         try:
             group_samples, members, seconds = await future
+            if self.metrics is not None and members != NOTHING_TO_STEP:
+                outcome = (
+                    "failed" if members == 0 else "dropped" if members < 0 else "averaged" if members > 1 else "alone"
+                )
+                self.metrics.rounds.labels(outcome).inc()
+                self.metrics.round_seconds.observe(seconds)
             if members == NOTHING_TO_STEP:
                 pass
             elif members < 0:
@@ -395,6 +402,9 @@ class Replica:
             updated=time.time(),
             tp=rt.tp_degree,
             devices=rt.devices,
+            metrics=self.metrics.endpoint if self.metrics else "",
+            requests=self.metrics.served if self.metrics else 0,
+            errors=self.metrics.failed if self.metrics else 0,
         )
 
     async def publish(self, force: bool = False) -> bool:

@@ -104,8 +104,12 @@ class ServicerBase:
         self.server.inflight += 1
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
+        started, outcome = time.perf_counter(), "error"
         try:
-            return await handler(request, payloads, deadline)
+            result = await handler(request, payloads, deadline)
+            outcome = "ok"
+            self._count_bytes(request, payloads, result)
+            return result
         except _Refused as e:
             await context.abort(e.code, e.message)
         except InputError as e:
@@ -120,6 +124,18 @@ class ServicerBase:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "experts unavailable: the expert calls ran out of time")
         finally:
             self.server.inflight -= 1
+            metrics = getattr(self.server, "metrics", None)
+            if metrics is not None:
+                metrics.request(handler.__name__.strip("_"), outcome == "ok", time.perf_counter() - started)
+
+    def _count_bytes(self, request, payloads: dict, result) -> None:
+        metrics = getattr(self.server, "metrics", None)
+        if metrics is None:
+            return
+        response, sent = result
+        received = request.ByteSize() + sum(len(p) for p in payloads.values())
+        metrics.bytes.labels("received", "activations").inc(received)
+        metrics.bytes.labels("sent", "activations").inc(response.ByteSize() + sum(len(p) for p in sent.values()))
 
     async def _read_stream(self, request_iterator, message_type, context):
         try:

@@ -76,6 +76,7 @@ class Trainer:
         )
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.summary = TrainerSummary()
+        self.metrics = None  # peer.metrics.Metrics of this process, when it serves them
         self.recent: collections.deque[tuple[float, int, float]] = collections.deque(
             maxlen=256
         )  # (time, samples, loss)
@@ -169,6 +170,8 @@ class Trainer:
             if blame:
                 ban = self.router.report_failure(pid)
                 tried.add(pid)
+                if self.metrics is not None and ban > 0:
+                    self.metrics.bans.inc()
             else:
                 ban = 0.0
                 await asyncio.sleep(self.tcfg.ban_time)
@@ -188,6 +191,9 @@ class Trainer:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
 
     def _write_call(self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None):
+        if self.metrics is not None:
+            self.metrics.calls.labels(method, "ok" if error is None else "error").inc()
+            self.metrics.call_seconds.labels(method).observe(time.monotonic() - started)
         if self.tcfg.log_calls or error is not None:
             entry = {"type": "call", "stage": stage, "method": method, "peer": pid, "endpoint": endpoint}
             entry.update(time=time.time(), seconds=time.monotonic() - started)
@@ -497,6 +503,8 @@ class Trainer:
             train_loss=self.train_loss(),
             val_loss=s.val_losses[-1][1] if s.val_losses else None,
             epoch=s.epoch,
+            failed_calls=s.failed_calls,
+            metrics=self.metrics.endpoint if self.metrics else "",
             started=self.started,
             updated=time.time(),
         )

@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
 from conftest import ROOT, info
+from prometheus_client.parser import text_string_to_metric_families
 
 from peer import checkpoint
 from peer.config import RunSpec
@@ -127,8 +129,23 @@ SWARM_SPEC = {
 }
 
 
+def scrape(peer) -> dict[str, float]:
+    """A peer's Prometheus metrics, parsed with prometheus-client's own parser: {sample name{labels}: value}."""
+    address = peer.wait_for(r"Prometheus metrics at (http://\S+/metrics)", 60).group(1)
+    text = urllib.request.urlopen(address, timeout=10).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
 def test_the_coordinator_checkpoints_a_running_swarm(swarm):
-    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint."""
+    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint.
+
+    Every peer serves Prometheus metrics whose counters move with the training.
+    """
     root = swarm.workdir / "checkpoints"
     swarm.coordinator(
         SWARM_SPEC,
@@ -145,8 +162,19 @@ def test_the_coordinator_checkpoints_a_running_swarm(swarm):
     )
     servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
     endpoints = [swarm.endpoint(s) for s in servers]
+    idle = scrape(servers[1])
     trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "16"])
     assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    busy = scrape(servers[1])
+    backward_ok = "swarm_requests_total{method=backward,outcome=ok}"
+    assert idle.get(backward_ok, 0) == 0 and busy[backward_ok] == 16
+    assert busy["swarm_request_seconds_count{method=backward}"] == 16
+    assert busy["swarm_bytes_total{direction=received,kind=activations}"] > 16 * 4 * 32 * 32 * 4
+    assert busy["swarm_rounds_total{outcome=alone}"] >= 7 and busy["swarm_step{}"] >= 8
+    deadline = time.monotonic() + 30
+    while scrape(swarm.peers[0]).get("swarm_total_samples_total{}", 0) < 16 * 4:  # the coordinator's view
+        assert time.monotonic() < deadline, scrape(swarm.peers[0])
+        time.sleep(0.5)
     deadline = time.monotonic() + 30
     while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
         assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
