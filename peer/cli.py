@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory, or a directory of them (the newest complete one)")
     p.add_argument("out", help="the .safetensors file to write (loads into peer.model.StageModel)")
 
+    p = sub.add_parser("generate", help="sample text from a checkpoint with the plain model (no swarm needed)")
+    p.add_argument("checkpoint", help="a checkpoint directory (or a directory of them), or a `peer export` file")
+    p.add_argument("--prompt", default="", help="the text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest byte")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("status", help="print a table of a run's stages, servers and trainers")
     p.add_argument("maddr", help="a multiaddr of the run's coordinator")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the DHT and the spec")
@@ -202,6 +210,18 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
     if args.command == "status":
         return _status(args)
+    if args.command == "generate":
+        from peer.checkpoint import CheckpointError
+        from peer.generate import load_model, sample
+
+        try:
+            model = load_model(args.checkpoint)
+            text = sample(model, args.prompt.encode(), args.tokens, args.temperature, args.top_k, args.seed)
+        except (CheckpointError, OSError, ValueError) as e:
+            print(f"peer generate: {args.checkpoint}: {e}", file=sys.stderr)
+            return 2
+        print(args.prompt + text.decode("utf-8", errors="replace"))
+        return 0
     if args.command == "export":
         from peer.checkpoint import CheckpointError, export
 

@@ -78,6 +78,36 @@ def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
     assert abs(plain - swarm) < 1e-6
 
 
+def test_generate_samples_from_a_checkpoint_and_an_export(tmp_path):
+    from peer.generate import load_model, sample
+
+    checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
+    model = load_model(tmp_path)
+    a, b = sample(model, b"def ", 20, seed=1), sample(model, b"def ", 20, seed=1)
+    assert len(a) == 20 and a == b  # the same seed, the same text
+    assert sample(model, b"def ", 20, temperature=0) == sample(model, b"def ", 20, temperature=0, seed=2)
+    checkpoint.export(tmp_path, tmp_path / "m.safetensors")
+    assert sample(load_model(tmp_path / "m.safetensors"), b"def ", 20, seed=1) == a
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "generate",
+            str(tmp_path),
+            "--prompt",
+            "def ",
+            "--tokens",
+            "20",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0 and done.stdout.startswith(b"def "), done.stderr
+
+
 def test_a_checkpoint_cut_off_mid_write_is_never_taken_for_whole(tmp_path):
     stages = trained_stages()
     good = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(stages))
