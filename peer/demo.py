@@ -165,6 +165,15 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
                 "127.0.0.1",
                 "--info-file",
                 str(info),
+                # one checkpoint when the run ends, to sample from
+                "--checkpoints",
+                str(work / "checkpoints"),
+                "--set",
+                "coordinator.report_period=1",
+                "--set",
+                f"coordinator.checkpoint_every_steps={spec.training.total_steps}",
+                "--set",
+                "coordinator.checkpoint_every_minutes=0",
             ],
         )
         _wait(lambda: info.exists(), procs, ["coordinator"], "the coordinator to start")
@@ -187,6 +196,8 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         code = _follow(console, procs, trainers, work, spec, started)
         progress = _progress(work, spec, started)
         _summary(console, progress, baseline, spec)
+        if code == 0:
+            _sample(console, work / "checkpoints", corpus)
     except KeyboardInterrupt:
         console.print("Interrupted; stopping the swarm.")
         code = 130
@@ -195,6 +206,25 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         if own_dir and code == 0:
             shutil.rmtree(work, ignore_errors=True)
     return code
+
+
+def _sample(console: Console, root: Path, corpus, wait: float = 20.0) -> None:
+    """What the swarm learned: the checkpoint written at the end continues a held-out snippet."""
+    from peer import checkpoint
+    from peer.generate import load_model, sample
+
+    deadline = time.monotonic() + wait
+    while checkpoint.latest(root) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if checkpoint.latest(root) is None:
+        console.print("No checkpoint was written at the end, so no sample.")
+        return
+    text = bytes(corpus.validation[:4096])
+    start = text.find(b"\ndef ")
+    prompt = text[start + 1 : start + 49] if start >= 0 else text[:48]
+    continuation = sample(load_model(root), prompt, 120, temperature=0.7, top_k=20)
+    console.print("A held-out snippet, continued by the trained model (peer generate):")
+    console.print((prompt + b"[...]" + continuation).decode("utf-8", errors="replace"), markup=False, highlight=False)
 
 
 def _wait(condition, procs: Processes, names: list[str], what: str) -> None:
