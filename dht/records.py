@@ -46,6 +46,9 @@ class ServerRecord(Record):
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     requests: int = 0  # requests this peer served (all its parts together)
     errors: int = 0  # of those, the ones answered with an error
+    dht: list[str] = Field(
+        default_factory=list
+    )  # this peer's DHT multiaddrs (a restarted coordinator rejoins through them)
     tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
     devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
 

@@ -331,6 +331,10 @@ class CoordinatorConfig:
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are removed
     checkpoint_timeout: float = 120.0  # s to download one part's state from a server
+    # where the coordinator remembers its peers' DHT addresses, to rejoin the swarm after a restart;
+    # empty: RUN.peers.json beside its identity key
+    peers_file: str = ""
+    rejoin_timeout: float = 10.0  # s a restarted coordinator tries its remembered peers before starting afresh
 
 
 @dataclass

@@ -13,10 +13,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from dht import keys
 from dht.identity import Identity
-from dht.node import SwarmDHT
+from dht.node import DHTStartError, SwarmDHT
 from dht.records import ServerRecord, TrainerRecord
 from peer import checkpoint
 from peer.checkpointer import Checkpointer
@@ -107,11 +108,53 @@ def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
     return archive
 
 
-def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
+def peers_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
+    if cfg.coordinator.peers_file:
+        return Path(cfg.coordinator.peers_file)
+    return Path(identity.path or ".").resolve().parent / f"{spec.name}.peers.json"
+
+
+def remembered_peers(path: Path) -> list[str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [m for m in data.get("maddrs", []) if isinstance(m, str)] if isinstance(data, dict) else []
+
+
+def remember_peers(path: Path, dht: SwarmDHT, spec: RunSpec, limit: int = 32) -> None:
+    """Write the DHT addresses of the run's servers (atomically), to rejoin through them after a restart."""
+    maddrs = []
+    for stage in range(spec.stages.num_stages):
+        for record in dht.get(keys.servers_key(spec.name, stage), ServerRecord).values():
+            if record.state == "serving":
+                maddrs += [m for m in record.dht if "/p2p/" in m and m not in maddrs]
+    if maddrs:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"run": spec.name, "maddrs": maddrs[:limit], "updated": time.time()}))
+        os.replace(tmp, path)
+
+
+def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> SwarmDHT:
+    """The coordinator's DHT node: rejoining the run's swarm through remembered peers, else the first node."""
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
-    dht = SwarmDHT(
-        identity, [], host_maddrs, announce_maddrs, cfg.network.dht_startup_timeout, cfg.network.dht_request_timeout
-    )
+    net = cfg.network
+    known = remembered_peers(peers_file(cfg, identity, spec))
+    if known:
+        try:
+            timeout = cfg.coordinator.rejoin_timeout
+            dht = SwarmDHT(identity, known, host_maddrs, announce_maddrs, timeout, net.dht_request_timeout)
+            print(
+                f"Rejoined the swarm of run '{spec.name}' through {len(known)} remembered peer address(es).", flush=True
+            )
+            return dht
+        except DHTStartError as e:
+            logger.warning("no remembered peer answered (%s); starting the run's DHT afresh", e)
+    return SwarmDHT(identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout)
+
+
+def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
+    dht = start_dht(spec, cfg, identity)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -136,8 +179,11 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
         serve_metrics(metrics, cfg)
         checkpointer = Checkpointer(spec, cfg, dht)
+        newest = checkpoint.latest(cfg.coordinator.checkpoint_dir) if cfg.coordinator.checkpoint_dir else None
+        if newest is not None:  # a restarted coordinator numbers on from its own checkpoints
+            checkpointer.last_step = checkpoint.read_manifest(newest, verify=False)["step"]
         if archive is not None:
-            checkpointer.last_step = archive.step
+            checkpointer.last_step = max(checkpointer.last_step, archive.step)
         if cfg.coordinator.checkpoint_dir:
             print(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.", flush=True)
         while not stop.wait(cfg.coordinator.report_period):
@@ -156,6 +202,10 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                 continue
             view.clear()
             view.update(summary)
+            try:
+                remember_peers(peers_file(cfg, identity, spec), dht, spec)
+            except Exception as e:
+                logger.debug("could not remember the peers: %s", e)
             stages = ", ".join(
                 f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
             )

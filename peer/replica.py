@@ -118,6 +118,10 @@ class Replica:
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
         self.metrics = None  # peer.metrics.Metrics of this process, when it serves them
+        try:
+            self.dht_maddrs = dht.visible_maddrs()  # announced, for a restarted coordinator to rejoin through
+        except Exception:
+            self.dht_maddrs = []
 
     def load(self) -> float:
         """Requests in flight or queued, as announced (an expert host reports its own)."""
@@ -402,6 +406,7 @@ class Replica:
             updated=time.time(),
             tp=rt.tp_degree,
             devices=rt.devices,
+            dht=self.dht_maddrs,
             metrics=self.metrics.endpoint if self.metrics else "",
             requests=self.metrics.served if self.metrics else 0,
             errors=self.metrics.failed if self.metrics else 0,

@@ -248,7 +248,8 @@ def test_a_killed_swarm_resumes_from_its_checkpoint(swarm):
 
     (swarm.workdir / "coordinator.json").unlink()
     swarm.coordinator(SWARM_SPEC, extra=["--resume", str(root)])
-    assert f"step {manifest['step']}" in swarm.peers[-1].wait_for(r"Resuming from .*", 30).group(0)
+    # (its remembered peers are all dead: it starts the DHT afresh after coordinator.rejoin_timeout)
+    assert f"step {manifest['step']}" in swarm.peers[-1].wait_for(r"Resuming from .*", 60).group(0)
     for stage in range(2):
         server = swarm.server(f"b{stage}", stage)
         step = int(server.wait_for(r"Serving stage \d+ at \S+ from step (\d+)", 120).group(1))
@@ -269,3 +270,26 @@ def test_resume_refuses_a_checkpoint_of_another_spec(tmp_path):
     other = RunSpec.from_dict({**SPEC.to_dict(), "seed": 99})
     with pytest.raises(checkpoint.CheckpointError, match="another run spec"):
         Archive(path, other, PeerConfig(), dht=None)
+
+
+def test_a_restarted_coordinator_rejoins_and_sees_the_run(swarm):
+    """Training goes on while the coordinator is dead; restarted with its key, it rejoins and reports the step."""
+    swarm.coordinator(SWARM_SPEC, extra=["--set", "coordinator.report_period=0.5"])
+    endpoints = [swarm.endpoint(swarm.server(f"s{stage}", stage)) for stage in range(2)]
+    trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "24"])
+    first = swarm.peers[0]
+    deadline = time.monotonic() + 120
+    while info(endpoints[1]).epoch < 2 or not (swarm.workdir / "ckpt-swarm.peers.json").exists():
+        assert time.monotonic() < deadline and trainer.proc.poll() is None, trainer.output()[-3000:]
+        time.sleep(0.3)
+    first.signal(signal.SIGKILL)
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]  # the run went on without its coordinator
+    steps = [info(e).epoch for e in endpoints]
+    assert steps[1] >= 12
+
+    (swarm.workdir / "coordinator.json").unlink()
+    swarm.coordinator(SWARM_SPEC, extra=["--set", "coordinator.report_period=0.5"])
+    again = swarm.peers[-1]
+    again.wait_for(r"Rejoined the swarm of run 'ckpt-swarm'", 60)
+    line = again.wait_for(r"stage 0: 1 server\(s\) at step \d+, stage 1: 1 server\(s\) at step (\d+)", 60)
+    assert int(line.group(1)) == steps[1]
