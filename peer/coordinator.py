@@ -45,10 +45,16 @@ def pick_join_maddr(maddrs: list[str]) -> str:
 
 
 def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
-    stages = []
+    """The run as the DHT shows it, from one read of each stage's records and of the trainers'."""
+    stages, maddrs = [], []
+    requests = errors = 0
     for stage in range(spec.stages.num_stages):
         servers = dht.get(keys.servers_key(spec.name, stage), ServerRecord)
         serving = [r for r in servers.values() if r.state == "serving"]
+        for r in servers.values():
+            requests, errors = requests + r.requests, errors + r.errors
+        for r in serving:
+            maddrs += [m for m in r.dht if "/p2p/" in m and m not in maddrs]
         stages.append(
             {
                 "servers": len(serving),
@@ -57,10 +63,6 @@ def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
             }
         )
     trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
-    requests = errors = 0
-    for stage in range(spec.stages.num_stages):
-        for r in dht.get(keys.servers_key(spec.name, stage), ServerRecord).values():
-            requests, errors = requests + r.requests, errors + r.errors
     return {
         "stages": stages,
         "trainers": len(trainers),
@@ -69,6 +71,7 @@ def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
         "failed_calls": sum(t.failed_calls for t in trainers.values()),
         "requests": requests,
         "errors": errors,
+        "dht_maddrs": maddrs,  # the serving servers' DHT addresses (a restart rejoins through them)
     }
 
 
@@ -122,13 +125,8 @@ def remembered_peers(path: Path) -> list[str]:
     return [m for m in data.get("maddrs", []) if isinstance(m, str)] if isinstance(data, dict) else []
 
 
-def remember_peers(path: Path, dht: SwarmDHT, spec: RunSpec, limit: int = 32) -> None:
+def remember_peers(path: Path, spec: RunSpec, maddrs: list[str], limit: int = 32) -> None:
     """Write the DHT addresses of the run's servers (atomically), to rejoin through them after a restart."""
-    maddrs = []
-    for stage in range(spec.stages.num_stages):
-        for record in dht.get(keys.servers_key(spec.name, stage), ServerRecord).values():
-            if record.state == "serving":
-                maddrs += [m for m in record.dht if "/p2p/" in m and m not in maddrs]
     if maddrs:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"run": spec.name, "maddrs": maddrs[:limit], "updated": time.time()}))
@@ -203,7 +201,7 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             view.clear()
             view.update(summary)
             try:
-                remember_peers(peers_file(cfg, identity, spec), dht, spec)
+                remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
             except Exception as e:
                 logger.debug("could not remember the peers: %s", e)
             stages = ", ".join(
