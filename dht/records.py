@@ -51,6 +51,8 @@ class ServerRecord(Record):
     )  # this peer's DHT multiaddrs (a restarted coordinator rejoins through them)
     tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
     devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
+    moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
+    moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
 
 
 class TrainerRecord(Record):

@@ -3,7 +3,9 @@
 The swarm's throughput is bounded by its bottleneck, the stage with the least total throughput
 over its servers. A server joins the weakest stage, and later moves only when moving raises the
 bottleneck by a margin; it never leaves its own stage without a server, and a server that just
-moved waits out a cooldown, so servers do not oscillate.
+moved waits out a cooldown, so servers do not oscillate. A server that means to move first
+announces it (a claim in its record) and looks again after a settle time: of servers that saw the
+same numbers, the one with the earliest claim goes and the others, counting it as gone, stay.
 """
 
 from __future__ import annotations
@@ -15,14 +17,25 @@ from dht.records import ServerRecord
 ACTIVE = ("joining", "serving")
 
 
-def stage_totals(records: Iterable[Iterable[ServerRecord]], num_stages: int) -> tuple[list[float], list[int]]:
-    """Per stage: total announced throughput and number of servers, counting those joining or serving."""
+def stage_totals(
+    records: Iterable[Iterable[ServerRecord]], num_stages: int, before: tuple[float, str] | None = None
+) -> tuple[list[float], list[int]]:
+    """Per stage: total announced throughput and number of servers, counting those joining or serving.
+
+    A server that announced it means to move counts in the stage it moves to, if its claim goes
+    before `before` (the asking server's own claim as (moving_since, endpoint); None: every claim).
+    Claims are ordered by their announced numbers, so every server orders them alike.
+    """
     totals, counts = [0.0] * num_stages, [0] * num_stages
     for stage, servers in enumerate(records):
         for r in servers:
-            if r.state in ACTIVE and r.stage == stage:
-                totals[stage] += max(r.throughput, 0.0)
-                counts[stage] += 1
+            if r.state not in ACTIVE or r.stage != stage:
+                continue
+            where = stage
+            if 0 <= r.moving_to < num_stages and (before is None or (r.moving_since, r.endpoint) < before):
+                where = r.moving_to
+            totals[where] += max(r.throughput, 0.0)
+            counts[where] += 1
     return totals, counts
 
 

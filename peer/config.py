@@ -268,6 +268,9 @@ class ServerConfig:
     balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
     balance_margin: float = 0.2  # move only if the slowest stage's throughput then rises by this fraction
     balance_cooldown: float = 30.0  # s after starting before a server first considers moving
+    # s a server waits after announcing that it means to move before it looks again; longer than an
+    # announcement takes to be seen, so two servers that mean to move see each other and only one goes
+    balance_settle: float = 2.0
 
 
 @dataclass

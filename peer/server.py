@@ -8,6 +8,7 @@ server most.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import socket
@@ -75,6 +76,7 @@ class StageServer(Replica):
         self.move_to: int | None = None  # the stage this server leaves to serve, once decided
         self.done = asyncio.Event()  # set when the server wants its process to end (it moves)
         self._next_balance = float("inf")  # set when serving starts: the cooldown counts from there
+        self.claim: tuple[int, float] | None = None  # (stage, unix time) this server announced it moves to
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
@@ -94,28 +96,48 @@ class StageServer(Replica):
             await self._check_balance()
 
     # ---- balancing ------------------------------------------------------------------------
+    def record(self) -> ServerRecord:
+        record = super().record()
+        if self.claim is not None:
+            record.moving_to, record.moving_since = self.claim
+        return record
+
     async def _plan_move(self) -> int | None:
         records = []
         for stage in range(self.spec.stages.num_stages):
             found = await self.dht.aget(keys.servers_key(self.run_id, stage), ServerRecord)
             found[self.dht.peer_id] = self.record() if stage == self.stage else found.get(self.dht.peer_id)
             records.append([r for r in found.values() if r is not None and r.stage == stage])
-        totals, counts = stage_totals(records, self.spec.stages.num_stages)
+        mine = (self.claim[1], self.endpoint) if self.claim is not None else None
+        totals, counts = stage_totals(records, self.spec.stages.num_stages, before=mine)
         margin = self.cfg.server.balance_margin
         return plan_move(totals, counts, self.stage, self.runtime.throughput, margin, self.allowed_stages)
 
     async def _check_balance(self) -> None:
-        """Move to another stage if that raises the swarm's bottleneck by the configured margin."""
+        """Move to another stage if that raises the swarm's bottleneck by the configured margin.
+
+        The server first announces that it means to move, then looks again after the settle time
+        (plus a random pause): if another server's earlier claim already fixes the bottleneck, it
+        withdraws its claim and stays, so of servers that saw the same numbers only one moves.
+        """
         try:
             target = await self._plan_move()
             if target is None:
                 return
-            # look again after a random pause: servers that saw the same numbers must not all move at once
-            await asyncio.sleep(random.uniform(0, self.cfg.server.balance_period / 2))
-            if await self._plan_move() != target or self.leaving:
+            self.claim = (target, time.time())
+            await self.publish(force=True)
+            balance = self.cfg.server
+            await asyncio.sleep(balance.balance_settle + random.uniform(0, balance.balance_period / 2))
+            if self.leaving or await self._plan_move() != target:
+                self.claim = None
+                await self.publish(force=True)
                 return
         except Exception as e:
             logger.debug("balance check failed: %s", e)
+            if self.claim is not None and not self.leaving:
+                self.claim = None
+                with contextlib.suppress(Exception):
+                    await self.publish(force=True)
             return
         logger.warning(
             "stage %d: moving to stage %d raises the swarm's bottleneck; leaving this stage", self.stage, target

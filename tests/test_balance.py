@@ -47,6 +47,22 @@ def test_totals_count_joining_and_serving_only():
     assert weakest_stage(totals) == 1
 
 
+def test_the_earliest_claim_moves_and_a_later_one_stays():
+    def rec(endpoint, stage, claim=None):
+        r = ServerRecord(stage=stage, endpoint=endpoint, throughput=100.0)
+        if claim is not None:
+            r.moving_to, r.moving_since = 1, claim
+        return r
+
+    # stage 0: s0 and two free servers that both claimed a move to stage 1 (a at t=5, b at t=6)
+    records = [[rec("s0:1", 0), rec("a:1", 0, 5.0), rec("b:1", 0, 6.0)], [rec("s1:1", 1)]]
+    for me, claim, expected in (("a:1", 5.0, 1), ("b:1", 6.0, None)):
+        totals, counts = stage_totals(records, 2, before=(claim, me))
+        assert plan_move(totals, counts, stage=0, throughput=100.0, margin=0.2) == expected
+    # a joiner (no claim of its own) counts every claim as done
+    assert stage_totals(records, 2) == ([100.0, 300.0], [1, 3])
+
+
 SPEC = {
     "name": "balance",
     "seed": 5,

@@ -83,7 +83,8 @@ def test_int8_roundtrip_error_is_within_half_a_step_of_each_block(block_size, sh
     flat, err = t.reshape(-1), (out - t).abs().reshape(-1)
     for start in range(0, flat.numel(), block_size):
         block = slice(start, start + block_size)
-        bound = flat[block].abs().max() / 254 * (1 + 1e-6)  # half of one quantization step: absmax/127/2
+        # half of one quantization step (absmax/127/2), plus float32 rounding of values up to absmax
+        bound = flat[block].abs().max() * (1 / 254 + 2**-20)
         assert err[block].max() <= bound, (start, err[block].max(), bound)
     blocks = -(-t.numel() // block_size)
     assert codec.wire_bytes(message) == t.numel() + 4 * blocks
