@@ -109,6 +109,7 @@ class Replica:
         self._last_publish_time = 0.0
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
+        self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
         self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
         self.round_seq = 0  # additions the running round covers
@@ -216,6 +217,7 @@ class Replica:
         """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = [r for r in self._serving_peers() if r.epoch <= epoch]
+        asked = time.monotonic()
         answers = await asyncio.gather(
             *(
                 self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
@@ -239,6 +241,16 @@ class Replica:
             if ahead:
                 await self._resync(ahead)
             await self.publish(force=True)
+            return
+        if not joined and partners and time.monotonic() - asked > 2 * timeout + 1.0:
+            # the invitations took far past their deadline: this process was stopped or starved, and
+            # the partners went on without it (maybe to this very step, alone). Stepping alone now
+            # could put two replicas at one step with different weights: look again at fresh
+            # records instead (the progress loop resyncs from a replica ahead, or we invite anew)
+            self.stepping, self.averaging_epoch = False, -1
+            self._unresponsive.clear()
+            self._retry_after = time.monotonic() + self.cfg.network.progress_period
+            await self.refresh_peers()
             return
         if not joined:
             # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
@@ -336,6 +348,17 @@ class Replica:
         rt.apply_round(grads, samples, rt.taken_seq, [self.dht.peer_id])
         return samples, 1, time.perf_counter() - started
 
+    def _say_round(self, members: int, seconds: float) -> None:
+        """A plain sentence when the averaging group changes size (the first step, a replica came or went)."""
+        if members == self.last_round[0]:
+            return
+        step = f"{self.label[0].upper()}{self.label[1:]} step {self.runtime.epoch}"
+        if members > 1:
+            others = members - 1
+            print(f"{step}: averaging with {others} peer{'s' * (others > 1)} ({seconds:.2f} s a round).", flush=True)
+        else:
+            print(f"{step}: stepping alone (no other replica in the round).", flush=True)
+
     async def _finish_step(self, future) -> None:
         try:
             group_samples, members, seconds = await future
@@ -365,6 +388,8 @@ class Replica:
             else:
                 self.steps_alone += 1
             if members > 0:
+                self._say_round(members, seconds)
+                self.last_round = (members, seconds)
                 logger.info(
                     "%s step %d: %d samples, averaged with %d peer(s) in %.2f s",
                     self.label,
@@ -410,6 +435,9 @@ class Replica:
             metrics=self.metrics.endpoint if self.metrics else "",
             requests=self.metrics.served if self.metrics else 0,
             errors=self.metrics.failed if self.metrics else 0,
+            last_round=self.last_round[0],
+            last_round_seconds=self.last_round[1],
+            rounds_failed=self.rounds_failed,
         )
 
     async def publish(self, force: bool = False) -> bool:
@@ -544,12 +572,11 @@ class Replica:
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
-                logger.info(
-                    "loaded %s state (step %d) from %d donor(s) in %.2f s",
-                    self.label,
-                    self.runtime.epoch,
-                    min(len(donors), self.cfg.server.state_donors),
-                    time.perf_counter() - started,
+                n = min(len(donors), self.cfg.server.state_donors)
+                print(
+                    f"Loaded the state of {self.label} (step {self.runtime.epoch}) from {n} peer{'s' * (n > 1)} "
+                    f"in {time.perf_counter() - started:.1f} s.",
+                    flush=True,
                 )
                 return True
             except Exception as e:
