@@ -51,6 +51,9 @@ class ServerRecord(Record):
     )  # this peer's DHT multiaddrs (a restarted coordinator rejoins through them)
     tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
     devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
+    last_round: int = 0  # members of its last finished step: 1 alone, more averaged together; 0 none yet
+    last_round_seconds: float = 0.0  # how long that step's round took
+    rounds_failed: int = 0  # averaging rounds that failed (their samples waited for the next one)
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
 
@@ -65,6 +68,10 @@ class TrainerRecord(Record):
     val_loss: float | None = None  # last validation loss, if this trainer evaluates
     epoch: int = 0  # highest stage training step seen
     failed_calls: int = 0  # calls that failed (each rerouted)
+    bans: int = 0  # servers banned after a failed call, so far
+    banned: list[str] = Field(default_factory=list)  # endpoints of the servers it has banned right now
+    bytes_sent: int = 0  # bytes of its calls' requests (activations, gradients, targets)
+    bytes_received: int = 0  # bytes of the answers
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     started: float = 0.0
     updated: float = 0.0

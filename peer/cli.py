@@ -30,6 +30,7 @@ _FLAG_FIELDS = {
     "devices": "parallel.devices",
     "checkpoints": "coordinator.checkpoint_dir",
     "metrics_port": "metrics.port",
+    "dashboard_port": "dashboard.port",
 }
 
 
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="go on from a checkpoint (a checkpoint directory, or the newest complete one in DIR): "
         "servers that join start from its weights",
     )
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        help="the web dashboard (swarm map, training curves, events) on this HTTP port "
+        "(default: any free one; -1: none)",
+    )
     _add_peer_flags(p)
 
     p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")
@@ -146,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, help="trainer: micro-batches in the pipeline at once")
     p.add_argument("--eval-every", type=int, help="trainer: validate every N optimizer steps")
     p.add_argument("--log-file", help="trainer: write JSON lines of losses here")
-    p.add_argument("--progress", action="store_true", default=None, help="trainer: print progress lines")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        default=None,
+        help="trainer: print progress lines when the output is not a terminal (a terminal gets a live bar)",
+    )
     _add_peer_flags(p)
 
     p = sub.add_parser("export", help="write a checkpoint's model weights to one safetensors file")

@@ -299,7 +299,9 @@ class TrainerConfig:
     eval_batches: int = 4  # micro-batches of held-out data per validation run
     log_file: str = ""  # JSON lines: one per finished micro-batch, validation, failed call and replay
     log_calls: bool = False  # also log every successful call (for benchmarks/recovery.py)
-    progress: bool = False  # print a progress line every few seconds
+    # print a progress line every few seconds when the output is not a terminal (a terminal always
+    # gets a live progress bar)
+    progress: bool = False
     refresh_period: float = 1.0  # s between refreshes of the server list (and settling of receipts)
 
 
@@ -324,6 +326,21 @@ class ExpertsConfig:
 class MetricsConfig:
     port: int = 0  # HTTP port of this peer's Prometheus metrics (/metrics); 0: any free one; -1: none
     host: str = ""  # address the metrics endpoint listens on; empty: network.host
+
+
+@dataclass
+class DashboardConfig:
+    port: int = 0  # HTTP port of the coordinator's web dashboard; 0: any free one; -1: none
+    host: str = ""  # address the dashboard listens on; empty: network.host
+    period: float = 2.0  # s between the coordinator's looks at the swarm for the dashboard (live updates)
+    history: int = 2000  # points of the training curves kept (one per look)
+    events: int = 500  # recent events kept
+    silent_after: float = 6.0  # s without a new announcement before a server or trainer shows as silent
+    max_clients: int = 16  # browsers streaming live updates at once; more are refused (503)
+    client_queue: int = 4  # updates waiting for one slow browser; older ones are dropped
+    keepalive: float = 15.0  # s of quiet before a comment keeps a browser's stream open
+    write_timeout: float = 10.0  # s one update may take to reach a browser before its stream is closed
+    retry: float = 2.0  # s a browser waits before reconnecting a lost stream
 
 
 @dataclass
@@ -363,6 +380,7 @@ class PeerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:

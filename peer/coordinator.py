@@ -15,15 +15,17 @@ import threading
 import time
 from pathlib import Path
 
-from dht import keys
 from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
-from dht.records import ServerRecord, TrainerRecord
+from dht.records import TrainerRecord
 from peer import checkpoint
 from peer.checkpointer import Checkpointer
 from peer.config import PeerConfig, RunSpec
+from peer.dashboard import Dashboard, swarm_state
 from peer.metrics import open_metrics, serve_metrics
+from peer.status import gather
 from peer.swarm import publish_spec
+from peer.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 SPEC_TTL = 120.0  # s the published spec lives unless republished
@@ -44,13 +46,12 @@ def pick_join_maddr(maddrs: list[str]) -> str:
     return ranked[0]
 
 
-def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
-    """The run as the DHT shows it, from one read of each stage's records and of the trainers'."""
+def swarm_summary(look: dict) -> dict:
+    """The run's totals from one look at the DHT (`peer.status.gather`)."""
     stages, maddrs = [], []
     requests = errors = 0
-    for stage in range(spec.stages.num_stages):
-        servers = dht.get(keys.servers_key(spec.name, stage), ServerRecord)
-        serving = [r for r in servers.values() if r.state == "serving"]
+    for stage, servers in enumerate(look["stages"]):
+        serving = [r for r in servers.values() if r.state == "serving" and r.stage == stage]
         for r in servers.values():
             requests, errors = requests + r.requests, errors + r.errors
         for r in serving:
@@ -62,7 +63,7 @@ def swarm_summary(dht: SwarmDHT, spec: RunSpec) -> dict:
                 "throughput": sum(r.throughput for r in serving),
             }
         )
-    trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
+    trainers: dict[str, TrainerRecord] = look["trainers"]
     return {
         "stages": stages,
         "trainers": len(trainers),
@@ -151,12 +152,65 @@ def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> SwarmDHT:
     return SwarmDHT(identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout)
 
 
+def open_dashboard(cfg: PeerConfig, timeline: Timeline) -> Dashboard | None:
+    """The web dashboard (None with dashboard.port = -1); says where it is. SystemExit if the port is taken."""
+    if cfg.dashboard.port < 0:
+        return None
+    from peer.server import announce_host
+
+    host = cfg.dashboard.host or cfg.network.host
+    dashboard = Dashboard(cfg.dashboard, timeline)
+    try:
+        endpoint = dashboard.start(host, cfg.dashboard.port, announce_host(host, cfg.network.announce_host))
+    except OSError as e:
+        raise SystemExit(f"peer coordinator: dashboard.port {cfg.dashboard.port}: cannot listen on it: {e}") from None
+    print(f"Dashboard at http://{endpoint}/", flush=True)
+    return dashboard
+
+
+def report(
+    spec: RunSpec,
+    cfg: PeerConfig,
+    identity: Identity,
+    summary: dict,
+    checkpointer: Checkpointer,
+    timeline: Timeline,
+    about: dict,
+) -> None:
+    """Every report period: remember the peers, print the summary line, take a checkpoint when due."""
+    try:
+        remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
+    except Exception as e:
+        logger.debug("could not remember the peers: %s", e)
+    stages = ", ".join(
+        f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
+    )
+    print(f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples", flush=True)
+    step = max(s["step"] for s in summary["stages"])
+    if not checkpointer.due(step):
+        return
+    started = time.perf_counter()
+    try:
+        path = asyncio.run(checkpointer.take(step))
+    except Exception as e:
+        logger.warning("checkpoint at step %d failed: %s", step, e)
+        timeline.add("checkpoint", f"checkpoint at step {step} failed: {e}")
+        return
+    if path is not None:
+        seconds = time.perf_counter() - started
+        print(
+            f"Wrote checkpoint {path} (step {step}, {len(checkpointer.parts())} parts) in {seconds:.1f} s.", flush=True
+        )
+        timeline.add("checkpoint", f"wrote checkpoint {path} (step {step}) in {seconds:.1f} s")
+        about["last_checkpoint"] = {"path": str(path), "step": step, "time": time.time()}
+
+
 def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
     dht = start_dht(spec, cfg, identity)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    archive = None
+    archive = dashboard = None
     try:
         archive = open_archive(resume, spec, cfg, dht) if resume else None
         if not publish_spec(dht, spec, SPEC_TTL):
@@ -176,15 +230,29 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         view: dict = {}
         metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
         serve_metrics(metrics, cfg)
+        timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
+        about = {
+            "peer_id": identity.peer_id,
+            "join": join,
+            "maddrs": maddrs,
+            "metrics": metrics.endpoint if metrics else "",
+        }
+        dashboard = open_dashboard(cfg, timeline)
         checkpointer = Checkpointer(spec, cfg, dht)
         newest = checkpoint.latest(cfg.coordinator.checkpoint_dir) if cfg.coordinator.checkpoint_dir else None
         if newest is not None:  # a restarted coordinator numbers on from its own checkpoints
             checkpointer.last_step = checkpoint.read_manifest(newest, verify=False)["step"]
         if archive is not None:
             checkpointer.last_step = max(checkpointer.last_step, archive.step)
+            timeline.add("coordinator", f"resumed from {archive.path} (step {archive.step})")
         if cfg.coordinator.checkpoint_dir:
             print(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.", flush=True)
-        while not stop.wait(cfg.coordinator.report_period):
+        about.update(checkpoints=cfg.coordinator.checkpoint_dir, last_checkpoint=None)
+        timeline.add("coordinator", f"coordinator of run '{spec.name}' started ({identity.peer_id[-6:]})")
+        report_period = cfg.coordinator.report_period
+        tick = min(report_period, cfg.dashboard.period) if dashboard is not None else report_period
+        last_report = time.monotonic()
+        while not stop.wait(tick):
             if time.monotonic() - last_publish > SPEC_REPUBLISH:
                 publish_spec(dht, spec, SPEC_TTL)
                 last_publish = time.monotonic()
@@ -194,38 +262,23 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                 except Exception as e:
                     logger.debug("archive announcement failed: %s", e)
             try:
-                summary = swarm_summary(dht, spec)
+                look = gather(dht, spec)
             except Exception as e:
-                logger.debug("summary failed: %s", e)
+                logger.debug("look at the swarm failed: %s", e)
                 continue
+            summary = swarm_summary(look)
             view.clear()
             view.update(summary)
-            try:
-                remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
-            except Exception as e:
-                logger.debug("could not remember the peers: %s", e)
-            stages = ", ".join(
-                f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
-            )
-            print(
-                f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples",
-                flush=True,
-            )
-            step = max(s["step"] for s in summary["stages"])
-            if checkpointer.due(step):
-                started = time.perf_counter()
-                try:
-                    path = asyncio.run(checkpointer.take(step))
-                except Exception as e:
-                    logger.warning("checkpoint at step %d failed: %s", step, e)
-                    continue
-                if path is not None:
-                    print(
-                        f"Wrote checkpoint {path} (step {step}, {len(checkpointer.parts())} parts) "
-                        f"in {time.perf_counter() - started:.1f} s.",
-                        flush=True,
-                    )
+            timeline.observe(look)
+            if dashboard is not None:
+                dashboard.publish(swarm_state(spec, look, timeline, time.time(), about))
+            if time.monotonic() - last_report < report_period - 1e-3:
+                continue
+            last_report = time.monotonic()
+            report(spec, cfg, identity, summary, checkpointer, timeline, about)
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         if archive is not None:
             archive.stop()
         dht.shutdown()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from peer.config import RunSpec
@@ -129,6 +130,13 @@ def _line(p: dict) -> str:
     )
 
 
+def _bar(p: dict) -> Table:
+    """The live view on a terminal: a bar of the run's steps, then the numbers."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(ProgressBar(total=p["total"], completed=min(p["step"], p["total"]), width=30), _line(p))
+    return grid
+
+
 def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -> int:
     console = Console() if Console().is_terminal else Console(width=160)
     spec = RunSpec.from_toml(spec_path or DEMO_SPEC)
@@ -179,6 +187,10 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         _wait(lambda: info.exists(), procs, ["coordinator"], "the coordinator to start")
         maddr = json.loads(info.read_text())["join"].split()[-1]
         console.print(f"Coordinator up: {maddr}")
+        with contextlib.suppress(SystemExit):
+            _wait(lambda: "Dashboard at" in procs.log("coordinator"), procs, ["coordinator"], "the dashboard", 10.0)
+            dashboard = procs.log("coordinator").split("Dashboard at ", 1)[1].split()[0]
+            console.print(f"Watch the swarm in a browser: {dashboard}")
         servers = [f"server{s}{chr(97 + r)}" for s in range(STAGES) for r in range(REPLICAS)]
         for name in servers:
             procs.start(name, loopback_join(maddr, name, "--stage", name[6]))
@@ -227,14 +239,14 @@ def _sample(console: Console, root: Path, corpus, wait: float = 20.0) -> None:
     console.print((prompt + b"[...]" + continuation).decode("utf-8", errors="replace"), markup=False, highlight=False)
 
 
-def _wait(condition, procs: Processes, names: list[str], what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def _wait(condition, procs: Processes, names: list[str], what: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while not condition():
         for name in names:
             if procs.procs[name][0].poll() is not None:
                 raise SystemExit(f"peer demo: {name} exited early:\n{procs.log(name)[-2000:]}")
         if time.monotonic() > deadline:
-            raise SystemExit(f"peer demo: waited {START_TIMEOUT:.0f} s for {what}")
+            raise SystemExit(f"peer demo: waited {timeout:.0f} s for {what}")
         time.sleep(0.3)
 
 
@@ -246,7 +258,7 @@ def _follow(console: Console, procs: Processes, trainers: list[str], work: Path,
         while any(procs.procs[t][0].poll() is None for t in trainers):
             progress = _progress(work, spec, started)
             if interactive:
-                live.update(_line(progress))
+                live.update(_bar(progress))
             elif time.monotonic() - last_print > 10:
                 console.print(_line(progress))
                 last_print = time.monotonic()
@@ -255,7 +267,7 @@ def _follow(console: Console, procs: Processes, trainers: list[str], work: Path,
                 return 1
             time.sleep(0.5)
         if interactive:
-            live.update(_line(_progress(work, spec, started)))
+            live.update(_bar(_progress(work, spec, started)))
     failed = [t for t in trainers if procs.procs[t][0].returncode != 0]
     for t in failed:
         console.print(f"[red]{t} failed[/red]:\n{procs.log(t)[-2000:]}")

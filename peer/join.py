@@ -294,6 +294,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
 
 
 def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
+    from peer.progress import TrainerProgress
     from peer.trainer import Trainer
 
     corpus = load_corpus(cfg.trainer.data)
@@ -336,11 +337,14 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
                 loop.add_signal_handler(sig, on_signal)
             return await trainer.run()
 
+        trainer.progress = TrainerProgress(spec.training.total_steps, cfg.trainer.progress)
         try:
             summary = asyncio.run(main())
         except asyncio.CancelledError:
+            trainer.progress.close()
             print("Stopped.", flush=True)
             return 1
+        trainer.progress.close()
         val = f", validation loss {summary.val_losses[-1][1]:.3f}" if summary.val_losses else ""
         print(
             f"Done: {summary.micro_batches} micro-batches ({summary.samples} samples) in {summary.seconds:.0f} s, "

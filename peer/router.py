@@ -179,6 +179,12 @@ class Router:
         health.failures = 0  # forgiven: it answers again
         health.banned_until = 0.0
 
+    def banned_endpoints(self, limit: int = 16) -> list[str]:
+        """Endpoints of the servers banned right now (at most `limit`), for the trainer's announcement."""
+        now = time.monotonic()
+        banned = [pid for pid, h in self.health.items() if h.banned_until > now]
+        return sorted({self.latest[pid].endpoint for pid in banned if pid in self.latest})[:limit]
+
     def report_failure(self, peer_id: str, escalate_while_banned: bool = True) -> float:
         """Ban a failing server, for longer each time it fails in a row; returns the ban length.
 

@@ -150,7 +150,7 @@ class StageServer(Replica):
         self.grpc_server, self.health, self.endpoint = await open_grpc_server(self.cfg, StageServicer(self))
         await self.publish(force=True)  # as 'joining': not routed to yet
         if not await self.load_state_from_peers():
-            logger.info("stage %d: no replica to load from; starting from the run's seed", self.stage)
+            print(f"No other server holds stage {self.stage} yet: starting from the run's seed.", flush=True)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._next_balance = time.monotonic() + self.cfg.server.balance_cooldown
         self.start_progress()

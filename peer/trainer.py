@@ -53,6 +53,9 @@ class TrainerSummary:
     failed_micro_batches: int = 0
     failed_calls: int = 0  # calls that failed and went to another replica
     replayed: int = 0  # backwards replayed because their server went away before stepping them
+    bans: int = 0  # servers banned after a failed call
+    bytes_sent: int = 0  # bytes of the calls' requests
+    bytes_received: int = 0  # bytes of the answers
     epoch: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
@@ -77,6 +80,7 @@ class Trainer:
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.summary = TrainerSummary()
         self.metrics = None  # peer.metrics.Metrics of this process, when it serves them
+        self.progress = None  # peer.progress.TrainerProgress: a bar on a terminal, else lines or nothing
         self.recent: collections.deque[tuple[float, int, float]] = collections.deque(
             maxlen=256
         )  # (time, samples, loss)
@@ -142,10 +146,12 @@ class Trainer:
                 pid, record, kind, samples, WORK[method], self._call_bytes(stage, method, request, payloads)
             )
             started = time.monotonic()
+            self._count_bytes("sent", request.ByteSize() + sum(len(p) for p in (payloads or {}).values()))
             blame = True  # the server's own fault (banned); not when its MoE layer's experts did not answer
             try:
                 call = self.client.forward if method == "forward" else self.client.backward
                 response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
+                self._count_bytes("received", response.ByteSize() + sum(len(p) for p in returned.values()))
                 self._check_answer(stage, method, request, response, returned)
                 self.router.report_success(pid, kind, time.monotonic() - started)
                 if method == "backward":
@@ -170,6 +176,7 @@ class Trainer:
             if blame:
                 ban = self.router.report_failure(pid)
                 tried.add(pid)
+                self.summary.bans += 1 if ban > 0 else 0
                 if self.metrics is not None and ban > 0:
                     self.metrics.bans.inc()
             else:
@@ -189,6 +196,14 @@ class Trainer:
             )
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    def _count_bytes(self, direction: str, n: int) -> None:
+        if direction == "sent":
+            self.summary.bytes_sent += n
+        else:
+            self.summary.bytes_received += n
+        if self.metrics is not None:
+            self.metrics.bytes.labels(direction, "activations").inc(n)
 
     def _write_call(self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None):
         if self.metrics is not None:
@@ -477,18 +492,12 @@ class Trainer:
         return sum(losses) / len(losses) if losses else None
 
     def _maybe_progress(self) -> None:
-        if not self.tcfg.progress or time.monotonic() - self._last_progress < 2.0:
+        if self.progress is None or time.monotonic() - self._last_progress < 0.5:
             return
         self._last_progress = time.monotonic()
-        val = f" | val loss {self.summary.val_losses[-1][1]:.3f}" if self.summary.val_losses else ""
-        loss = self.train_loss()
-        print(
-            f"step {self.summary.epoch}/{self.spec.training.total_steps} | {self.samples_per_second():.1f} samples/s"
-            f" | train loss {loss:.3f}{val}"
-            if loss is not None
-            else f"step {self.summary.epoch}",
-            flush=True,
-        )
+        s = self.summary
+        val = s.val_losses[-1][1] if s.val_losses else None
+        self.progress.update(s.epoch, self.samples_per_second(), self.train_loss(), val, s.failed_calls)
 
     def _write(self, entry: dict) -> None:
         if self._log:
@@ -504,6 +513,10 @@ class Trainer:
             val_loss=s.val_losses[-1][1] if s.val_losses else None,
             epoch=s.epoch,
             failed_calls=s.failed_calls,
+            bans=s.bans,
+            banned=self.router.banned_endpoints(),
+            bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received,
             metrics=self.metrics.endpoint if self.metrics else "",
             started=self.started,
             updated=time.time(),

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,22 +64,42 @@ def write_spec(path: Path, spec: dict) -> Path:
 
 
 class Peer:
-    def __init__(self, name: str, args: list[str], workdir: Path, niceness: int = 0):
+    def __init__(self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False):
+        """Start `peer ARGS`; with `tty` its output is a pseudo-terminal (as a person at a terminal sees it)."""
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the test's dir
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
+        out, self._copier = self._log, None
+        if tty:
+            master, out = pty.openpty()
+            env.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
         self.proc = subprocess.Popen(
             [*PEER, *args],
             cwd=workdir,
-            stdout=self._log,
+            stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=env,
             preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
         )
+        if tty:
+            os.close(out)
+            self._copier = threading.Thread(target=self._copy, args=(master,), daemon=True)
+            self._copier.start()
         self.known_pids: set[int] = {self.proc.pid}
+
+    def _copy(self, master: int) -> None:
+        """The terminal's output into the log, until the peer closes it."""
+        try:
+            while chunk := os.read(master, 65536):
+                self._log.write(chunk)
+                self._log.flush()
+        except OSError:
+            pass  # EIO: every process holding the terminal has exited
+        finally:
+            os.close(master)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -127,6 +149,8 @@ class Peer:
                 os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+        if self._copier is not None:
+            self._copier.join(5)
         self._log.close()
 
 
@@ -138,8 +162,8 @@ class Swarm:
         self.peers: list[Peer] = []
         self.maddr = ""
 
-    def start(self, name: str, args: list[str], niceness: int = 0) -> Peer:
-        peer = Peer(name, args, self.workdir, niceness)
+    def start(self, name: str, args: list[str], niceness: int = 0, tty: bool = False) -> Peer:
+        peer = Peer(name, args, self.workdir, niceness, tty)
         self.peers.append(peer)
         return peer
 
@@ -172,11 +196,12 @@ class Swarm:
         stage_args = ["--stage", str(stage)] if stage is not None else []
         return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args))
 
-    def trainer(self, name: str, extra: list[str] = (), niceness: int = 0) -> Peer:
+    def trainer(self, name: str, extra: list[str] = (), niceness: int = 0, tty: bool = False) -> Peer:
         return self.start(
             name,
             loopback_join(self.maddr, name, "--role", "trainer", "--log-file", f"{name}.jsonl", *extra),
             niceness,
+            tty,
         )
 
     @staticmethod

@@ -101,4 +101,4 @@ def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
     time.sleep(15)  # several balance periods: nobody moves again
     moves = sum(len(re.findall(r"Moving from stage", s.output())) for s in free)
     assert moves == 1, [s.output()[-2000:] for s in free]
-    assert "loaded stage 1 state" in mover.output()  # from the stage's existing server, not from scratch
+    assert "Loaded the state of stage 1" in mover.output()  # from the stage's existing server, not from scratch

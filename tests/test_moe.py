@@ -7,9 +7,11 @@ loopback; this process only talks gRPC to them (no hivemind here).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -297,3 +299,17 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     row = re.search(r"│ 1 +│ (\d)/4 +│ ([0-9: ]+?) +│ (\S+) ", status.output())
     assert row is not None, status.output()
     assert row.group(1) == "4" and row.group(2).startswith("0:1 ") and row.group(3) == "none", status.output()
+
+    # the coordinator's dashboard shows the same coverage, and the killed host's experts going away
+    url = swarm.peers[0].wait_for(r"Dashboard at (http://\S+/)", 10).group(1)
+    deadline = time.monotonic() + 15
+    while True:  # the page's state is one look (dashboard.period) old
+        state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
+        (layer,) = state["experts"]
+        serving = {e["uid"]: [h["endpoint"] for h in e["hosts"] if h["state"] == "serving"] for e in layer["experts"]}
+        if (layer["hosted"] == 4 and serving["1.0"] == [c]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert layer["hosted"] == 4 and serving["1.0"] == [c], serving
+    gone = [e["text"] for e in state["events"] if e["kind"] in ("silent", "vanish") and "expert 1.0" in e["text"]]
+    assert gone, state["events"]
