@@ -194,7 +194,9 @@ function renderTrainers(state) {
 }
 
 function renderEvents() {
-  const items = events.slice().reverse().map((e) =>
+  const steps = document.getElementById("show-steps").checked;
+  const shown = steps ? events : events.filter((e) => e.kind !== "step");
+  const items = shown.slice().reverse().map((e) =>
     el("li", { "data-kind": e.kind }, el("span", { class: "when" }, clock(e.time)), el("span", { class: `kind kind-${e.kind}` }, e.kind), e.text),
   );
   document.getElementById("events").replaceChildren(...items);
@@ -264,5 +266,6 @@ function connect() {
   };
 }
 
+document.getElementById("show-steps").addEventListener("change", renderEvents);
 load().catch(() => {});
 connect();
