@@ -152,7 +152,6 @@ class Dashboard:
     def __init__(self, cfg: DashboardConfig, timeline: Timeline):
         self.cfg, self.timeline = cfg, timeline
         self.endpoint = ""
-        self._state: dict = {}
         self._full = b"{}"  # the last state with the whole history and events, as served by /api/state
         self._clients: set[asyncio.Queue] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,7 +198,7 @@ class Dashboard:
         body = json.dumps(_clean(full)).encode()
         message = b"data: " + json.dumps(_clean(update)).encode() + b"\n\n"
         with self._lock:
-            self._state, self._full = state, body
+            self._full = body
         if self._loop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._push, message)
 
@@ -223,12 +222,11 @@ class Dashboard:
         return self._runner.addresses[0][1]
 
     async def _close(self) -> None:
-        for queue in list(self._clients):
-            queue.put_nowait(None)  # ends each stream
+        self._push(None)  # ends each stream
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _push(self, message: bytes) -> None:
+    def _push(self, message: bytes | None) -> None:
         for queue in self._clients:
             if queue.full():  # a slow client loses its oldest update, never the coordinator's time
                 queue.get_nowait()
