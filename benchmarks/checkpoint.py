@@ -1,0 +1,106 @@
+"""What a safe checkpoint costs: ours (atomic, fsynced, checksummed) against a plain safetensors save.
+
+Both sides write the same state, a real stage's parameters and AdamW moments
+(`PartRuntime.state_tensors`), to the same disk in one run:
+- plain: `safetensors.torch.save_file` of each part, then `load_file`;
+- ours: `peer.checkpoint.write` (a hidden tmp directory, each file fsynced, SHA-256 per file, the
+  manifest last, a rename into place, pruning to `keep`), then `read_manifest(verify=True)` (every
+  checksum) and `load_part`, as `--resume` and `peer export` read it.
+Reported: seconds and MB/s of each, and the ratios. Last line `key=value ...`.
+
+    python benchmarks/checkpoint.py [--hidden 512] [--layers 8] [--stages 2] [--repeats 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from peer import checkpoint
+from peer.config import RunSpec
+from peer.runtime import StageRuntime
+
+
+def parts_for(args) -> tuple[RunSpec, list[checkpoint.Part]]:
+    spec = RunSpec.from_dict(
+        {
+            "name": "ckpt-bench",
+            "model": {
+                "hidden_size": args.hidden,
+                "num_layers": args.layers,
+                "num_heads": max(1, args.hidden // 64),
+                "intermediate_size": args.hidden * 11 // 4,
+                "max_seq_len": 128,
+            },
+            "stages": {"num_stages": args.stages},
+        }
+    )
+    parts = []
+    for stage in range(args.stages):
+        rt = StageRuntime(spec, stage)
+        tensors = rt.state_tensors()
+        parts.append(checkpoint.Part(rt.name, rt.state_metadata(len(tensors)), tensors, peer="bench"))
+    return spec, parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    spec, parts = parts_for(args)
+    nbytes = sum(t.numel() * t.element_size() for p in parts for t in p.tensors.values())
+    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results = {"plain_write": [], "plain_read": [], "ours_write": [], "ours_read": []}
+    fingerprint = spec.fingerprint()
+    try:
+        for r in range(args.repeats):
+            plain = root / f"plain-{r}"
+            plain.mkdir()
+            files = [plain / checkpoint.part_file(p.name) for p in parts]
+            started = time.perf_counter()
+            for part, file in zip(parts, files, strict=True):
+                save_file(part.tensors, str(file))
+            results["plain_write"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for file in files:
+                load_file(str(file))
+            results["plain_read"].append(time.perf_counter() - started)
+            shutil.rmtree(plain)
+
+            started = time.perf_counter()
+            path = checkpoint.write(root / "ours", {"name": spec.name}, fingerprint, r, parts)
+            results["ours_write"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            manifest = checkpoint.read_manifest(path, verify=True)
+            for name in manifest["parts"]:
+                checkpoint.load_part(path, manifest, name)
+            results["ours_read"].append(time.perf_counter() - started)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    best = {k: min(v) for k, v in results.items()}
+    mb = nbytes / 1e6
+    print(
+        f"state: {mb:.1f} MB in {len(parts)} parts ({args.layers} blocks, hidden {args.hidden}); best of {args.repeats}"
+    )
+    for key, seconds in best.items():
+        print(f"  {key:12s} {seconds:7.3f} s  {mb / seconds:8.1f} MB/s")
+    print(
+        f"state_mb={mb:.1f} plain_write_s={best['plain_write']:.3f} ours_write_s={best['ours_write']:.3f} "
+        f"write_ratio={best['ours_write'] / best['plain_write']:.2f} plain_read_s={best['plain_read']:.3f} "
+        f"ours_read_s={best['ours_read']:.3f} read_ratio={best['ours_read'] / best['plain_read']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
