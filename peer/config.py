@@ -355,6 +355,9 @@ class CoordinatorConfig:
     # empty: RUN.peers.json beside its identity key
     peers_file: str = ""
     rejoin_timeout: float = 10.0  # s a restarted coordinator tries its remembered peers before starting afresh
+    # where the coordinator keeps the dashboard's curves and events, so a restart shows the run's past;
+    # empty: RUN.timeline.json beside its identity key
+    timeline_file: str = ""
 
 
 @dataclass

@@ -118,6 +118,12 @@ def peers_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
     return Path(identity.path or ".").resolve().parent / f"{spec.name}.peers.json"
 
 
+def timeline_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
+    if cfg.coordinator.timeline_file:
+        return Path(cfg.coordinator.timeline_file)
+    return Path(identity.path or ".").resolve().parent / f"{spec.name}.timeline.json"
+
+
 def remembered_peers(path: Path) -> list[str]:
     try:
         data = json.loads(path.read_text())
@@ -180,8 +186,9 @@ def report(
     """Every report period: remember the peers, print the summary line, take a checkpoint when due."""
     try:
         remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
+        timeline.save(timeline_file(cfg, identity, spec))
     except Exception as e:
-        logger.debug("could not remember the peers: %s", e)
+        logger.debug("could not remember the peers or the timeline: %s", e)
     stages = ", ".join(
         f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
     )
@@ -231,6 +238,7 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
         serve_metrics(metrics, cfg)
         timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
+        restarted = timeline.load(timeline_file(cfg, identity, spec)) > 0  # the dashboard shows the run's past
         about = {
             "peer_id": identity.peer_id,
             "join": join,
@@ -248,7 +256,8 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         if cfg.coordinator.checkpoint_dir:
             print(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.", flush=True)
         about.update(checkpoints=cfg.coordinator.checkpoint_dir, last_checkpoint=None)
-        timeline.add("coordinator", f"coordinator of run '{spec.name}' started ({identity.peer_id[-6:]})")
+        again = "restarted (curves and events before this are from its last run)" if restarted else "started"
+        timeline.add("coordinator", f"coordinator of run '{spec.name}' {again}")
         report_period = cfg.coordinator.report_period
         tick = min(report_period, cfg.dashboard.period) if dashboard is not None else report_period
         last_report = time.monotonic()

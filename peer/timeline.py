@@ -11,8 +11,11 @@ Both lists are bounded.
 from __future__ import annotations
 
 import collections
+import json
+import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from dht.records import ServerRecord, TrainerRecord
 
@@ -80,6 +83,31 @@ class Timeline:
         if seen is None or seen[0] != updated:
             self._changed[key] = seen = (updated, now)
         return now - seen[1]
+
+    # ---- kept across a restart of the coordinator -------------------------------------------
+    def save(self, path: Path) -> None:
+        """Write the curves and events (atomically), so a restarted coordinator shows the run's past."""
+        data = {"points": [asdict(p) for p in self.points], "events": [asdict(e) for e in self.events]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> int:
+        """Take the curves and events a coordinator of this run saved; how many points (0: none usable)."""
+        try:
+            data = json.loads(path.read_text())
+            points = [Point(**p) for p in data["points"]]
+            events = [Event(**e) for e in data["events"]]
+            if not all(isinstance(p.time, int | float) and isinstance(p.step, int) for p in points):
+                raise ValueError("a point without a number for its time or step")
+            if not all(isinstance(e.id, int) and isinstance(e.text, str) for e in events):
+                raise ValueError("an event without an id or a text")
+        except (OSError, ValueError, TypeError, KeyError):
+            return 0
+        self.points.extend(points)
+        self.events.extend(events)
+        self._next_id = max((e.id for e in self.events), default=0) + 1
+        return len(points)
 
     # ---- one look ---------------------------------------------------------------------------
     def observe(self, look: dict, now: float | None = None) -> Point:

@@ -289,8 +289,16 @@ def test_a_restarted_coordinator_rejoins_and_sees_the_run(swarm):
     assert steps[1] >= 12
 
     (swarm.workdir / "coordinator.json").unlink()
+    restarted_at = time.time()
     swarm.coordinator(SWARM_SPEC, extra=["--set", "coordinator.report_period=0.5"])
     again = swarm.peers[-1]
     again.wait_for(r"Rejoined the swarm of run 'ckpt-swarm'", 60)
     line = again.wait_for(r"stage 0: 1 server\(s\) at step \d+, stage 1: 1 server\(s\) at step (\d+)", 60)
     assert int(line.group(1)) == steps[1]
+    # its dashboard goes on from the curves and events the first one kept
+    url = again.wait_for(r"Dashboard at (http://\S+/)", 10).group(1)
+    state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
+    texts = [e["text"] for e in state["events"]]
+    assert any(f"{endpoints[1]} " in t and "joined stage 1" in t for t in texts), texts
+    assert any("restarted" in t for t in texts), texts
+    assert state["history"][0]["time"] < restarted_at and max(p["step"] for p in state["history"]) >= 2

@@ -62,6 +62,21 @@ def test_the_timeline_tells_joins_moves_leaves_steps_bans_and_silence():
     assert tl.since(len(tl.events) - 1) == [vars(tl.events[-1])]
 
 
+def test_the_timeline_is_kept_across_a_restart(tmp_path):
+    tl = Timeline()
+    tl.observe(look([{"A": server(0, "h:1", updated=1)}]), now=10)
+    tl.save(tmp_path / "t.json")
+    again = Timeline()
+    assert again.load(tmp_path / "t.json") == 1
+    assert [vars(p) for p in again.points] == [vars(p) for p in tl.points]
+    assert again.add("coordinator", "restarted").id == tl.events[-1].id + 1  # ids go on: pages see it as new
+    (tmp_path / "cut.json").write_text('{"points": [{"time": 1')
+    point = dict(vars(tl.points[0]), time="x")
+    (tmp_path / "bad.json").write_text(json.dumps({"points": [point], "events": []}))
+    for name in ("cut.json", "bad.json", "none.json"):
+        assert Timeline().load(tmp_path / name) == 0
+
+
 def test_the_dashboard_serves_its_state_and_streams_updates():
     tl = Timeline()
     tl.add("coordinator", "started")
