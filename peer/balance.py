@@ -18,22 +18,29 @@ ACTIVE = ("joining", "serving")
 
 
 def stage_totals(
-    records: Iterable[Iterable[ServerRecord]], num_stages: int, before: tuple[float, str] | None = None
+    records: Iterable[dict[str, ServerRecord]], num_stages: int, before: tuple[float, str] | None = None
 ) -> tuple[list[float], list[int]]:
-    """Per stage: total announced throughput and number of servers, counting those joining or serving.
+    """Per stage (records by peer id): total announced throughput and number of servers joining or serving.
 
     A server that announced it means to move counts in the stage it moves to, if its claim goes
     before `before` (the asking server's own claim as (moving_since, endpoint); None: every claim).
-    Claims are ordered by their announced numbers, so every server orders them alike.
+    Claims are ordered by their announced numbers, so every server orders them alike. A server
+    that left to move counts there too until its new record (same peer id) shows up, so a move in
+    progress is never taken for a server gone.
     """
+    records = [dict(servers) for servers in records]
     totals, counts = [0.0] * num_stages, [0] * num_stages
     for stage, servers in enumerate(records):
-        for r in servers:
-            if r.state not in ACTIVE or r.stage != stage:
+        for pid, r in servers.items():
+            if r.stage != stage:
                 continue
-            where = stage
-            if 0 <= r.moving_to < num_stages and (before is None or (r.moving_since, r.endpoint) < before):
-                where = r.moving_to
+            claimed = 0 <= r.moving_to < num_stages and (before is None or (r.moving_since, r.endpoint) < before)
+            if r.state in ACTIVE:
+                where = r.moving_to if claimed else stage
+            elif claimed and r.state in ("leaving", "left") and pid not in records[r.moving_to]:
+                where = r.moving_to  # on its way there
+            else:
+                continue
             totals[where] += max(r.throughput, 0.0)
             counts[where] += 1
     return totals, counts

@@ -7,6 +7,7 @@ on while the coordinator is down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -140,7 +141,7 @@ def remember_peers(path: Path, spec: RunSpec, maddrs: list[str], limit: int = 32
         os.replace(tmp, path)
 
 
-def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> SwarmDHT:
+def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, bool]:
     """The coordinator's DHT node: rejoining the run's swarm through remembered peers, else the first node."""
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     net = cfg.network
@@ -152,10 +153,10 @@ def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> SwarmDHT:
             print(
                 f"Rejoined the swarm of run '{spec.name}' through {len(known)} remembered peer address(es).", flush=True
             )
-            return dht
+            return dht, True
         except DHTStartError as e:
             logger.warning("no remembered peer answered (%s); starting the run's DHT afresh", e)
-    return SwarmDHT(identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout)
+    return SwarmDHT(identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout), False
 
 
 def open_dashboard(cfg: PeerConfig, timeline: Timeline) -> Dashboard | None:
@@ -186,7 +187,7 @@ def report(
     """Every report period: remember the peers, print the summary line, take a checkpoint when due."""
     try:
         remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
-        timeline.save(timeline_file(cfg, identity, spec))
+        timeline.save(timeline_file(cfg, identity, spec), spec.fingerprint())
     except Exception as e:
         logger.debug("could not remember the peers or the timeline: %s", e)
     stages = ", ".join(
@@ -213,11 +214,11 @@ def report(
 
 
 def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
-    dht = start_dht(spec, cfg, identity)
+    dht, rejoined = start_dht(spec, cfg, identity)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    archive = dashboard = None
+    archive = dashboard = timeline = None
     try:
         archive = open_archive(resume, spec, cfg, dht) if resume else None
         if not publish_spec(dht, spec, SPEC_TTL):
@@ -238,8 +239,10 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
         serve_metrics(metrics, cfg)
         timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
-        restarted = timeline.load(timeline_file(cfg, identity, spec)) > 0  # the dashboard shows the run's past
+        # rejoining its swarm: the dashboard goes on from the run's past (only this run's, by fingerprint)
+        restarted = rejoined and timeline.load(timeline_file(cfg, identity, spec), spec.fingerprint()) > 0
         about = {
+            "started": time.time(),  # this coordinator's start: a page that sees it change loads anew
             "peer_id": identity.peer_id,
             "join": join,
             "maddrs": maddrs,
@@ -261,7 +264,7 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         report_period = cfg.coordinator.report_period
         tick = min(report_period, cfg.dashboard.period) if dashboard is not None else report_period
         last_report = time.monotonic()
-        while not stop.wait(tick):
+        while True:  # a first look at once (the dashboard has a state to show), then every tick
             if time.monotonic() - last_publish > SPEC_REPUBLISH:
                 publish_spec(dht, spec, SPEC_TTL)
                 last_publish = time.monotonic()
@@ -272,20 +275,28 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
                     logger.debug("archive announcement failed: %s", e)
             try:
                 look = gather(dht, spec)
+                summary = swarm_summary(look)
+                view.clear()
+                view.update(summary)
             except Exception as e:
                 logger.debug("look at the swarm failed: %s", e)
-                continue
-            summary = swarm_summary(look)
-            view.clear()
-            view.update(summary)
-            timeline.observe(look)
-            if dashboard is not None:
-                dashboard.publish(swarm_state(spec, look, timeline, time.time(), about))
-            if time.monotonic() - last_report < report_period - 1e-3:
-                continue
-            last_report = time.monotonic()
-            report(spec, cfg, identity, summary, checkpointer, timeline, about)
+                look = None
+            if look is not None:
+                try:
+                    timeline.observe(look)
+                    if dashboard is not None:
+                        dashboard.publish(swarm_state(spec, look, timeline, time.time(), about))
+                except Exception:  # the dashboard must never take the coordinator down
+                    logger.exception("the dashboard's update failed")
+                if time.monotonic() - last_report >= report_period - 1e-3:
+                    last_report = time.monotonic()
+                    report(spec, cfg, identity, summary, checkpointer, timeline, about)
+            if stop.wait(tick):
+                break
     finally:
+        if timeline is not None:
+            with contextlib.suppress(Exception):
+                timeline.save(timeline_file(cfg, identity, spec), spec.fingerprint())
         if dashboard is not None:
             dashboard.stop()
         if archive is not None:

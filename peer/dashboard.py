@@ -158,6 +158,7 @@ class Dashboard:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closing = False  # set on the server's loop when it stops: no new streams
 
     # ---- the coordinator's side ------------------------------------------------------------
     def start(self, host: str, port: int, announce: str) -> str:
@@ -215,13 +216,14 @@ class Dashboard:
         app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/api/state", self._api_state)
         app.router.add_get("/api/stream", self._stream)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         return self._runner.addresses[0][1]
 
     async def _close(self) -> None:
+        self._closing = True
         self._push(None)  # ends each stream
         if self._runner is not None:
             await self._runner.cleanup()
@@ -247,17 +249,19 @@ class Dashboard:
         return web.Response(body=body, content_type="application/json", headers={"Cache-Control": "no-cache"})
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
+        if self._closing:
+            raise web.HTTPServiceUnavailable(text="the coordinator is stopping")
         if len(self._clients) >= self.cfg.max_clients:
             raise web.HTTPServiceUnavailable(
                 text=f"too many dashboard clients (dashboard.max_clients = {self.cfg.max_clients})"
             )
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.cfg.client_queue)
+        self._clients.add(queue)  # before the first await: the bound holds for streams starting together
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        await response.prepare(request)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=self.cfg.client_queue)
-        self._clients.add(queue)
         try:
+            await response.prepare(request)
             await response.write(f"retry: {int(self.cfg.retry * 1000)}\n\n".encode())
             while True:
                 try:
@@ -267,7 +271,12 @@ class Dashboard:
                 if message is None:
                     break
                 await asyncio.wait_for(response.write(message), timeout=self.cfg.write_timeout)
-        except (ConnectionError, TimeoutError):
+        except TimeoutError:
+            # a browser that stopped reading: drop its connection, or it would hold a socket and
+            # the server's shutdown while its unread bytes wait
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
             pass
         finally:
             self._clients.discard(queue)

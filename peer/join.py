@@ -344,7 +344,8 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
             trainer.progress.close()
             print("Stopped.", flush=True)
             return 1
-        trainer.progress.close()
+        finally:
+            trainer.progress.close()  # the terminal gets its cursor back, whatever happened
         val = f", validation loss {summary.val_losses[-1][1]:.3f}" if summary.val_losses else ""
         print(
             f"Done: {summary.micro_batches} micro-batches ({summary.samples} samples) in {summary.seconds:.0f} s, "

@@ -49,6 +49,7 @@ from peer.part import PartRuntime
 logger = logging.getLogger(__name__)
 MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
 NOTHING_TO_STEP = -2  # a step's outcome when the accumulator was empty: no step was taken
+MAX_LATE_ROUNDS = 3  # a replica that keeps coming back late to its rounds steps alone after this many
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
+        self._late_rounds = 0  # rounds in a row given up because this process came back too late
         self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
         self.round_seq = 0  # additions the running round covers
@@ -242,16 +244,21 @@ class Replica:
                 await self._resync(ahead)
             await self.publish(force=True)
             return
-        if not joined and partners and time.monotonic() - asked > 2 * timeout + 1.0:
+        late = not joined and partners and time.monotonic() - asked > 2 * timeout + 1.0
+        if late and self._late_rounds < MAX_LATE_ROUNDS:
             # the invitations took far past their deadline: this process was stopped or starved, and
             # the partners went on without it (maybe to this very step, alone). Stepping alone now
             # could put two replicas at one step with different weights: look again at fresh
             # records instead (the progress loop resyncs from a replica ahead, or we invite anew)
+            self._late_rounds += 1
             self.stepping, self.averaging_epoch = False, -1
-            self._unresponsive.clear()
+            for r in partners:  # this round's silence was ours, not theirs
+                self._unresponsive.pop(by_endpoint.get(r.endpoint, ""), None)
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
             await self.refresh_peers()
+            await self.publish(force=True)
             return
+        self._late_rounds = 0
         if not joined:
             # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
             # a partner that was only slow is then behind and catches up from us

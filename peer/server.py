@@ -77,6 +77,7 @@ class StageServer(Replica):
         self.done = asyncio.Event()  # set when the server wants its process to end (it moves)
         self._next_balance = float("inf")  # set when serving starts: the cooldown counts from there
         self.claim: tuple[int, float] | None = None  # (stage, unix time) this server announced it moves to
+        self._balance_task: asyncio.Task | None = None
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
@@ -93,7 +94,9 @@ class StageServer(Replica):
     async def on_progress(self) -> None:
         if self.balance and time.monotonic() >= self._next_balance and not self.leaving:
             self._next_balance = time.monotonic() + self.cfg.server.balance_period
-            await self._check_balance()
+            if self._balance_task is None or self._balance_task.done():
+                # a task of its own: its settle pause must not hold up the progress loop's announcements
+                self._balance_task = asyncio.create_task(self._check_balance())
 
     # ---- balancing ------------------------------------------------------------------------
     def record(self) -> ServerRecord:
@@ -107,7 +110,7 @@ class StageServer(Replica):
         for stage in range(self.spec.stages.num_stages):
             found = await self.dht.aget(keys.servers_key(self.run_id, stage), ServerRecord)
             found[self.dht.peer_id] = self.record() if stage == self.stage else found.get(self.dht.peer_id)
-            records.append([r for r in found.values() if r is not None and r.stage == stage])
+            records.append({pid: r for pid, r in found.items() if r is not None and r.stage == stage})
         mine = (self.claim[1], self.endpoint) if self.claim is not None else None
         totals, counts = stage_totals(records, self.spec.stages.num_stages, before=mine)
         margin = self.cfg.server.balance_margin
@@ -159,6 +162,10 @@ class StageServer(Replica):
     async def stop(self) -> None:
         """Leave cleanly: announce 'leaving', refuse new work, finish what runs, announce 'left', stop."""
         self.leaving = True
+        if self.move_to is None:  # leaving for good: a claim to move (under way) is void
+            self.claim = None
+            if self._balance_task is not None:
+                self._balance_task.cancel()
         if self.grpc_server is not None:
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.finish()

@@ -62,5 +62,5 @@ def choose_stage(dht: SwarmDHT, spec: RunSpec, allowed: set[int] | None = None) 
     Only stages in `allowed` (None: all) are candidates.
     """
     n = spec.stages.num_stages
-    totals, _ = stage_totals([stage_servers(dht, spec, stage).values() for stage in range(n)], n)
+    totals, _ = stage_totals([stage_servers(dht, spec, stage) for stage in range(n)], n)
     return weakest_stage(totals, allowed)

@@ -67,8 +67,11 @@ class Timeline:
         self._steps: dict[str, int] = {}  # part -> highest step of its active servers
         self._trainers: dict[str, TrainerRecord] = {}
         self._banned: dict[str, set[str]] = {}  # trainer -> endpoints it had banned in the last look
+        self._quiet = False  # the next look only takes note (the first after a restart)
 
-    def add(self, kind: str, text: str, when: float | None = None) -> Event:
+    def add(self, kind: str, text: str, when: float | None = None) -> Event | None:
+        if self._quiet and kind != "coordinator":  # seen before the restart: not news
+            return None
         event = Event(self._next_id, time.time() if when is None else when, kind, text)
         self._next_id += 1
         self.events.append(event)
@@ -85,17 +88,25 @@ class Timeline:
         return now - seen[1]
 
     # ---- kept across a restart of the coordinator -------------------------------------------
-    def save(self, path: Path) -> None:
-        """Write the curves and events (atomically), so a restarted coordinator shows the run's past."""
-        data = {"points": [asdict(p) for p in self.points], "events": [asdict(e) for e in self.events]}
+    def save(self, path: Path, run: str) -> None:
+        """Write the curves and events (atomically), so a restarted coordinator shows the run's past.
+
+        `run` names the run (its spec's fingerprint): only a coordinator of the same run loads them.
+        """
+        data = {"run": run, "points": [asdict(p) for p in self.points], "events": [asdict(e) for e in self.events]}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
 
-    def load(self, path: Path) -> int:
-        """Take the curves and events a coordinator of this run saved; how many points (0: none usable)."""
+    def load(self, path: Path, run: str) -> int:
+        """Take the curves and events a coordinator of `run` saved; how many points (0: none usable).
+
+        The first look after a load tells no events: what it sees was there before the restart.
+        """
         try:
             data = json.loads(path.read_text())
+            if data.get("run") != run:
+                return 0
             points = [Point(**p) for p in data["points"]]
             events = [Event(**e) for e in data["events"]]
             if not all(isinstance(p.time, int | float) and isinstance(p.step, int) for p in points):
@@ -107,6 +118,7 @@ class Timeline:
         self.points.extend(points)
         self.events.extend(events)
         self._next_id = max((e.id for e in self.events), default=0) + 1
+        self._quiet = bool(points)
         return len(points)
 
     # ---- one look ---------------------------------------------------------------------------
@@ -121,6 +133,7 @@ class Timeline:
         self._server_events(servers, now)
         self._step_events(servers, now)
         self._trainer_events(look["trainers"], now)
+        self._quiet = False
         keys = set(servers) | {("trainer", pid) for pid in look["trainers"]}
         self._changed = {k: v for k, v in self._changed.items() if k in keys}
         point = self._point(look, now)

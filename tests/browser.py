@@ -84,7 +84,10 @@ class Browser:
                 call_id = next(self._ids)
                 await ws.send_str(json.dumps({"id": call_id, "method": method, "params": params}))
                 while True:
-                    message = json.loads((await asyncio.wait_for(ws.receive(), self.timeout)).data)
+                    frame = await asyncio.wait_for(ws.receive(), self.timeout)
+                    if frame.type != aiohttp.WSMsgType.TEXT:
+                        raise RuntimeError(f"{method}: the DevTools connection ended ({frame.type.name})")
+                    message = json.loads(frame.data)
                     if message.get("id") == call_id:
                         break
                 if "error" in message:
@@ -108,7 +111,7 @@ class Browser:
         """Evaluate `expression` until it is truthy; its value."""
         deadline = time.monotonic() + timeout
         while True:
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(Exception):  # a page still loading, a DevTools hiccup: look again
                 value = self.evaluate(expression)
                 if value:
                     return value
@@ -123,9 +126,9 @@ class Browser:
         return path
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        # the whole group, even when the main process has exited already: its helpers may not have
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self.log.close()

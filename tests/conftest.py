@@ -75,15 +75,21 @@ class Peer:
         if tty:
             master, out = pty.openpty()
             env.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
-        self.proc = subprocess.Popen(
-            [*PEER, *args],
-            cwd=workdir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-            preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [*PEER, *args],
+                cwd=workdir,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
+            )
+        except BaseException:
+            if tty:
+                os.close(master)
+                os.close(out)
+            raise
         if tty:
             os.close(out)
             self._copier = threading.Thread(target=self._copy, args=(master,), daemon=True)
@@ -96,8 +102,8 @@ class Peer:
             while chunk := os.read(master, 65536):
                 self._log.write(chunk)
                 self._log.flush()
-        except OSError:
-            pass  # EIO: every process holding the terminal has exited
+        except (OSError, ValueError):
+            pass  # EIO: every process holding the terminal has exited (ValueError: the log was closed)
         finally:
             os.close(master)
 

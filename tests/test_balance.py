@@ -41,7 +41,7 @@ def test_totals_count_joining_and_serving_only():
         return ServerRecord(stage=stage, endpoint="x:1", throughput=throughput, state=state)
 
     totals, counts = stage_totals(
-        [[rec(0, 5, "serving"), rec(0, 7, "leaving")], [rec(1, 3, "joining"), rec(1, 9, "left")]], 2
+        [{"a": rec(0, 5, "serving"), "b": rec(0, 7, "leaving")}, {"c": rec(1, 3, "joining"), "d": rec(1, 9, "left")}], 2
     )
     assert totals == [5.0, 3.0] and counts == [1, 1]
     assert weakest_stage(totals) == 1
@@ -55,12 +55,21 @@ def test_the_earliest_claim_moves_and_a_later_one_stays():
         return r
 
     # stage 0: s0 and two free servers that both claimed a move to stage 1 (a at t=5, b at t=6)
-    records = [[rec("s0:1", 0), rec("a:1", 0, 5.0), rec("b:1", 0, 6.0)], [rec("s1:1", 1)]]
+    records = [{"s0": rec("s0:1", 0), "a": rec("a:1", 0, 5.0), "b": rec("b:1", 0, 6.0)}, {"s1": rec("s1:1", 1)}]
     for me, claim, expected in (("a:1", 5.0, 1), ("b:1", 6.0, None)):
         totals, counts = stage_totals(records, 2, before=(claim, me))
         assert plan_move(totals, counts, stage=0, throughput=100.0, margin=0.2) == expected
     # a joiner (no claim of its own) counts every claim as done
     assert stage_totals(records, 2) == ([100.0, 300.0], [1, 3])
+    # a moves: it leaves stage 0, then joins stage 1 under the same peer id; b withdrew. In between,
+    # b must still see a as gone to stage 1, not as gone from the swarm (or it would move too)
+    records[0]["a"].state, records[0]["b"].moving_to = "left", -1
+    totals, counts = stage_totals(records, 2, before=(7.0, "b:1"))
+    assert (totals, counts) == ([200.0, 200.0], [2, 2])
+    assert plan_move(totals, counts, stage=0, throughput=100.0, margin=0.2) is None
+    records[1]["a"] = rec("a:2", 1)  # its new record, joining: counted once
+    records[1]["a"].state = "joining"
+    assert stage_totals(records, 2, before=(7.0, "b:1")) == ([200.0, 200.0], [2, 2])
 
 
 SPEC = {

@@ -65,16 +65,22 @@ def test_the_timeline_tells_joins_moves_leaves_steps_bans_and_silence():
 def test_the_timeline_is_kept_across_a_restart(tmp_path):
     tl = Timeline()
     tl.observe(look([{"A": server(0, "h:1", updated=1)}]), now=10)
-    tl.save(tmp_path / "t.json")
+    tl.save(tmp_path / "t.json", "run-a")
+    assert Timeline().load(tmp_path / "t.json", "run-b") == 0  # another run's past is not shown
     again = Timeline()
-    assert again.load(tmp_path / "t.json") == 1
+    assert again.load(tmp_path / "t.json", "run-a") == 1
     assert [vars(p) for p in again.points] == [vars(p) for p in tl.points]
     assert again.add("coordinator", "restarted").id == tl.events[-1].id + 1  # ids go on: pages see it as new
+    # the first look after the restart only takes note: the server it sees joined before
+    again.observe(look([{"A": server(0, "h:1", updated=2)}]), now=11)
+    assert [e.kind for e in again.events] == ["join", "coordinator"]
+    again.observe(look([{}]), now=30)
+    assert again.events[-1].kind == "vanish"
     (tmp_path / "cut.json").write_text('{"points": [{"time": 1')
     point = dict(vars(tl.points[0]), time="x")
-    (tmp_path / "bad.json").write_text(json.dumps({"points": [point], "events": []}))
+    (tmp_path / "bad.json").write_text(json.dumps({"run": "run-a", "points": [point], "events": []}))
     for name in ("cut.json", "bad.json", "none.json"):
-        assert Timeline().load(tmp_path / name) == 0
+        assert Timeline().load(tmp_path / name, "run-a") == 0
 
 
 def test_the_dashboard_serves_its_state_and_streams_updates():
@@ -166,6 +172,8 @@ def test_the_dashboard_shows_a_running_swarm_live(swarm, browser):
     browser.wait_until(
         "Number(document.querySelector('#chart-loss path.train')?.dataset.points) >= 3", 60, "a loss curve"
     )
+    averaged = "document.getElementById('events').innerText.includes('averaged by 2 replicas')"
+    browser.wait_until(averaged, 60, "a step averaged by both stage-0 replicas")
     events = browser.evaluate("document.getElementById('events').innerText")
     for text in (
         f"{endpoints['split']}",

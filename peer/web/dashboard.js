@@ -232,7 +232,16 @@ function render(state) {
   document.body.dataset.updates = String(updates);
 }
 
+let coordinatorStarted = null; // a restarted coordinator numbers its events anew from what it kept
+
 function apply(update) {
+  const started = update.coordinator && update.coordinator.started;
+  const last = events.length ? events[events.length - 1].id : 0;
+  const incoming = (update.events || []).filter((e) => e.id > last);
+  if ((coordinatorStarted !== null && started !== coordinatorStarted) || (incoming.length && incoming[0].id > last + 1)) {
+    load().catch(() => {}); // another coordinator, or updates were missed: take the whole state again
+    return;
+  }
   if (update.totals && (!history.length || update.totals.time > history[history.length - 1].time)) {
     history.push(update.totals);
     if (history.length > MAX_POINTS) history = history.slice(-MAX_POINTS);
@@ -248,6 +257,7 @@ async function load() {
   history = state.history || [];
   events = [];
   mergeEvents(state.events);
+  coordinatorStarted = state.coordinator ? state.coordinator.started : null;
   render(state);
 }
 
@@ -263,6 +273,7 @@ function connect() {
   stream.onerror = () => {
     badge.textContent = "reconnecting";
     badge.className = "badge off";
+    if (stream.readyState === EventSource.CLOSED) setTimeout(connect, 3000); // refused (503): the browser gives up, we do not
   };
 }
 
