@@ -69,7 +69,8 @@ class Peer:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
-        # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the test's dir
+        # TMPDIR: temporary files of the peer (torch, multiprocessing) go to the test's dir. hivemind's
+        # p2p daemons put their unix sockets in /tmp whatever TMPDIR says: see remove_stale_sockets
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
         out, self._copier = self._log, None
         if tty:
@@ -229,13 +230,32 @@ class Swarm:
         return [pid for peer in self.peers for pid in peer.known_pids if alive(pid)]
 
 
+def hivemind_sockets() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("hivemind-*.sock")}
+
+
+def remove_stale_sockets(before: set[str]) -> None:
+    """Remove the unix sockets that killed p2p daemons left in /tmp since `before`, unless still bound."""
+    found = hivemind_sockets() - before  # first: a socket file exists only once its daemon has bound it
+    try:
+        with open("/proc/net/unix") as f:
+            bound = {line.split()[-1] for line in f.read().splitlines()[1:] if len(line.split()) >= 8}
+    except OSError:
+        return
+    for path in found - bound:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 @pytest.fixture
 def swarm(tmp_path):
     s = Swarm(tmp_path)
+    sockets = hivemind_sockets()
     try:
         yield s
     finally:
         leftovers = s.stop_all()
+        remove_stale_sockets(sockets)
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
