@@ -113,16 +113,19 @@ def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
     return archive
 
 
+def beside_key(configured: str, identity: Identity, spec: RunSpec, suffix: str) -> Path:
+    """A coordinator's file: `configured`, or RUN.SUFFIX beside its identity key."""
+    if configured:
+        return Path(configured)
+    return Path(identity.path or ".").resolve().parent / f"{spec.name}.{suffix}"
+
+
 def peers_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
-    if cfg.coordinator.peers_file:
-        return Path(cfg.coordinator.peers_file)
-    return Path(identity.path or ".").resolve().parent / f"{spec.name}.peers.json"
+    return beside_key(cfg.coordinator.peers_file, identity, spec, "peers.json")
 
 
 def timeline_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
-    if cfg.coordinator.timeline_file:
-        return Path(cfg.coordinator.timeline_file)
-    return Path(identity.path or ".").resolve().parent / f"{spec.name}.timeline.json"
+    return beside_key(cfg.coordinator.timeline_file, identity, spec, "timeline.json")
 
 
 def remembered_peers(path: Path) -> list[str]:

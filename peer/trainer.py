@@ -132,6 +132,8 @@ class Trainer:
         attempts, pause = 0, 0.25
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
+        sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
+        moved = self._call_bytes(stage, method, request, sent)
         while True:
             try:
                 pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
@@ -142,11 +144,9 @@ class Trainer:
             if stage in self._no_server_since:
                 since = self._no_server_since.pop(stage)
                 logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
-            timeout = self.router.deadline(
-                pid, record, kind, samples, WORK[method], self._call_bytes(stage, method, request, payloads)
-            )
+            timeout = self.router.deadline(pid, record, kind, samples, WORK[method], moved)
             started = time.monotonic()
-            self._count_bytes("sent", request.ByteSize() + sum(len(p) for p in (payloads or {}).values()))
+            self._count_bytes("sent", sent)
             blame = True  # the server's own fault (banned); not when its MoE layer's experts did not answer
             try:
                 call = self.client.forward if method == "forward" else self.client.backward
@@ -312,9 +312,8 @@ class Trainer:
         if self.ledger.receipts:
             logger.warning("%d receipts unsettled after %.0f s", len(self.ledger), self.tcfg.drain_timeout)
 
-    def _call_bytes(self, stage: int, method: str, request, payloads: dict | None) -> int:
-        """Bytes a call moves: its request, and the hidden states or input gradients it gets back."""
-        sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())
+    def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
+        """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""
         returns = (method == "forward" and stage < self.num_stages - 1) or (method == "backward" and stage > 0)
         if not returns or not request.inputs.shape:
             return sent
