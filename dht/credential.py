@@ -1,4 +1,4 @@
-"""Credentials of admitted peers: X.509 certificates the run's coordinator signs (issue 8, in progress).
+"""Credentials of admitted peers: X.509 certificates the run's coordinator signs.
 
 The coordinator's Ed25519 identity key is the run's certificate authority. An admitted peer gets a
 short-lived leaf certificate for a P-256 TLS key of its own (gRPC's TLS refuses Ed25519 leaves,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -29,6 +30,7 @@ from dht.identity import Identity, IdentityError, public_key_from_peer_id, verif
 
 ROLES = ("server", "experts", "trainer", "coordinator")
 PROOF_CONTEXT = b"swarmtrain credential request v1\n"
+INVITE_CONTEXT = b"swarmtrain invite v1\n"
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # certificates start this long before issue: peers' clocks differ
 
 
@@ -135,12 +137,26 @@ class RunAuthority:
         )
 
 
+def invite_mac(secret: str, peer_id: str, tls_key_der: bytes, nonce: bytes) -> str:
+    """Proof of knowing an invite code's secret, bound to one request, that does not reveal the secret."""
+    message = INVITE_CONTEXT + peer_id.encode() + b"\n" + tls_key_der + nonce
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def tls_key_der(key) -> bytes:
+    """The DER SubjectPublicKeyInfo of a (TLS) public key, as a credential request carries it."""
+    return _der(key)
+
+
 def read_credential(pem: bytes, coordinator: str, run: str, now: float | None = None) -> Credential:
-    """What a peer's certificate says, after checking it: signed by `coordinator`'s key, this run, in date."""
+    """What a peer's certificate (PEM or DER) says, after checking it: signed by `coordinator`'s key, this run, in date."""
     try:
-        cert = x509.load_pem_x509_certificate(pem)
+        if pem.lstrip().startswith(b"-----"):
+            cert = x509.load_pem_x509_certificate(pem)
+        else:
+            cert = x509.load_der_x509_certificate(pem)
     except ValueError as e:
-        raise CredentialError(f"not a PEM certificate: {e}") from None
+        raise CredentialError(f"not a certificate: {e}") from None
     try:
         key = public_key_from_peer_id(coordinator)
     except IdentityError as e:

@@ -26,17 +26,37 @@ def _message(key_id: bytes, subkey_bytes: bytes, expiration_time: float, payload
 
 
 def seal(
-    identity: identity_lib.Identity, key_id: bytes, subkey_bytes: bytes, expiration_time: float, payload: bytes
+    identity: identity_lib.Identity,
+    key_id: bytes,
+    subkey_bytes: bytes,
+    expiration_time: float,
+    payload: bytes,
+    certificate: bytes | None = None,
 ) -> bytes:
-    """Wrap `payload` with the owner's signature over where and until when it is stored."""
+    """Wrap `payload` with the owner's signature over where and until when it is stored.
+
+    `certificate` (DER) is the owner's credential, carried beside the signed part: it is itself
+    signed by the run's coordinator and names the owner, so readers can tell an admitted owner.
+    """
     signature = identity.sign(_message(key_id, subkey_bytes, expiration_time, payload))
-    return msgpack.packb({"v": 1, "p": payload, "s": signature}, use_bin_type=True)
+    envelope = {"v": 1, "p": payload, "s": signature}
+    if certificate:
+        envelope["c"] = certificate
+    return msgpack.packb(envelope, use_bin_type=True)
 
 
 def open_envelope(
     owner_peer_id: str, key_id: bytes, subkey_bytes: bytes, expiration_time: float, value: bytes
 ) -> bytes | None:
     """The payload if `value` is an envelope signed by `owner_peer_id` for this place, else None."""
+    opened = open_sealed(owner_peer_id, key_id, subkey_bytes, expiration_time, value)
+    return None if opened is None else opened[0]
+
+
+def open_sealed(
+    owner_peer_id: str, key_id: bytes, subkey_bytes: bytes, expiration_time: float, value: bytes
+) -> tuple[bytes, bytes | None] | None:
+    """(payload, certificate DER or None) if `value` is an envelope signed by `owner_peer_id`, else None."""
     try:
         envelope = msgpack.unpackb(value, raw=False)
     except Exception:
@@ -48,4 +68,5 @@ def open_envelope(
         return None
     if not identity_lib.verify(owner_peer_id, _message(key_id, subkey_bytes, expiration_time, payload), signature):
         return None
-    return payload
+    certificate = envelope.get("c")
+    return payload, certificate if isinstance(certificate, bytes) else None

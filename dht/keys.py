@@ -44,3 +44,23 @@ def averaging_prefix(run_id: str, stage: int) -> str:
 def expert_averaging_prefix(run_id: str, expert: str) -> str:
     """The prefix under which hivemind's averager matches the replicas of one expert."""
     return f"swarmtrain_{run_id}_expert{expert.replace('.', '_')}"
+
+
+def credential_requests_key(run_id: str) -> str:
+    """Peers' requests for a credential (signed by the requester, who is not admitted yet), a subkey each."""
+    return f"swarmtrain/run/{run_id}/admission/requests"
+
+
+def credential_key(run_id: str, peer_id: str) -> str:
+    """The coordinator's answer to one peer's credential request (its certificate, or why not)."""
+    return f"swarmtrain/run/{run_id}/admission/peer/{peer_id}"
+
+
+def revocations_key(run_id: str) -> str:
+    """The coordinator's list of revoked peers."""
+    return f"swarmtrain/run/{run_id}/admission/revoked"
+
+
+def reports_key(run_id: str) -> str:
+    """Trainers' reports of servers whose answers their spot checks found wrong, a subkey per trainer."""
+    return f"swarmtrain/run/{run_id}/admission/reports"

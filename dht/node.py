@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from dht import envelope, keys
+from dht.gate import Gate
 from dht.identity import Identity
 from dht.records import Record
 from dht.validator import SignedRecordValidator
@@ -53,6 +54,11 @@ class SwarmDHT:
     ):
         self.identity = identity
         self.request_timeout = request_timeout
+        # set once this peer holds a credential (peer.security): records it stores carry the credential,
+        # and records it reads count only from admitted peers (dht.gate)
+        self.gate: Gate | None = None
+        self.certificate: bytes | None = None  # DER of this peer's credential
+        self.security = None  # the peer's peer.security.Security once admitted (TLS for its gRPC); opaque here
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
@@ -106,7 +112,7 @@ class SwarmDHT:
         payload = record.model_dump_json().encode()
         key_id = DHTID.generate(source=key).to_bytes()
         subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
-        return subkey, envelope.seal(self.identity, key_id, subkey_bytes, expiration_time, payload)
+        return subkey, envelope.seal(self.identity, key_id, subkey_bytes, expiration_time, payload, self.certificate)
 
     def store(self, key: str, record: Record, ttl: float) -> bool:
         """Store `record` under `key` with this peer's signed subkey, for `ttl` seconds."""
@@ -115,8 +121,12 @@ class SwarmDHT:
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(future.result(timeout=self.request_timeout * 2))
 
-    def get(self, key: str, model: type[R]) -> dict[str, R]:
-        """Every validly signed, well-formed record under `key`, by owner peer id."""
+    def get(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:
+        """Every validly signed, well-formed record under `key`, by owner peer id.
+
+        Once the node has a gate, only records of admitted peers count (unless `gated` is False:
+        credential requests come from peers not admitted yet).
+        """
         future = self.dht.get(key, latest=True, return_future=True)
         found = future.result(timeout=self.request_timeout * 2)
         if found is None or not isinstance(found.value, dict):
@@ -129,25 +139,34 @@ class SwarmDHT:
             if owner is None or item.expiration_time < now:
                 continue  # unsigned entries under our keys are never used
             subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
-            payload = (
-                envelope.open_envelope(owner, key_id, subkey_bytes, item.expiration_time, item.value)
+            opened = (
+                envelope.open_sealed(owner, key_id, subkey_bytes, item.expiration_time, item.value)
                 if isinstance(item.value, bytes)
                 else None
             )
-            if payload is None:
+            if opened is None:
                 logger.warning("ignored a record under %s with a bad signature (claims owner %s)", key, owner)
                 continue
+            payload, certificate = opened
+            gate = self.gate
+            if gate is not None and gated and not gate.admits(owner, certificate):
+                logger.debug("ignored a record under %s from %s: not an admitted peer", key, owner)
+                continue
             try:
-                records[owner] = model.model_validate_json(payload)
+                record = records[owner] = model.model_validate_json(payload)
             except ValidationError as e:
                 logger.warning("ignored a malformed %s from %s: %s", model.__name__, owner, e)
+                continue
+            endpoint = getattr(record, "endpoint", "")
+            if gate is not None and endpoint:
+                gate.note_endpoint(endpoint, owner)
         return records
 
     async def astore(self, key: str, record: Record, ttl: float) -> bool:
         return await asyncio.wait_for(asyncio.to_thread(self.store, key, record, ttl), self.request_timeout * 2)
 
-    async def aget(self, key: str, model: type[R]) -> dict[str, R]:
-        return await asyncio.wait_for(asyncio.to_thread(self.get, key, model), self.request_timeout * 2)
+    async def aget(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:
+        return await asyncio.wait_for(asyncio.to_thread(self.get, key, model, gated), self.request_timeout * 2)
 
     def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
         """Store an arbitrary value without signing it (for tests of what the validators refuse)."""
@@ -155,6 +174,8 @@ class SwarmDHT:
         return bool(future.result(timeout=self.request_timeout * 2))
 
     def shutdown(self) -> None:
+        if self.security is not None:
+            self.security.stop()
         with contextlib.suppress(Exception):
             if self.dht.is_alive():
                 self.dht.shutdown()

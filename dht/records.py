@@ -75,3 +75,37 @@ class TrainerRecord(Record):
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     started: float = 0.0
     updated: float = 0.0
+
+
+class CredentialRequest(Record):
+    """A peer asks the coordinator for a credential: its TLS key, bound to its identity by `proof`."""
+
+    tls_key: str  # hex of the DER SubjectPublicKeyInfo of its P-256 TLS key
+    roles: list[str]  # what it will do: server, experts, trainer
+    nonce: str  # hex, fresh per request: names the request and is signed by the proof
+    proof: str  # hex of the identity key's signature over the TLS key and the nonce (dht.credential)
+    invite: str = ""  # invite mode: the public id of its invite code
+    invite_mac: str = ""  # hex HMAC of the code's secret over peer id, TLS key and nonce: the secret stays private
+
+
+class CredentialGrant(Record):
+    """The coordinator's answer to a credential request."""
+
+    nonce: str  # the request's
+    certificate: str = ""  # PEM of the peer's certificate; empty when refused
+    authority: str = ""  # PEM of the run's CA certificate (self-signed by the coordinator's key)
+    error: str = ""  # why the request was refused
+
+
+class RevocationList(Record):
+    """Peers the coordinator revoked: their credentials no longer count anywhere."""
+
+    peers: list[str] = Field(default_factory=list)
+    updated: float = 0.0
+
+
+class SpotCheckReport(Record):
+    """A trainer's report of servers its spot checks found in the minority (wrong answers)."""
+
+    wrong: dict[str, int] = Field(default_factory=dict)  # peer id -> spot checks it failed
+    updated: float = 0.0

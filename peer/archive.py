@@ -22,10 +22,10 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer import checkpoint
-from peer.client import server_options
 from peer.config import PeerConfig, RunSpec
 from peer.part import state_shards
-from peer.server import announce_host
+from peer.server import announce_host, grpc_server, listen
+from peer.servicer import parsed
 from protocols import codec, framing, stage_pb2
 
 SERVICES = ("swarmtrain.Stage", "swarmtrain.Expert")
@@ -96,20 +96,17 @@ class Archive:
     # ---- lifecycle ------------------------------------------------------------------------
     async def _serve(self) -> None:
         net = self.cfg.network
-        server = grpc.aio.server(options=server_options(self.cfg.server.max_message_bytes))
+        server = grpc_server(self.cfg, self.dht.security)
         for service in SERVICES:
             handlers = {
                 "Info": grpc.unary_unary_rpc_method_handler(
-                    self._info,
-                    request_deserializer=stage_pb2.InfoRequest.FromString,
+                    parsed(self._info, stage_pb2.InfoRequest),
                     response_serializer=stage_pb2.InfoResponse.SerializeToString,
                 ),
                 "GetState": grpc.unary_stream_rpc_method_handler(self._get_state),
             }
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        port = server.add_insecure_port(f"{net.host}:{net.port}")
-        if port == 0:
-            raise OSError(f"could not listen on {net.host}:{net.port}")
+        port = listen(server, f"{net.host}:{net.port}", self.dht.security)
         await server.start()
         self.endpoint = f"{announce_host(net.host, net.announce_host)}:{port}"
         self._server = server

@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing's alias to see a streaming RPC
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 
 from dht.node import SwarmDHT
@@ -30,7 +33,38 @@ EPOCH_BITS = 16
 
 
 class _StageAverager(DecentralizedAverager):
-    """hivemind's averager plus a way to change the target group size between rounds."""
+    """hivemind's averager plus a way to change the target group size between rounds, and admission.
+
+    hivemind authorizes nobody: any libp2p peer that finds the group key may ask to join. Here the
+    leader refuses a join request from a peer id outside the admitted set, and a member refuses to
+    run a group that lists one. libp2p authenticates peer ids (the Noise handshake proves the key the
+    id is derived from), and our peer id is that same Ed25519 key, so the check is of the real peer.
+    """
+
+    _admitted: frozenset[str] | None = None  # peer ids that may average with us; None: anyone (admission off)
+
+    def set_admitted(self, peers: set[str] | None, timeout: float) -> None:
+        future = MPFuture()
+        admitted = None if peers is None else sorted(peers)
+        self._outer_pipe.send(("_set_admitted", [], dict(peers=admitted, future=future)))
+        future.result(timeout=timeout)
+
+    async def _set_admitted(self, peers: list[str] | None, future: MPFuture) -> None:
+        self._admitted = None if peers is None else frozenset(peers)
+        future.set_result(None)
+
+    def _refused(self, peer_id) -> bool:
+        return self._admitted is not None and peer_id.to_base58() not in self._admitted
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._refused(context.remote_id):
+            logger.warning("refused an averaging join request from %s: not an admitted replica", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     def set_target_group_size(self, size: int, timeout: float) -> None:
         future = MPFuture()
@@ -43,6 +77,9 @@ class _StageAverager(DecentralizedAverager):
         hivemind keeps the local values of parts a failed peer never returned and reports success;
         replicas would then step from different gradients. A failed round instead steps nobody.
         """
+        strangers = [p.to_base58() for p in group_info.peer_ids if self._refused(p)]
+        if strangers:
+            raise AllreduceException(f"the group lists peers that are not admitted replicas: {strangers}")
         await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
         future = self._running_groups.get(group_info.group_id if group_id is None else group_id)
         runner = future.result() if future is not None and future.done() else None
@@ -89,12 +126,21 @@ class GradientAverager:
         signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
 
     def average(
-        self, gradients: list[torch.Tensor], samples: int, epoch: int, expected_group: int
+        self,
+        gradients: list[torch.Tensor],
+        samples: int,
+        epoch: int,
+        expected_group: int,
+        admitted: set[str] | None = None,
     ) -> RoundResult | None:
-        """One round with the replicas at `epoch`; None when no group formed in time."""
+        """One round with the replicas at `epoch`; None when no group formed in time.
+
+        With `admitted`, only those peer ids may be in the group (the others are refused).
+        """
         size = max(2, min(expected_group, self.cfg.max_group_size))
         try:
             self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
+            self._averager.set_admitted(admitted, timeout=self.cfg.request_timeout * 5)
             self._averager.set_group_bits(format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b"))
             with self._averager.get_tensors() as tensors:
                 for dst, src in zip(tensors, gradients, strict=True):

@@ -71,7 +71,7 @@ class Checkpointer:
 
     async def take(self, step: int) -> Path | None:
         """Pull every part and write a checkpoint at `step`; None (and a warning) if a part had no server."""
-        client = StageClient.for_server(self.cfg.server)
+        client = StageClient.for_server(self.cfg.server, self.dht.security)
         try:
             pulled = []
             for name, stage, expert in self.parts():

@@ -31,6 +31,7 @@ _FLAG_FIELDS = {
     "checkpoints": "coordinator.checkpoint_dir",
     "metrics_port": "metrics.port",
     "dashboard_port": "dashboard.port",
+    "invite": "security.invite",
 }
 
 
@@ -120,9 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_peer_flags(p)
 
+    p = sub.add_parser("coordinator-invite", help="(peer coordinator invite) print a single-use invite code")
+    p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
+    p.add_argument(
+        "--roles",
+        default="server,experts,trainer",
+        help="what the invited peer may do (default: server,experts,trainer)",
+    )
+    p.add_argument("--hours", type=float, default=72.0, help="how long the code can be used (default 72)")
+    p.add_argument("--identity", help="the coordinator's key (default: the user's)")
+    p = sub.add_parser("coordinator-revoke", help="(peer coordinator revoke PEER) revoke a peer's credential")
+    p.add_argument("peer", help="the peer id to revoke")
+    p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
+    p.add_argument("--reason", default="revoked by the run's owner", help="why (shown to the peer when it renews)")
+    p.add_argument("--identity", help="the coordinator's key (default: the user's)")
+
     p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")
     p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
     p.add_argument("--role", choices=["server", "trainer"], default="server")
+    p.add_argument("--invite", metavar="CODE", help="an invite code from the coordinator (runs that admit by invite)")
     p.add_argument(
         "--stage",
         type=int,
@@ -189,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     mp.set_start_method("fork", force=True)  # hivemind needs fork; gRPC objects are created after its processes
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv[:-1]):  # `peer coordinator invite|revoke ...`: commands of their own
+        if arg == "coordinator" and argv[i + 1] in ("invite", "revoke"):
+            argv[i : i + 2] = [f"coordinator-{argv[i + 1]}"]
+            break
+        if not arg.startswith("-"):
+            break
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
@@ -202,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        from peer.security import AdmissionRefused
         from peer.swarm import RunNotFound
 
-        if isinstance(e, RunNotFound):
+        if isinstance(e, RunNotFound | AdmissionRefused):
             print(f"peer {args.command}: {e}", file=sys.stderr)
             return 1
         raise
@@ -222,6 +247,8 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
     if args.command == "status":
         return _status(args)
+    if args.command in ("coordinator-invite", "coordinator-revoke"):
+        return _admission_command(args)
     if args.command == "generate":
         from peer.checkpoint import CheckpointError
         from peer.generate import load_model, sample
@@ -273,6 +300,35 @@ def _dispatch(args: argparse.Namespace) -> int | None:
     return 0
 
 
+def _admission_command(args: argparse.Namespace) -> int:
+    from peer.authority import create_invite, revoke
+    from peer.coordinator import invites_file, revoked_file
+
+    spec = RunSpec.from_toml(args.spec)
+    identity = Identity.load_or_create(args.identity or None)
+    if args.command == "coordinator-invite":
+        if spec.admission.mode != "invite":
+            print(f"note: run '{spec.name}' has admission.mode = {spec.admission.mode!r}; codes count in invite mode")
+        roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+        try:
+            code = create_invite(invites_file(identity, spec), roles, args.hours)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(f"Invite code (single use, {', '.join(roles)}, valid {args.hours:g} h):\n  {code}")
+        print(f"The invited peer joins with:\n  peer join ADDR --invite {code}")
+        return 0
+    from dht.identity import public_key_from_peer_id
+
+    public_key_from_peer_id(args.peer)  # IdentityError names a malformed peer id
+    added = revoke(revoked_file(identity, spec), args.peer, args.reason)
+    said = "Revoked" if added else "Already revoked:"
+    print(
+        f"{said} {args.peer}. The running coordinator publishes it within a few seconds; every peer drops it "
+        f"within admission.refresh ({spec.admission.refresh:g} s) after that."
+    )
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from dht.node import SwarmDHT
     from peer.status import gather, render
@@ -282,6 +338,9 @@ def _status(args: argparse.Namespace) -> int:
     dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
     try:
         spec = fetch_spec(dht, coordinator, timeout=args.timeout)
+        from peer.security import gate_for
+
+        dht.gate = gate_for(spec, coordinator)  # only admitted peers' records
         render(spec, gather(dht, spec))
     finally:
         dht.shutdown()

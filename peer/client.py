@@ -61,32 +61,45 @@ class StageClient:
         max_tensor_elements: int | None = None,
         max_channels: int = 64,
         stream_bytes: int | None = None,
+        security=None,
     ):
+        self.security = security  # peer.security.Security: TLS with the peer's credential; None: plaintext
         self.chunk_bytes, self.max_message_bytes, self.max_channels = chunk_bytes, max_message_bytes, max_channels
         self.stream_bytes = chunk_bytes if stream_bytes is None else stream_bytes  # above this, a framed stream
         self.max_tensor_elements = max_tensor_elements
-        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = OrderedDict()
+        self._channels: OrderedDict[tuple, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = OrderedDict()
 
     @classmethod
-    def for_server(cls, server_cfg) -> StageClient:
+    def for_server(cls, server_cfg, security=None) -> StageClient:
         """A client with a peer's limits (`ServerConfig`: chunk, message, tensor and stream sizes)."""
         return cls(
             server_cfg.chunk_bytes,
             server_cfg.max_message_bytes,
             server_cfg.max_tensor_elements,
             stream_bytes=server_cfg.stream_bytes,
+            security=security,
         )
 
     def _channel(self, endpoint: str) -> tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]:
-        if endpoint in self._channels:
-            self._channels.move_to_end(endpoint)
-            return self._channels[endpoint]
-        channel = grpc.aio.insecure_channel(endpoint, options=channel_options(self.max_message_bytes))
-        self._channels[endpoint] = (channel, stage_pb2_grpc.StageStub(channel))
+        """A channel to `endpoint`; over TLS, pinned to the peer whose record announced it (a new one
+        when that peer or this peer's certificate changes)."""
+        security = self.security
+        name = security.target_name(endpoint) if security is not None else ""
+        key = (endpoint, name, security.generation if security is not None else 0)
+        if key in self._channels:
+            self._channels.move_to_end(key)
+            return self._channels[key]
+        options = channel_options(self.max_message_bytes)
+        if security is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=options)
+        else:
+            options.append(("grpc.ssl_target_name_override", name))
+            channel = grpc.aio.secure_channel(endpoint, security.channel_credentials(), options=options)
+        self._channels[key] = (channel, stage_pb2_grpc.StageStub(channel))
         while len(self._channels) > self.max_channels:
             _, (old, _) = self._channels.popitem(last=False)
             asyncio.ensure_future(old.close())
-        return self._channels[endpoint]
+        return self._channels[key]
 
     def _unary(self, endpoint: str, path: str, response_type):
         channel, _ = self._channel(endpoint)

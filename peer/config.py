@@ -96,6 +96,23 @@ class MoEConfig:
     min_answers: int = 1  # of a token's top_k experts, at least this many must answer or the call fails
 
 
+ADMISSION_MODES = ("open", "allowlist", "invite", "off")
+
+
+@dataclass
+class AdmissionConfig:
+    # who may join: open (anyone, with a credential and TLS like everyone), allowlist (the peer ids
+    # below), invite (codes from `peer coordinator invite`); off: no TLS and no credentials at all,
+    # for a lab on a trusted network and for measuring what security costs
+    mode: str = "open"
+    allowlist: list[str] = field(default_factory=list)  # allowlist mode: peer ids that may join
+    credential_ttl: float = 600.0  # s a credential is valid; a peer renews it at half-life while admitted
+    refresh: float = 5.0  # s between peers' reads of the revocation list: a revocation reaches all within this
+    # distinct trainers whose spot checks must find a server wrong before the coordinator revokes it; 0: never
+    revoke_after_reports: int = 2
+    max_pending: int = 256  # credential requests the coordinator looks at per pass; more wait for the next
+
+
 @dataclass
 class RunSpec:
     name: str = "swarmtrain"  # the run's id in DHT keys: letters, digits, '-' and '_'
@@ -106,6 +123,7 @@ class RunSpec:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def moe_layers(self) -> list[int]:
         """The blocks whose MLP is a mixture of experts (none when moe.num_experts is 0)."""
@@ -230,6 +248,27 @@ class RunSpec:
                 raise ConfigError(f"moe.expert_size: must be >= 0, got {e.expert_size}")
             if e.aux_loss_weight < 0:
                 raise ConfigError(f"moe.aux_loss_weight: must be >= 0, got {e.aux_loss_weight}")
+        self._validate_admission()
+
+    def _validate_admission(self) -> None:
+        d = self.admission
+        if d.mode not in ADMISSION_MODES:
+            raise ConfigError(f"admission.mode: must be one of {', '.join(ADMISSION_MODES)}, got {d.mode!r}")
+        if d.mode == "allowlist" and not d.allowlist:
+            raise ConfigError("admission.allowlist: allowlist mode needs at least one peer id")
+        from dht.identity import IdentityError, public_key_from_peer_id
+
+        for i, peer in enumerate(d.allowlist):
+            try:
+                public_key_from_peer_id(peer)
+            except IdentityError as e:
+                raise ConfigError(f"admission.allowlist[{i}]: {e}") from None
+        if not d.credential_ttl >= 10:
+            raise ConfigError(f"admission.credential_ttl: must be at least 10 s, got {d.credential_ttl}")
+        _positive("admission.refresh", d.refresh)
+        _positive("admission.max_pending", d.max_pending)
+        if d.revoke_after_reports < 0:
+            raise ConfigError(f"admission.revoke_after_reports: must be >= 0, got {d.revoke_after_reports}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +295,11 @@ class ServerConfig:
     chunk_bytes: int = 2 * 1024 * 1024  # largest chunk of a framed stream
     stream_bytes: int = 2 * 1024 * 1024  # messages above this travel as a framed stream (below, unary calls are faster)
     max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
+    max_requests_per_peer: int = 16  # of those, the most one caller (peer id) may have; more: RESOURCE_EXHAUSTED
+    max_inflight_bytes: int = 1024 * 1024 * 1024  # decoded request tensors held at once; more: RESOURCE_EXHAUSTED
+    clip_factor: float = 10.0  # a backward's gradient norm above this times the running median is clipped to it
+    clip_window: int = 64  # backwards in that running median (clipping starts once 8 are in)
+    perturb_outputs: float = 0.0  # drills and tests only: add Gaussian noise of this std to forward outputs
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
     dedup_history: int = 1024  # uids of backwards added, so that a caller's retry of one is not counted twice
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
@@ -303,6 +347,10 @@ class TrainerConfig:
     # gets a live progress bar)
     progress: bool = False
     refresh_period: float = 1.0  # s between refreshes of the server list (and settling of receipts)
+    spot_check: float = 0.05  # fraction of forwards re-sent to a second replica to compare (0: none)
+    # outputs agree when their largest difference is within this fraction of their largest magnitude
+    # (the activation codec's own error is added to it)
+    spot_check_tolerance: float = 0.02
 
 
 @dataclass
@@ -373,6 +421,13 @@ class ParallelConfig:
 
 
 @dataclass
+class SecurityConfig:
+    invite: str = ""  # an invite code from the run's coordinator (admission.mode = invite)
+    admission_timeout: float = 30.0  # s to wait for the coordinator's answer to a credential request
+    poll: float = 0.5  # s between looks for that answer (peers) or for new requests (coordinator)
+
+
+@dataclass
 class PeerConfig:
     identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
     threads: int = 0  # torch threads; 0: torch's default
@@ -384,6 +439,7 @@ class PeerConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:

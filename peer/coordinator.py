@@ -20,10 +20,12 @@ from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
 from dht.records import TrainerRecord
 from peer import checkpoint
+from peer.authority import Authority
 from peer.checkpointer import Checkpointer
 from peer.config import PeerConfig, RunSpec
 from peer.dashboard import Dashboard, swarm_state
 from peer.metrics import open_metrics, serve_metrics
+from peer.security import Security
 from peer.status import gather
 from peer.swarm import publish_spec
 from peer.timeline import Timeline
@@ -128,6 +130,35 @@ def timeline_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
     return beside_key(cfg.coordinator.timeline_file, identity, spec, "timeline.json")
 
 
+def invites_file(identity: Identity, spec: RunSpec) -> Path:
+    return beside_key("", identity, spec, "invites.json")
+
+
+def revoked_file(identity: Identity, spec: RunSpec) -> Path:
+    return beside_key("", identity, spec, "revoked.json")
+
+
+def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: SwarmDHT) -> Authority | None:
+    """The run's certificate authority and the coordinator's own credential (None with admission.mode off)."""
+    if spec.admission.mode == "off":
+        print("Admission is off: no TLS and no credentials (admission.mode = off; a trusted network only).")
+        return None
+    authority = Authority(spec, cfg, identity, dht, invites_file(identity, spec), revoked_file(identity, spec))
+    authority.follow_revocations()
+    security = Security(spec, cfg, identity, dht, identity.peer_id, ("coordinator",), issue=authority.issue_own)
+    security.obtain()
+    dht.security = security
+    security.start()
+    authority.start()
+    how = {
+        "open": "anyone who asks",
+        "allowlist": f"the {len(spec.admission.allowlist)} peer(s) of admission.allowlist",
+        "invite": "peers with an invite code (peer coordinator invite)",
+    }[spec.admission.mode]
+    print(f"Admission: {spec.admission.mode} ({how}); every peer needs a credential from this coordinator.")
+    return authority
+
+
 def remembered_peers(path: Path) -> list[str]:
     try:
         data = json.loads(path.read_text())
@@ -221,8 +252,9 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    archive = dashboard = timeline = None
+    archive = dashboard = timeline = authority = None
     try:
+        authority = start_authority(spec, cfg, identity, dht)
         archive = open_archive(resume, spec, cfg, dht) if resume else None
         if not publish_spec(dht, spec, SPEC_TTL):
             logger.warning("the run spec was not stored on any DHT node yet; will retry")
@@ -304,4 +336,6 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             dashboard.stop()
         if archive is not None:
             archive.stop()
+        if authority is not None:
+            authority.stop()
         dht.shutdown()

@@ -51,7 +51,7 @@ class RemoteExperts:
         self.uids = [expert_uid(layer, e) for layer in self.layers for e in range(spec.moe.num_experts)]
         self.slot = {uid: i for i, uid in enumerate(self.uids)}
         self.router = Router(dht, spec.name, 0, cfg.experts, cfg.network.record_ttl, experts=self.uids)
-        self.client = StageClient.for_server(cfg.server)
+        self.client = StageClient.for_server(cfg.server, dht.security)
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.block_size = spec.compression.block_size
         self.loop: asyncio.AbstractEventLoop | None = None

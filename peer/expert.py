@@ -129,7 +129,7 @@ class ExpertRuntime(PartRuntime):
             self.cache_misses += 1
         with torch.enable_grad():
             computed = torch.autograd.grad(out, [x, *self.params], grad_out)
-        seq = self._accumulate(computed[1:], samples)
+        seq = self._accumulate(self.guard_gradients(computed[1:], samples), samples)
         parts = computed[0].detach().split(sizes)
         self._measure(x.shape[0], time.perf_counter() - started, weight=2 / 3)
         return [parts[o].cpu() for o in order], seq

@@ -83,8 +83,9 @@ class ExpertHost:
     ):
         self.spec, self.run_id, self.cfg, self.dht = spec, spec.name, cfg, dht
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self.client = StageClient.for_server(cfg.server)
+        self.client = StageClient.for_server(cfg.server, dht.security)
         self.inflight = 0
+        self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
         self.leaving = False
         self.endpoint = ""
         self.grpc_server: grpc.aio.Server | None = None
@@ -170,7 +171,9 @@ class ExpertHost:
     async def start(self) -> None:
         from peer.expert_service import ExpertServicer
 
-        self.grpc_server, self.health, self.endpoint = await open_grpc_server(self.cfg, ExpertServicer(self))
+        self.grpc_server, self.health, self.endpoint = await open_grpc_server(
+            self.cfg, ExpertServicer(self), self.dht.security
+        )
         for replica in self.replicas.values():
             replica.endpoint = self.endpoint
         await asyncio.gather(*(r.publish(force=True) for r in self.replicas.values()))  # 'joining'

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -17,13 +18,18 @@ from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.corpus import load_corpus
 from peer.metrics import open_metrics, serve_metrics
+from peer.security import Security
 from peer.swarm import choose_stage, coordinator_peer_id, fetch_spec
 
 logger = logging.getLogger(__name__)
 
 
-def connect(maddr: str, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, RunSpec]:
-    """Join the DHT through `maddr` and read the spec signed by the coordinator the address names."""
+def connect(maddr: str, cfg: PeerConfig, identity: Identity, role: str) -> tuple[SwarmDHT, RunSpec]:
+    """Join the DHT through `maddr`, read the spec signed by the coordinator the address names, get a credential.
+
+    The credential (peer.security) comes through the DHT, so no gRPC object exists yet when this
+    returns: hivemind's averager, which forks, can still be created.
+    """
     coordinator = coordinator_peer_id(maddr)
     net = cfg.network
     dht = SwarmDHT(
@@ -36,10 +42,30 @@ def connect(maddr: str, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, 
     )
     try:
         spec = fetch_spec(dht, coordinator, timeout=net.dht_startup_timeout)
+        if spec.admission.mode != "off":
+            security = Security(spec, cfg, identity, dht, coordinator, (role,))
+            security.obtain()
+            dht.security = security  # its renewal thread starts later (follow_admission): after hivemind forks
+            left = security.credential.not_after - time.time()
+            print(f"Admitted to run '{spec.name}' as {role} (credential valid {left / 60:.0f} min, renewed).")
     except BaseException:
         dht.shutdown()
         raise
     return dht, spec
+
+
+def follow_admission(dht: SwarmDHT, on_revoked) -> None:
+    """Renew the credential and follow revocations from now on; `on_revoked` (on this event loop) if revoked."""
+    if dht.security is None:
+        return
+    loop = asyncio.get_running_loop()
+
+    def revoked():
+        print("This peer's credential was revoked by the run's coordinator; leaving the swarm.", flush=True)
+        loop.call_soon_threadsafe(on_revoked)
+
+    dht.security.on_revoked = revoked
+    dht.security.start()
 
 
 async def _until_signalled(start, stop, done: asyncio.Event | None = None) -> None:
@@ -89,7 +115,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
     from peer.averaging import GradientAverager
     from peer.server import StageServer
 
-    dht, spec = connect(maddr, cfg, identity)
+    dht, spec = connect(maddr, cfg, identity, "server")
     averager = server = ranks = None
     try:
         n = spec.stages.num_stages
@@ -120,6 +146,10 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             experts = RemoteExperts(spec, stage, cfg, dht)  # the gates live here, the experts on expert hosts
             print(f"Blocks {experts.layers} are mixture-of-experts layers; their experts live on expert hosts.")
         runtime, ranks = _stage_runtime(spec, stage, cfg, experts)
+        runtime.configure_clipping(cfg.server.clip_factor, cfg.server.clip_window)
+        runtime.perturb_outputs = cfg.server.perturb_outputs
+        if cfg.server.perturb_outputs:
+            print(f"DRILL: this server adds noise (std {cfg.server.perturb_outputs:g}) to its outputs.", flush=True)
         # hivemind's averager forks: create it before any gRPC channel or server, and before the other ranks
         template = runtime.full_template() if ranks is not None else runtime.params
         averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), template, spec)
@@ -150,6 +180,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 ranks.on_death = lambda reason: loop.call_soon_threadsafe(server.done.set)
             if experts is not None:
                 await experts.bind()
+            follow_admission(dht, server.done.set)
             serve_metrics(server.metrics, cfg)
             await server.start()
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
@@ -227,7 +258,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
     )
     from peer.replica import Part
 
-    dht, spec = connect(maddr, cfg, identity)
+    dht, spec = connect(maddr, cfg, identity, "experts")
     averagers: dict[str, GradientAverager] = {}
     try:
         if not spec.moe_layers():
@@ -253,6 +284,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
         rate = next(iter(runtimes.values())).benchmark(min(cfg.experts.max_batch_tokens, 128))
         for runtime in runtimes.values():
             runtime.throughput = rate
+            runtime.configure_clipping(cfg.server.clip_factor, cfg.server.clip_window)
         print(f"Measured {rate:.0f} tokens/s per expert on this machine.", flush=True)
         # hivemind's averagers fork: create them before any gRPC channel or server
         for uid, runtime in runtimes.items():
@@ -277,6 +309,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
             replica.metrics = metrics
 
         async def start():
+            follow_admission(dht, done.set)
             serve_metrics(metrics, cfg)
             await host.start()
             loaded = f"; loaded the state of {', '.join(host.loaded)} from replicas" if host.loaded else ""
@@ -286,7 +319,8 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
             print("Leaving the swarm...", flush=True)
             await host.stop()
 
-        asyncio.run(_until_signalled(start, stop))
+        done = asyncio.Event()
+        asyncio.run(_until_signalled(start, stop, done))
     finally:
         for averager in averagers.values():
             averager.shutdown()
@@ -298,7 +332,7 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
     from peer.trainer import Trainer
 
     corpus = load_corpus(cfg.trainer.data)
-    dht, spec = connect(maddr, cfg, identity)
+    dht, spec = connect(maddr, cfg, identity, "trainer")
     try:
         print(
             f"Joined run '{spec.name}' as a trainer on {corpus.source} "
@@ -335,6 +369,7 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
 
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, on_signal)
+            follow_admission(dht, task.cancel)  # revoked: stop at once (its calls are refused now)
             return await trainer.run()
 
         trainer.progress = TrainerProgress(spec.training.total_steps, cfg.trainer.progress)

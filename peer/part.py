@@ -16,7 +16,10 @@ Every method runs on the owner's torch thread, one at a time, so nothing here ta
 
 from __future__ import annotations
 
+import logging
+import math
 import random
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -24,6 +27,12 @@ import torch
 
 from peer.config import RunSpec
 from peer.optim import build_optimizer, set_lr
+
+logger = logging.getLogger(__name__)
+
+
+class BadGradient(ValueError):
+    """A backward whose parameter gradients are not finite: refused, nothing added."""
 
 
 class StateError(ValueError):
@@ -87,6 +96,45 @@ class PartRuntime:
         self.anchor = [p.detach().clone() for p in self.params] if self.local else []
         self.momentum = [torch.zeros_like(p) for p in self.params] if self.local else []
         self._taken: tuple[list[torch.Tensor], int, int] | None = None  # (params, inner steps, samples) at a take
+        self.configure_clipping(10.0, 64)
+        self.clipped = self.refused_gradients = 0  # backwards clipped, and refused as not finite
+
+    def configure_clipping(self, factor: float, window: int) -> None:
+        """Clip a backward's per-sample gradient norm to `factor` x the median of the last `window`."""
+        self.clip_factor = factor
+        self.grad_norms: deque[float] = deque(maxlen=max(window, 1))
+
+    def guard_gradients(self, grads, samples: int) -> list:
+        """One backward's parameter gradients, checked before they are added to the accumulator.
+
+        Not finite: BadGradient (the caller gets INVALID_ARGUMENT). Far above the running median of
+        per-sample norms: scaled down to `clip_factor` x that median, and logged. A hostile trainer
+        can thus move a step by at most that much per micro-batch (docs/security.md).
+        """
+        present = [g for g in grads if g is not None]
+        if not present:
+            return list(grads)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in present])).item()
+        if not math.isfinite(norm):
+            self.refused_gradients += 1
+            raise BadGradient("the gradients this backward produced are not finite; nothing was added")
+        per_sample = norm / max(samples, 1)
+        if len(self.grad_norms) >= 8 and self.clip_factor > 0:
+            limit = self.clip_factor * statistics.median(self.grad_norms)
+            if per_sample > limit > 0:
+                scale = limit / per_sample
+                grads = [None if g is None else g * scale for g in grads]
+                self.clipped += 1
+                logger.warning(
+                    "%s: clipped a backward's gradient norm %.3g per sample to %.3g (%.0fx the running median)",
+                    self.name,
+                    per_sample,
+                    limit,
+                    self.clip_factor,
+                )
+                per_sample = limit
+        self.grad_norms.append(per_sample)
+        return list(grads)
 
     @property
     def progress(self) -> int:

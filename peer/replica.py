@@ -95,8 +95,9 @@ class Replica:
         self.dht, self.runtime, self.averager = dht, runtime, averager
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self.round_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
-        self.client = client or StageClient.for_server(cfg.server)
+        self.client = client or StageClient.for_server(cfg.server, dht.security)
         self.inflight = 0
+        self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
         self.leaving = False
         self.state = "joining"
         self.stepping = False
@@ -281,7 +282,9 @@ class Replica:
         self.round_seq = seq
         await self.publish(force=True)
         await asyncio.sleep(stagger)
-        round_future = self.round_executor.submit(self.averager.average, grads, samples, epoch, group_size)
+        # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
+        admitted = {self.dht.peer_id, *self.peers} if self.dht.gate is not None else None
+        round_future = self.round_executor.submit(self.averager.average, grads, samples, epoch, group_size, admitted)
 
         def finish():
             result = round_future.result()

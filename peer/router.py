@@ -61,6 +61,7 @@ class Router:
         self.dead: set[str] = set()  # refused connections: the process is gone
         self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
         self.leaving: set[str] = set()  # said so in an answer, before its record did
+        self.distrusted: set[str] = set()  # caught answering wrong (peer.spotcheck): never routed to again
         self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
         self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
         self.rng = random.Random()
@@ -84,7 +85,10 @@ class Router:
             self.servers[slot] = {
                 pid: r
                 for pid, r in records.items()
-                if r.state == "serving" and pid not in self.dead and pid not in self.leaving
+                if r.state == "serving"
+                and pid not in self.dead
+                and pid not in self.leaving
+                and pid not in self.distrusted
             }
             for r in self.servers[slot].values():
                 self.max_epoch = max(self.max_epoch, r.step, r.epoch)
@@ -215,6 +219,11 @@ class Router:
     def report_leaving(self, peer_id: str) -> None:
         self.leaving.add(peer_id)
         self.dead_since[peer_id] = time.time()
+        self._unroute(peer_id)
+
+    def distrust(self, peer_id: str) -> None:
+        """It answered wrong: never route to it again (in this process)."""
+        self.distrusted.add(peer_id)
         self._unroute(peer_id)
 
     def _unroute(self, peer_id: str) -> None:

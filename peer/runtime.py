@@ -15,7 +15,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.model import StageModel
-from peer.part import Fingerprint, PartRuntime, StateError, state_shards
+from peer.part import BadGradient, Fingerprint, PartRuntime, StateError, state_shards
 
 __all__ = ["Fingerprint", "InputError", "Late", "RankDied", "StageRuntime", "StateError", "state_shards"]
 
@@ -72,6 +72,7 @@ class StageRuntime(PartRuntime):
         self._cache_size = activation_cache_size
         self.cache_hits = self.cache_misses = self.cache_stashed = 0
         self.duplicates = 0  # retried backwards answered without being added again
+        self.perturb_outputs = 0.0  # server.perturb_outputs (drills and tests): noise added to forward outputs
 
     # ---- input checks ---------------------------------------------------------------------
     def check_inputs(self, inputs: torch.Tensor) -> None:
@@ -163,6 +164,8 @@ class StageRuntime(PartRuntime):
             with torch.no_grad(), self._autocast():
                 result = self.model(inputs, targets).float()
         self._measure(inputs.shape[0], time.perf_counter() - started, weight=1 / 3)
+        if self.perturb_outputs and targets is None:  # server.perturb_outputs: a drill of a wrong server
+            result = result + self.perturb_outputs * torch.randn_like(result)
         return result.cpu()
 
     def backward(
@@ -232,6 +235,13 @@ class StageRuntime(PartRuntime):
             # again with the first addition's number, and do not count it twice
             self.duplicates += 1
             return grad_inputs, loss, self.counted[uid]
+        refused = False
+        try:
+            param_grads = self.guard_gradients(param_grads, batch)
+        except BadGradient:
+            refused = True
+        if self._agree(refused):  # every rank of a split stage refuses together (rank 0 decides)
+            raise BadGradient("the gradients this backward produced are not finite; nothing was added")
         seq = self._accumulate(param_grads, batch, uid)
         self._measure(batch, time.perf_counter() - started, weight=2 / 3)
         return None if grad_inputs is None else grad_inputs.cpu(), loss, seq

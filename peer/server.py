@@ -24,6 +24,7 @@ from peer.averaging import GradientAverager
 from peer.balance import plan_move, stage_totals
 from peer.client import server_options
 from peer.config import PeerConfig, RunSpec
+from peer.guard import Guard
 from peer.replica import Part, Replica
 from peer.runtime import StageRuntime
 from peer.servicer import StageServicer, add_to_server
@@ -43,17 +44,34 @@ def announce_host(cfg_host: str, announce: str) -> str:
         return "127.0.0.1"
 
 
-async def open_grpc_server(cfg: PeerConfig, servicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+def grpc_server(cfg: PeerConfig, security) -> grpc.aio.Server:
+    """A gRPC server with this peer's limits; with `security`, every call passes the guard (peer.guard)."""
+    interceptors = [] if security is None else [Guard(security.gate, cfg.server.max_requests_per_peer)]
+    return grpc.aio.server(options=server_options(cfg.server.max_message_bytes), interceptors=interceptors)
+
+
+def listen(server: grpc.aio.Server, address: str, security) -> int:
+    """Listen on `address`: mutual TLS with this peer's credential, or plaintext without `security`."""
+    if security is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, security.server_credentials())
+    if port == 0:
+        raise OSError(f"could not listen on {address}")
+    return port
+
+
+async def open_grpc_server(
+    cfg: PeerConfig, servicer, security=None
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     """Start a gRPC server with `servicer` and health checking (NOT_SERVING until set); its announced endpoint."""
     net = cfg.network
-    server = grpc.aio.server(options=server_options(cfg.server.max_message_bytes))
+    server = grpc_server(cfg, security)
     add_to_server(servicer, server)
     checker = health.aio.HealthServicer()
     await checker.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    port = server.add_insecure_port(f"{net.host}:{net.port}")
-    if port == 0:
-        raise OSError(f"could not listen on {net.host}:{net.port}")
+    port = listen(server, f"{net.host}:{net.port}", security)
     await server.start()
     return server, checker, f"{announce_host(net.host, net.announce_host)}:{port}"
 
@@ -150,7 +168,9 @@ class StageServer(Replica):
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        self.grpc_server, self.health, self.endpoint = await open_grpc_server(self.cfg, StageServicer(self))
+        self.grpc_server, self.health, self.endpoint = await open_grpc_server(
+            self.cfg, StageServicer(self), self.dht.security
+        )
         await self.publish(force=True)  # as 'joining': not routed to yet
         if not await self.load_state_from_peers():
             print(f"No other server holds stage {self.stage} yet: starting from the run's seed.", flush=True)

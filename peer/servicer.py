@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
 from peer.moe import ExpertsUnavailable
+from peer.part import BadGradient
 from peer.runtime import InputError, Late, RankDied
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -101,6 +103,16 @@ class ServicerBase:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server busy: {self.server.inflight} requests in flight (limit {self.limits.max_concurrent_requests})",
             )
+        # what this request's tensors take once decoded (float32); the sum of those running is bounded
+        held = 4 * sum(max(0, math.prod(t.shape)) for _, t in framing.tensor_paths(request))
+        busy = self.server.inflight_bytes
+        if busy + held > self.limits.max_inflight_bytes:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {busy + held} bytes of request tensors would be held "
+                f"(limit server.max_inflight_bytes = {self.limits.max_inflight_bytes})",
+            )
+        self.server.inflight_bytes = busy + held
         self.server.inflight += 1
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
@@ -122,8 +134,11 @@ class ServicerBase:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"experts unavailable: {e}")
         except TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "experts unavailable: the expert calls ran out of time")
+        except BadGradient as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.server.inflight -= 1
+            self.server.inflight_bytes -= held
             metrics = getattr(self.server, "metrics", None)
             if metrics is not None:
                 metrics.request(handler.__name__.strip("_"), outcome == "ok", time.perf_counter() - started)
@@ -261,14 +276,14 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None):
         inputs = self._routed_inputs(request, payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
-        epoch = self.runtime.progress
 
         def job():
             if deadline is not None and time.monotonic() > deadline:
                 raise Late("the request's deadline passed while it waited")  # the caller went elsewhere
-            return self.runtime.forward(request.uid, inputs, targets, request.train)
+            # the step read beside the forward (same thread): the weights the answer comes from
+            return self.runtime.forward(request.uid, inputs, targets, request.train), self.runtime.progress
 
-        result = await self.server.run_torch(job)
+        result, epoch = await self.server.run_torch(job)
         if targets is not None:
             return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
         header, payload = codec.encode_payload(result, request.output_codec, self.block_size)
@@ -291,6 +306,20 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         return response, out
 
 
+def parsed(handler, message_type):
+    """`handler` taking raw bytes: a request that does not parse gets INVALID_ARGUMENT naming the type
+    (gRPC's own deserializer would answer INTERNAL)."""
+
+    async def handle(raw: bytes, context):
+        try:
+            request = message_type.FromString(raw)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a {message_type.__name__}: {e}")
+        return await handler(request, context)
+
+    return handle
+
+
 def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
     """Register a servicer's service: unary methods with protobuf messages, streams as raw framed bytes."""
     forward_types, backward_types = servicer.FORWARD, servicer.BACKWARD
@@ -301,9 +330,7 @@ def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
         "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
     }
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
-        )
+        name: grpc.unary_unary_rpc_method_handler(parsed(fn, req), response_serializer=resp.SerializeToString)
         for name, (fn, req, resp) in unary.items()
     }
     handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)

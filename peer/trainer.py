@@ -31,10 +31,12 @@ from peer.config import PeerConfig, RunSpec
 from peer.corpus import Corpus, Sampler, validation_batches
 from peer.ledger import Check, Ledger, Receipt
 from peer.router import NoServer, Router
+from peer.spotcheck import SpotChecker
 from protocols import codec, framing, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
-_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT,)
+# our own fault, not the server's: a malformed request, or this trainer's credential refused (revoked)
+_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 WORK = {"forward": 1 / 3, "backward": 1.0}  # share of a forward+backward (a backward recomputes on a cache miss)
 
 
@@ -69,7 +71,7 @@ class Trainer:
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
         self.ledger = Ledger()
-        self.client = StageClient.for_server(cfg.server)
+        self.client = StageClient.for_server(cfg.server, dht.security)
         seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
         self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
         self.val = (
@@ -93,6 +95,7 @@ class Trainer:
         self._settling = asyncio.Lock()  # one settle pass at a time: a receipt is replayed once
         self._settle_task: asyncio.Task | None = None
         self.stopping = False
+        self.spot = SpotChecker(self)
 
     # ---- calls with rerouting -------------------------------------------------------------
     async def _wait_for_server(self, stage: int, pause: float) -> None:
@@ -348,7 +351,9 @@ class Trainer:
         epoch = 0
         for stage in range(n - 1):
             request = stage_pb2.ForwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec, train=True)
-            response, returned, pid = await self._call(stage, "forward", *_with(request, "inputs", *stage_inputs[-1]))
+            request, payloads = _with(request, "inputs", *stage_inputs[-1])
+            response, returned, pid = await self._call(stage, "forward", request, payloads)
+            self.spot.maybe_check(index, stage, request, payloads, response, returned, pid)
             stage_inputs.append((response.outputs, returned.get("outputs")))
             servers.append(pid)
             epoch = max(epoch, response.epoch)
@@ -432,6 +437,8 @@ class Trainer:
             for task in inflight:
                 task.cancel()
             self.summary.seconds = time.time() - self.started
+            for task in list(self.spot.running):
+                task.cancel()
             await self._announce()
             await self.client.close()
             if self._log:
@@ -524,6 +531,7 @@ class Trainer:
             await self.dht.astore(keys.trainers_key(self.spec.name), record, self.cfg.network.record_ttl)
         except Exception as e:
             logger.debug("could not announce the trainer: %s", e)
+        await self.spot.report()
 
     async def _refresh_loop(self) -> None:
         last_announce = 0.0

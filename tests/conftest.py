@@ -16,11 +16,15 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from peer.demo import dict_to_toml, loopback_join
+
+# endpoint -> (test workdir, identity file of the peer serving it): what a test's own TLS client pins
+_SERVERS: dict[str, tuple[Path, Path]] = {}
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = [sys.executable, "-m", "peer.cli"]
@@ -64,8 +68,10 @@ def write_spec(path: Path, spec: dict) -> Path:
 
 
 class Peer:
-    def __init__(self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False):
-        """Start `peer ARGS`; with `tty` its output is a pseudo-terminal (as a person at a terminal sees it)."""
+    def __init__(
+        self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False, python: bool = False
+    ):
+        """Start `peer ARGS` (with `python`: `python ARGS`); with `tty` its output is a pseudo-terminal."""
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
@@ -78,7 +84,7 @@ class Peer:
             env.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
         try:
             self.proc = subprocess.Popen(
-                [*PEER, *args],
+                [sys.executable, *args] if python else [*PEER, *args],
                 cwd=workdir,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -169,8 +175,8 @@ class Swarm:
         self.peers: list[Peer] = []
         self.maddr = ""
 
-    def start(self, name: str, args: list[str], niceness: int = 0, tty: bool = False) -> Peer:
-        peer = Peer(name, args, self.workdir, niceness, tty)
+    def start(self, name: str, args: list[str], niceness: int = 0, tty: bool = False, python: bool = False) -> Peer:
+        peer = Peer(name, args, self.workdir, niceness, tty, python)
         self.peers.append(peer)
         return peer
 
@@ -211,9 +217,15 @@ class Swarm:
             tty,
         )
 
-    @staticmethod
-    def endpoint(server: Peer, timeout: float = 120) -> str:
-        return server.wait_for(r"Serving stage \d+ at (\S+) from step", timeout).group(1)
+    def endpoint(self, server: Peer, timeout: float = 120) -> str:
+        endpoint = server.wait_for(r"Serving stage \d+ at (\S+) from step", timeout).group(1)
+        self.known(endpoint, server.name)
+        return endpoint
+
+    def known(self, endpoint: str, name: str) -> str:
+        """Remember that peer `name` serves `endpoint`, so this test's TLS clients can pin its key."""
+        _SERVERS[endpoint] = (self.workdir, self.workdir / f"{name}.pem")
+        return endpoint
 
     def log(self, name: str) -> list[dict]:
         path = self.workdir / f"{name}.jsonl"
@@ -259,11 +271,76 @@ def swarm(tmp_path):
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
-def info(endpoint: str, timeout: float = 10.0):
-    """The Info of a stage server, over a short-lived gRPC channel."""
+class TestCredential:
+    """A credential for the test process itself, signed with the run's coordinator key (the test owns
+    the run): what peer.client needs of a peer.security.Security."""
+
+    def __init__(self, workdir: Path, roles: tuple[str, ...] = ("trainer", "server")):
+        import grpc
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        from dht.credential import RunAuthority, ownership_proof
+        from dht.identity import Identity
+
+        spec = tomllib.loads((workdir / "run.toml").read_text())
+        authority = RunAuthority(Identity.load(workdir / "coordinator.pem"), spec.get("name", "swarmtrain"))
+        self.identity, key = Identity.generate(), ec.generate_private_key(ec.SECP256R1())
+        nonce = os.urandom(16)
+        proof = ownership_proof(self.identity, key.public_key(), nonce)
+        cert = authority.issue(self.identity.peer_id, key.public_key(), roles, nonce, proof, 3600)
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        self.generation = 1
+        self.credentials = grpc.ssl_channel_credentials(
+            authority.pem(), key_pem, cert.public_bytes(serialization.Encoding.PEM)
+        )
+
+    def channel_credentials(self):
+        return self.credentials
+
+    def target_name(self, endpoint: str, peer_id: str | None = None) -> str:
+        from dht.credential import dns_name_of
+        from dht.identity import Identity
+
+        return dns_name_of(peer_id or Identity.load(_SERVERS[endpoint][1]).peer_id)
+
+
+def test_credential(endpoint: str) -> TestCredential | None:
+    """A credential good for the run `endpoint` belongs to (None when that run has admission off)."""
+    workdir = _SERVERS[endpoint][0]
+    spec = tomllib.loads((workdir / "run.toml").read_text())
+    if spec.get("admission", {}).get("mode", "open") == "off":
+        return None
+    return TestCredential(workdir)
+
+
+test_credential.__test__ = False  # a helper, not a test
+TestCredential.__test__ = False
+
+
+def channel(endpoint: str):
+    """A gRPC channel of this test process to `endpoint` (a server started by the swarm fixture)."""
     import grpc
 
+    credential = test_credential(endpoint)
+    if credential is None:
+        return grpc.insecure_channel(endpoint)
+    options = [("grpc.ssl_target_name_override", credential.target_name(endpoint))]
+    return grpc.secure_channel(endpoint, credential.channel_credentials(), options=options)
+
+
+def client(endpoint: str, *args, **kwargs):
+    """A peer.client.StageClient of this test process, admitted to the run `endpoint` belongs to."""
+    from peer.client import StageClient
+
+    return StageClient(*args, security=test_credential(endpoint), **kwargs)
+
+
+def info(endpoint: str, timeout: float = 10.0):
+    """The Info of a stage server, over a short-lived gRPC channel."""
     from protocols import stage_pb2, stage_pb2_grpc
 
-    with grpc.insecure_channel(endpoint) as channel:
-        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout)
+    with channel(endpoint) as ch:
+        return stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=timeout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from conftest import info
+from conftest import channel, info
 
 from protocols import codec, stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -24,8 +24,8 @@ def stage1(swarm):
         "s1", 1, ["--set", "server.max_tensor_elements=4096", "--set", "server.max_message_bytes=100000"]
     )
     endpoint = swarm.endpoint(server)
-    with grpc.insecure_channel(endpoint) as channel:
-        yield stage_pb2_grpc.StageStub(channel), endpoint
+    with channel(endpoint) as ch:
+        yield stage_pb2_grpc.StageStub(ch), endpoint
 
 
 def _forward(stub, inputs: tensor_pb2.Tensor, **fields):
@@ -93,10 +93,10 @@ def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
     # a message above the chunk size travels as a framed stream and gives the same answer
     import asyncio
 
-    from peer.client import StageClient
+    from conftest import client as admitted_client
 
     async def both():
-        client = StageClient(chunk_bytes=1024, max_message_bytes=10**6)
+        client = admitted_client(endpoint, chunk_bytes=1024, max_message_bytes=10**6)
         try:
             request = stage_pb2.ForwardRequest(run_id="badinput", stage=1, inputs=codec.encode(good))
             streamed, payloads = await client.forward(endpoint, request, timeout=10)

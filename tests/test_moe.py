@@ -16,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from conftest import client as admitted_client
 
 from peer.batcher import Batcher
 from peer.client import StageClient
@@ -147,8 +148,8 @@ def _join(swarm, name, *extra):
     return loopback_join(swarm.maddr, name, *extra)
 
 
-def _hosted_at(peer, timeout: float = 120) -> str:
-    return peer.wait_for(r"Serving experts .* at (\S+:\d+)", timeout).group(1)
+def _hosted_at(swarm, peer, timeout: float = 120) -> str:
+    return swarm.known(peer.wait_for(r"Serving experts .* at (\S+:\d+)", timeout).group(1), peer.name)
 
 
 def _tensor(t: torch.Tensor):
@@ -176,12 +177,12 @@ def test_remote_moe_matches_local_refuses_bad_input_and_trains(swarm):
     host_a = _expert_host(swarm, "experts-a", "1.0,1.1", ["--set", "experts.max_request_tokens=256"])
     host_b = _expert_host(swarm, "experts-b", "1.2,1.3")
     s0, s1 = swarm.server("s0", stage=0), swarm.server("s1", stage=1)
-    a, b = _hosted_at(host_a), _hosted_at(host_b)
+    a, b = _hosted_at(swarm, host_a), _hosted_at(swarm, host_b)
     _e0, e1 = swarm.endpoint(s0), swarm.endpoint(s1)
     hosts = {"1.0": a, "1.1": a, "1.2": b, "1.3": b}
 
     async def checks():
-        client = StageClient(2**20, 2**28)
+        client = admitted_client(e1, 2**20, 2**28)
         try:
             # -- one host per expert, compression off: the remote layer equals the local one
             model = await _reference(client, spec, e1, hosts)
@@ -257,7 +258,7 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     host_a = _expert_host(swarm, "experts-a", "1.0,1.1,1.2")
     host_b = _expert_host(swarm, "experts-b", "1.1,1.2,1.3")
     s0, s1 = swarm.server("s0", stage=0), swarm.server("s1", stage=1)
-    _hosted_at(host_a), _hosted_at(host_b), swarm.endpoint(s0), swarm.endpoint(s1)
+    _hosted_at(swarm, host_a), _hosted_at(swarm, host_b), swarm.endpoint(s0), swarm.endpoint(s1)
     trainer = swarm.trainer("trainer", ["--max-micro-batches", "2000"])  # stopped below
     deadline = time.monotonic() + 120
     while len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"]) < 15:
@@ -268,7 +269,7 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     # expert 1.0 has no replica left: its tokens go to their other expert; 1.1 and 1.2 go to host b
     newcomer = _expert_host(swarm, "experts-c", "1")
     assert re.search(r"Hosting 1 expert\(s\) on cpu: 1\.0\.", newcomer.wait_for(r"Hosting .*", 120).group(0))
-    c = _hosted_at(newcomer)
+    c = _hosted_at(swarm, newcomer)
     newcomer_at = len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"])
     deadline = time.monotonic() + 120
     while len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"]) < newcomer_at + 40:
@@ -284,7 +285,7 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     assert "expert 1.0" in stage_log and "failed" in stage_log  # the dead host's calls failed and moved on
 
     async def newcomer_worked():
-        client = StageClient(2**20, 2**28)
+        client = admitted_client(c, 2**20, 2**28)
         try:
             return await client.info(c, timeout=10, expert="1.0")
         finally:

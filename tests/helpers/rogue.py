@@ -1,0 +1,52 @@
+"""A peer that was not admitted tries to take part anyway (tests/test_security.py runs it).
+
+It joins the run's DHT with its own key, announces a stage server that does not exist (its record
+is signed by its identity key but carries no credential), and keeps asking to average huge values
+with the replicas of stage 0 through hivemind's averager, printing what each round gave it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+
+import torch
+
+from dht import keys
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from peer.averaging import GradientAverager
+from peer.model import StageModel
+from peer.swarm import coordinator_peer_id, fetch_spec
+
+
+def main(maddr: str, identity_path: str, seconds: float) -> None:
+    mp.set_start_method("fork", force=True)
+    identity = Identity.load_or_create(identity_path)
+    dht = SwarmDHT(identity, [maddr], ["/ip4/127.0.0.1/tcp/0"], [], 20.0, 5.0)
+    spec = fetch_spec(dht, coordinator_peer_id(maddr), timeout=20.0)
+    params = [p.detach() for p in StageModel(spec, 0).parameters()]
+    averager = GradientAverager(dht, keys.averaging_prefix(spec.name, 0), params, spec)
+    fake = ServerRecord(stage=1, endpoint="127.0.0.1:9", throughput=1e6, updated=time.time(), started=time.time())
+    print(f"ROGUE {identity.peer_id} up", flush=True)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            fake.updated = time.time()
+            dht.store(keys.servers_key(spec.name, 1), fake, ttl=10.0)
+            huge = [torch.full_like(p, 1e6) for p in params]
+            for epoch in range(0, 8):
+                result = averager.average(huge, 1000, epoch, 3)
+                members = "none" if result is None else ",".join(result.members)
+                print(f"ROUND epoch={epoch} members={members}", flush=True)
+                if time.monotonic() > deadline:
+                    break
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))

@@ -1,0 +1,166 @@
+"""Admission, TLS, revocation and spot checks, with real peers as real processes on loopback."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import grpc
+import pytest
+from conftest import PEER, ROOT, TestCredential, channel, info
+
+from dht.identity import Identity
+from protocols import stage_pb2, stage_pb2_grpc
+
+SPEC = {
+    "name": "secure",
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 4, "seq_len": 16, "target_batch_size": 8, "total_steps": 1000},
+    "averaging": {"averaging_timeout": 8.0},
+}
+
+
+def _identities(workdir, *names) -> dict[str, str]:
+    ids = {}
+    for name in names:
+        identity = Identity.generate()
+        identity.save(workdir / f"{name}.pem")
+        ids[name] = identity.peer_id
+    return ids
+
+
+def _peer_command(swarm, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([*PEER, *args], cwd=swarm.workdir, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_access(swarm):
+    ids = _identities(swarm.workdir, "s0a", "s0b", "s1", "trainer", "intruder")
+    allowed = [ids[n] for n in ("s0a", "s0b", "s1", "trainer")]
+    # credentials of 12 s: renewed (at half-life) several times while the test runs
+    admission = {"mode": "allowlist", "allowlist": allowed, "refresh": 2.0, "credential_ttl": 12.0}
+    spec = {**SPEC, "admission": admission}
+    swarm.coordinator(spec)
+    servers = {name: swarm.server(name, stage) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    endpoints = {name: swarm.endpoint(peer) for name, peer in servers.items()}
+
+    # -- a peer that is not on the allowlist cannot serve: it is told why, and exits
+    intruder = swarm.server("intruder", 1)
+    assert intruder.wait(60) != 0
+    assert "not on the run's allowlist" in intruder.output()
+
+    # -- nor call a stage: without a certificate, or with one of another authority, TLS refuses it
+    request = stage_pb2.InfoRequest()
+    with grpc.insecure_channel(endpoints["s1"]) as plain, pytest.raises(grpc.RpcError) as refused:
+        stage_pb2_grpc.StageStub(plain).Info(request, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    forged_dir = swarm.workdir / "forged"
+    forged_dir.mkdir()
+    (forged_dir / "run.toml").write_text((swarm.workdir / "run.toml").read_text())
+    Identity.generate().save(forged_dir / "coordinator.pem")  # the same run name, another key
+    forged = TestCredential(forged_dir)
+    options = [("grpc.ssl_target_name_override", forged.target_name(endpoints["s1"]))]
+    with (
+        grpc.secure_channel(endpoints["s1"], forged.channel_credentials(), options=options) as ch,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        stage_pb2_grpc.StageStub(ch).Info(request, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # -- nor publish records others use, nor join averaging: a rogue announces a stage-1 server
+    # that does not exist and keeps asking stage 0's replicas to average huge values
+    rogue = swarm.start(
+        "rogue", [str(ROOT / "tests" / "helpers" / "rogue.py"), swarm.maddr, "intruder.pem", "40"], python=True
+    )
+    rogue.wait_for(r"ROGUE \S+ up", 60)
+    trainer = swarm.trainer("trainer")
+    trainer.wait_for(r"Admitted to run 'secure' as trainer", 60)
+    deadline = time.monotonic() + 180
+    while min(info(endpoints["s0a"]).epoch, info(endpoints["s0b"]).epoch) < 3:
+        assert time.monotonic() < deadline, "stage 0 did not reach step 3"
+        time.sleep(1)
+    members = {m for e in ("s0a", "s0b") for f in info(endpoints[e]).history for m in f.members}
+    assert ids["intruder"] not in members
+    assert {ids["s0a"], ids["s0b"]} <= members  # the admitted replicas did average together
+    rogue.wait(90)
+    rounds = re.findall(r"ROUND epoch=\d+ members=(\S+)", rogue.output())
+    assert rounds and all(r == "none" for r in rounds), rounds
+    assert not any(c.get("endpoint") == "127.0.0.1:9" for c in swarm.log("trainer") if c["type"] == "call")
+    status = _peer_command(swarm, "status", swarm.maddr)
+    assert status.returncode == 0, status.stderr
+    assert "127.0.0.1:9" not in status.stdout and endpoints["s1"] in status.stdout
+
+    assert "renewed this peer's credential" in servers["s1"].output()  # and kept serving on the new one
+
+    # -- a revoked peer loses access within the refresh period: this test's own credential first
+    mine = TestCredential(swarm.workdir)
+    with channel(endpoints["s1"]) as ch:
+        stub = stage_pb2_grpc.StageStub(ch)
+        assert stub.Info(request, timeout=5).stage == 1
+    revoked_me = _peer_command(
+        swarm, "coordinator", "revoke", mine.identity.peer_id, "--spec", "run.toml", "--identity", "coordinator.pem"
+    )
+    assert revoked_me.returncode == 0, revoked_me.stderr
+    started = time.monotonic()
+    code = None
+    while time.monotonic() - started < 15:
+        options = [("grpc.ssl_target_name_override", mine.target_name(endpoints["s1"]))]
+        with grpc.secure_channel(endpoints["s1"], mine.channel_credentials(), options=options) as ch:
+            try:
+                stage_pb2_grpc.StageStub(ch).Info(request, timeout=5)
+            except grpc.RpcError as e:
+                code, message = e.code(), e.details()
+                break
+        time.sleep(0.2)
+    elapsed = time.monotonic() - started
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "revoked" in message
+    assert elapsed < 2.0 + 4.0, f"the revocation took {elapsed:.1f} s to reach a server (refresh 2 s)"
+
+    # -- and a revoked trainer is told, and leaves
+    revoked = _peer_command(
+        swarm, "coordinator", "revoke", ids["trainer"], "--spec", "run.toml", "--identity", "coordinator.pem"
+    )
+    assert revoked.returncode == 0 and "Revoked" in revoked.stdout
+    trainer.wait_for(r"credential was revoked", 30)
+    assert trainer.wait(60) is not None
+    swarm.peers[0].wait_for(rf"Revoked peer {ids['trainer']}", 10)
+
+
+def test_invite_codes_admit_once(swarm):
+    spec = {**SPEC, "admission": {"mode": "invite"}}
+    swarm.coordinator(spec)
+    made = _peer_command(swarm, "coordinator", "invite", "--spec", "run.toml", "--identity", "coordinator.pem")
+    assert made.returncode == 0, made.stderr
+    code = re.search(r"--invite (\S+)", made.stdout).group(1)
+
+    uninvited = swarm.server("uninvited", 0)
+    assert uninvited.wait(60) != 0 and "admits peers by invite" in uninvited.output()
+    invited = swarm.server("invited", 0, ["--invite", code])
+    swarm.endpoint(invited)
+    again = swarm.server("again", 1, ["--invite", code])  # another peer with the same code
+    assert again.wait(60) != 0 and "was used already" in again.output()
+    wrong = swarm.server("wrong", 1, ["--invite", code.split(".")[0] + ".not-the-secret"])
+    assert wrong.wait(60) != 0 and "the code is wrong" in wrong.output()
+
+
+def test_a_server_that_perturbs_its_outputs_is_caught_banned_and_revoked(swarm):
+    ids = _identities(swarm.workdir, "honest-a", "honest-b", "noisy", "last")
+    swarm.coordinator({**SPEC, "admission": {"mode": "open", "revoke_after_reports": 1, "refresh": 2.0}})
+    peers = [
+        swarm.server("honest-a", 0),
+        swarm.server("honest-b", 0),
+        swarm.server("noisy", 0, ["--set", "server.perturb_outputs=0.5"]),
+        swarm.server("last", 1),
+    ]
+    for peer in peers:
+        swarm.endpoint(peer)
+    trainer = swarm.trainer("trainer", ["--max-micro-batches", "600"])
+    trainer.wait_for(r"answered wrong \(two other replicas agree\); banned and reported", 300)
+    caught = [e for e in swarm.log("trainer") if e["type"] == "spot_check"]
+    assert caught and {e["wrong"] for e in caught} == {ids["noisy"]}, caught
+    assert caught[0]["index"] < 600
+    swarm.peers[0].wait_for(rf"Revoked peer {ids['noisy']}: spot checks of 1 trainer", 30)
+    peers[2].wait_for(r"credential was revoked", 30)
+    assert peers[2].wait(60) is not None
+    print(f"caught at micro-batch {caught[0]['index']}")
