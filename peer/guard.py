@@ -10,6 +10,7 @@ answers:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import grpc
@@ -81,77 +82,45 @@ class Guard(grpc.aio.ServerInterceptor):
         else:
             self.running.pop(peer, None)
 
+    @contextlib.asynccontextmanager
+    async def calling(self, context, method: str):
+        """Around one call: admitted (or aborted with the reason), and counted while it runs."""
+        try:
+            peer = self.admit(context, method)
+        except _Denied as e:
+            self.denied += 1
+            logger.info("refused %s: %s", method, e.message)
+            await context.abort(e.code, e.message)
+        try:
+            yield
+        finally:
+            self.release(peer)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
-        guard = self
+        method, guard = handler_call_details.method, self
+        codecs = handler.request_deserializer, handler.response_serializer
+        if handler.unary_unary is not None or handler.stream_unary is not None:
+            inner = handler.unary_unary or handler.stream_unary
 
-        async def refuse(context, e: _Denied):
-            guard.denied += 1
-            logger.info("refused %s: %s", method, e.message)
-            await context.abort(e.code, e.message)
+            async def single(request, context):
+                async with guard.calling(context, method):
+                    return await inner(request, context)
 
-        if handler.unary_unary is not None:
+            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+            return make(single, *codecs)
+        inner = handler.unary_stream or handler.stream_stream
 
-            async def unary_unary(request, context):
-                try:
-                    peer = guard.admit(context, method)
-                except _Denied as e:
-                    await refuse(context, e)
-                try:
-                    return await handler.unary_unary(request, context)
-                finally:
-                    guard.release(peer)
+        async def streaming(request, context):
+            async with guard.calling(context, method):
+                result = inner(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                else:  # a handler that writes with context.write (grpc_health's Watch)
+                    await result
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-
-        def streaming(inner, kind):
-            async def wrapped(request, context):
-                try:
-                    peer = guard.admit(context, method)
-                except _Denied as e:
-                    await refuse(context, e)
-                try:
-                    result = inner(request, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    else:  # a coroutine (stream-unary / unary-unary style)
-                        yield await result
-                finally:
-                    guard.release(peer)
-
-            return wrapped
-
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming(handler.unary_stream, "unary_stream"),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                streaming(handler.stream_stream, "stream_stream"),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-
-            async def stream_unary(request_iterator, context):
-                try:
-                    peer = guard.admit(context, method)
-                except _Denied as e:
-                    await refuse(context, e)
-                try:
-                    return await handler.stream_unary(request_iterator, context)
-                finally:
-                    guard.release(peer)
-
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer
-            )
-        return handler
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(streaming, *codecs)

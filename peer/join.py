@@ -47,7 +47,8 @@ def connect(maddr: str, cfg: PeerConfig, identity: Identity, role: str) -> tuple
             security.obtain()
             dht.security = security  # its renewal thread starts later (follow_admission): after hivemind forks
             left = security.credential.not_after - time.time()
-            print(f"Admitted to run '{spec.name}' as {role} (credential valid {left / 60:.0f} min, renewed).")
+            valid = f"{left / 60:.0f} min" if left >= 120 else f"{left:.0f} s"
+            print(f"Admitted to run '{spec.name}' as {role} (credential valid {valid}, renewed).", flush=True)
     except BaseException:
         dht.shutdown()
         raise

@@ -105,7 +105,7 @@ def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
         assert time.monotonic() < deadline, "no server moved to the weak stage"
         time.sleep(1)
     mover = next(s for s in free if "Moving from stage 0 to stage 1" in s.output())
-    endpoint = mover.wait_for(r"Serving stage 1 at (\S+) from step", 90).group(1)
+    endpoint = swarm.known(mover.wait_for(r"Serving stage 1 at (\S+) from step", 90).group(1), mover.name)
     assert info(endpoint).stage == 1
     time.sleep(15)  # several balance periods: nobody moves again
     moves = sum(len(re.findall(r"Moving from stage", s.output())) for s in free)

@@ -22,6 +22,10 @@ BAD = [
     ({"compression": {"activations": "int3"}}, "compression.activations: must be one of"),
     ({"trainig": {}}, "trainig: unknown field"),
     ({"name": "bad name!"}, "name: must be letters"),
+    ({"admission": {"mode": "closed"}}, "admission.mode: must be one of open, allowlist, invite, off"),
+    ({"admission": {"mode": "allowlist"}}, "admission.allowlist: allowlist mode needs at least one peer id"),
+    ({"admission": {"allowlist": ["12D3KooWnot-a-key"]}}, "admission.allowlist.0.: peer id"),
+    ({"admission": {"credential_ttl": 1}}, "admission.credential_ttl: must be at least 10 s"),
 ]
 
 

@@ -1,0 +1,345 @@
+"""What the swarm's security costs and how fast it catches a wrong server, in one run.
+
+Three measurements, each on a small model with real peers (separate processes) on loopback:
+
+1. TLS + credentials: the trainer's samples/s with `[admission] mode = "off"` (plaintext gRPC, no
+   credentials) against `mode = "open"` (coordinator-signed credentials, mutual TLS everywhere), a
+   coordinator, one server per stage and one trainer each, spot checks off on both sides. Both
+   swarms are up through the whole part (the same background load for each run); their trainers
+   take turns (off, open, open, off, ...) and the medians are compared. The first micro-batches of
+   each run (connection and TLS set-up) are not timed.
+2. Spot checks at the default rate: open mode, stage 0 served by 2 replicas, a trainer with
+   `trainer.spot_check=0` against one with the default rate, taking turns on the same swarm
+   (honest_banned counts the default-rate trainers' bans there: all replicas are honest).
+3. Micro-batches until a wrong server is banned: open mode, stage 0 served by 3 replicas of which
+   one adds Gaussian noise to its outputs (`server.perturb_outputs`), `revoke_after_reports = 1`;
+   the micro-batch whose spot check caught it, whether the caught peer was the perturbing one, and
+   the seconds from the trainer's catch to the coordinator's "Revoked peer" line. Repeated.
+
+The last line is
+
+    tls_overhead_pct=... spot_check_overhead_pct=... micro_batches_until_ban=... caught_right=3/3 ...
+
+where an overhead is (1 - with / without) x 100 of the median samples/s, and micro_batches_until_ban
+the median number of micro-batches a trainer made up to and including the one whose check caught
+the perturbing server (the spot_check entry's index + 1; ban_indices lists the raw 0-based indices,
+"-" for a swarm where nobody was caught).
+
+    python benchmarks/security.py [--micro-batches 300] [--rounds 3] [--repeats 3] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dht.identity import Identity
+from peer.config import RunSpec
+from peer.demo import Processes, loopback_join, spec_to_toml
+
+START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
+STOP_GRACE = 6.0  # s the peers get to leave before they are killed (a server takes server.shutdown_grace)
+
+
+def make_spec(args, mode: str, revoke_after_reports: int = 2) -> RunSpec:
+    s = RunSpec()
+    s.name = "security"
+    m = s.model
+    m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = args.hidden, args.layers, 4, 2 * args.hidden
+    m.max_seq_len = s.training.seq_len = args.seq_len
+    s.stages.num_stages = 2
+    t = s.training
+    t.micro_batch_size, t.target_batch_size, t.total_steps = args.micro_batch, args.target_batch, 100_000
+    a = s.averaging
+    a.min_matchmaking_time, a.request_timeout, a.averaging_timeout = 3.0, 2.0, 8.0
+    s.admission.mode = mode
+    s.admission.revoke_after_reports = revoke_after_reports
+    s.validate()
+    return s
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return entries
+
+
+class Swarm:
+    """A coordinator and servers on loopback in their own directory; trainers run on it one at a time."""
+
+    def __init__(self, workdir: Path, spec: RunSpec):
+        workdir.mkdir(parents=True)
+        self.workdir, self.spec, self.procs = workdir, spec, Processes(workdir)
+        self.servers: list[str] = []
+        self.maddr = ""
+
+    def _wait(self, condition, names: list[str], what: str, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            for name in names:
+                if self.procs.procs[name][0].poll() is not None:
+                    raise SystemExit(
+                        f"{name} exited early (code {self.procs.procs[name][0].returncode}):\n"
+                        f"{self.procs.log(name)[-3000:]}"
+                    )
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n}:\n{self.procs.log(n)[-1500:]}" for n in names)
+                raise SystemExit(f"waited {timeout:.0f} s for {what}\n{tails}")
+            time.sleep(0.2)
+
+    def start(self, servers: list[tuple[str, int, list[str]]]) -> float:
+        """Start the coordinator and `servers` (name, stage, extra args); the seconds until all serve."""
+        started = time.monotonic()
+        (self.workdir / "run.toml").write_text(spec_to_toml(self.spec))
+        info = self.workdir / "coordinator.json"
+        self.procs.start(
+            "coordinator",
+            [
+                "coordinator",
+                "run.toml",
+                "--identity",
+                "coordinator.pem",
+                "--host",
+                "127.0.0.1",
+                "--info-file",
+                str(info),
+            ],
+        )
+        self._wait(info.exists, ["coordinator"], "the coordinator")
+        self.maddr = json.loads(info.read_text())["join"].split()[-1]
+        for name, stage, extra in servers:
+            self.procs.start(name, loopback_join(self.maddr, name, "--stage", str(stage), *extra))
+            self.servers.append(name)
+        self._wait(
+            lambda: all("Serving stage" in self.procs.log(n) for n in self.servers),
+            ["coordinator", *self.servers],
+            "the servers to serve",
+        )
+        return time.monotonic() - started
+
+    def peer_id(self, name: str) -> str:
+        return Identity.load(self.workdir / f"{name}.pem").peer_id
+
+    def start_trainer(self, name: str, micro_batches: int, extra: list[str]):
+        args = ["--role", "trainer", "--seed", "0", "--max-inflight", "2", "--log-file", f"{name}.jsonl"]
+        return self.procs.start(
+            name, loopback_join(self.maddr, name, *args, "--max-micro-batches", str(micro_batches), *extra)
+        )
+
+    def train(self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float) -> float:
+        """Run a trainer for `micro_batches` to its end; its samples/s after the first `warmup`."""
+        proc = self.start_trainer(name, micro_batches, extra)
+        self._wait(lambda: proc.poll() is not None, ["coordinator", *self.servers], f"trainer {name}", timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"trainer {name} failed (code {proc.returncode}):\n{self.procs.log(name)[-3000:]}")
+        batches = sorted(
+            (e for e in read_log(self.workdir / f"{name}.jsonl") if e["type"] == "micro_batch"),
+            key=lambda e: e["time"],
+        )
+        if len(batches) < warmup + 2:
+            raise SystemExit(f"trainer {name} logged only {len(batches)} micro-batches")
+        timed = batches[warmup:]
+        seconds = timed[-1]["time"] - batches[warmup - 1]["time"] if warmup else timed[-1]["time"] - timed[0]["time"]
+        samples = sum(e["samples"] for e in (timed if warmup else timed[1:]))
+        return samples / max(seconds, 1e-9)
+
+    def stop(self) -> None:
+        self.procs.stop(grace=STOP_GRACE)
+
+
+def overhead(without: list[float], with_: list[float]) -> float:
+    return (1.0 - statistics.median(with_) / statistics.median(without)) * 100.0
+
+
+def fmt(rates: list[float]) -> str:
+    return "/".join(f"{r:.1f}" for r in rates)
+
+
+def tls_phase(args, root: Path) -> dict[str, list[float]]:
+    """Samples/s without and with admission (TLS + credentials), both swarms up, trainers taking turns."""
+    swarms = {mode: Swarm(root / f"tls-{mode}", make_spec(args, mode)) for mode in ("off", "open")}
+    rates: dict[str, list[float]] = {"off": [], "open": []}
+    try:
+        for mode, swarm in swarms.items():
+            took = swarm.start([(f"s{st}", st, []) for st in range(2)])
+            print(f"[tls] {mode} swarm serving after {took:.1f} s", flush=True)
+        for r in range(args.rounds):
+            order = ("off", "open") if r % 2 == 0 else ("open", "off")
+            for mode in order:
+                rate = swarms[mode].train(
+                    f"t{r}", args.micro_batches, args.warmup, ["--set", "trainer.spot_check=0"], args.trainer_timeout
+                )
+                rates[mode].append(rate)
+                print(f"[tls] round {r} admission={mode}: {rate:.1f} samples/s", flush=True)
+    finally:
+        for swarm in swarms.values():
+            swarm.stop()
+    return rates
+
+
+def spot_check_phase(args, root: Path) -> tuple[dict[str, list[float]], int]:
+    """Samples/s with spot checks off and at the default rate, stage 0 with 2 replicas, open mode."""
+    swarm = Swarm(root / "spot", make_spec(args, "open"))
+    rates: dict[str, list[float]] = {"off": [], "default": []}
+    false_bans = 0
+    try:
+        took = swarm.start([("s0a", 0, []), ("s0b", 0, []), ("s1", 1, [])])
+        print(f"[spot] swarm (2 replicas of stage 0) serving after {took:.1f} s", flush=True)
+        for r in range(args.rounds):
+            order = ("off", "default") if r % 2 == 0 else ("default", "off")
+            for kind in order:
+                extra = ["--set", "trainer.spot_check=0"] if kind == "off" else []
+                rate = swarm.train(f"t{r}{kind}", args.micro_batches, args.warmup, extra, args.trainer_timeout)
+                rates[kind].append(rate)
+                checks = [e for e in read_log(swarm.workdir / f"t{r}{kind}.jsonl") if e["type"] == "spot_check"]
+                false_bans += len(checks)  # every replica here is honest
+                note = f" (banned {len(checks)} honest server(s)!)" if checks else ""
+                print(f"[spot] round {r} spot_check={kind}: {rate:.1f} samples/s{note}", flush=True)
+    finally:
+        swarm.stop()
+    return rates, false_bans
+
+
+def ban_phase(args, root: Path, repeat: int) -> dict:
+    """One swarm with a perturbing replica of stage 0: when and whom the trainer's spot checks catch."""
+    swarm = Swarm(root / f"ban{repeat}", make_spec(args, "open", revoke_after_reports=1))
+    result = {"index": None, "right": False, "revoke_s": None, "revoked": False}
+    try:
+        bad = ["--set", f"server.perturb_outputs={args.perturb}"]
+        took = swarm.start([("s0a", 0, []), ("s0b", 0, []), ("s0bad", 0, bad), ("s1", 1, [])])
+        perturber = swarm.peer_id("s0bad")
+        print(f"[ban {repeat}] swarm serving after {took:.1f} s; the perturbing server is {perturber}", flush=True)
+        log = swarm.workdir / "t.jsonl"
+        trainer = swarm.start_trainer("t", args.ban_limit, [])
+        caught_at = revoked_at = None
+        deadline = time.monotonic() + args.trainer_timeout
+        while time.monotonic() < deadline:
+            now = time.time()
+            if caught_at is None:
+                checks = [e for e in read_log(log) if e["type"] == "spot_check"]
+                if checks:
+                    caught_at, first = now, checks[0]
+                    result.update(index=first["index"], wrong=first["wrong"], right=first["wrong"] == perturber)
+                    print(
+                        f"[ban {repeat}] caught {first['wrong']} at micro-batch {first['index']} "
+                        f"(stage {first['stage']}, {'the perturbing server' if result['right'] else 'AN HONEST ONE'})",
+                        flush=True,
+                    )
+            if revoked_at is None and "Revoked peer" in swarm.procs.log("coordinator"):
+                revoked_at = now
+                line = swarm.procs.log("coordinator").split("Revoked peer ", 1)[1].splitlines()[0]
+                result["revoked"] = line.split(":")[0].strip() == perturber
+                print(f"[ban {repeat}] coordinator: Revoked peer {line}", flush=True)
+            if caught_at is not None and revoked_at is not None:
+                result["revoke_s"] = revoked_at - caught_at
+                break
+            if trainer.poll() is not None:
+                if caught_at is not None:  # give the coordinator a few more seconds
+                    if time.time() - caught_at > 30:
+                        break
+                else:
+                    break
+            time.sleep(0.2)
+        batches = [e for e in read_log(log) if e["type"] == "micro_batch"]
+        result["micro_batches"] = len(batches)
+        if caught_at is None:
+            print(
+                f"[ban {repeat}] NOT caught after {len(batches)} micro-batches "
+                f"(trainer {'exited' if trainer.poll() is not None else 'still running'})",
+                flush=True,
+            )
+        elif revoked_at is None:
+            print(f"[ban {repeat}] the coordinator did not revoke anyone", flush=True)
+    finally:
+        swarm.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=64, help="model.hidden_size")
+    parser.add_argument("--layers", type=int, default=2, help="model.num_layers (2 stages)")
+    parser.add_argument("--seq-len", type=int, default=64, help="training.seq_len")
+    parser.add_argument("--micro-batch", type=int, default=8, help="training.micro_batch_size")
+    parser.add_argument("--target-batch", type=int, default=256, help="training.target_batch_size")
+    parser.add_argument("--micro-batches", type=int, default=300, help="micro-batches of each timed trainer run")
+    parser.add_argument("--warmup", type=int, default=20, help="micro-batches of each trainer run not timed")
+    parser.add_argument("--rounds", type=int, default=3, help="trainer runs per side of parts 1 and 2 (alternating)")
+    parser.add_argument("--repeats", type=int, default=3, help="swarms with a perturbing server (part 3)")
+    parser.add_argument("--perturb", type=float, default=0.5, help="std of the perturbing server's noise")
+    parser.add_argument("--ban-limit", type=int, default=600, help="part 3: micro-batches before giving up")
+    parser.add_argument("--trainer-timeout", type=float, default=300.0, help="s one trainer run may take")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tls,spot,ban")
+    parser.add_argument("--keep", action="store_true", help="keep the peers' logs and keys (the directory is printed)")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    started = time.monotonic()
+    print(
+        f"model: {args.layers} blocks x {args.hidden}, 2 stages, micro-batch {args.micro_batch}x{args.seq_len}, "
+        f"step {args.target_batch} samples; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    root = Path(tempfile.mkdtemp(prefix="swarmtrain-security-"))
+    fields: dict[str, str] = {}
+    try:
+        if "tls" not in skip:
+            rates = tls_phase(args, root)
+            fields["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
+            fields["off_sps"], fields["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
+            print(
+                f"[tls] off {fields['off_sps']} vs open {fields['tls_sps']} samples/s "
+                f"({time.monotonic() - started:.0f} s so far)",
+                flush=True,
+            )
+        if "spot" not in skip:
+            rates, false_bans = spot_check_phase(args, root)
+            fields["spot_check_overhead_pct"] = f"{overhead(rates['off'], rates['default']):.1f}"
+            fields["nocheck_sps"], fields["check_sps"] = fmt(rates["off"]), fmt(rates["default"])
+            fields["honest_banned"] = str(false_bans)
+            print(
+                f"[spot] off {fields['nocheck_sps']} vs default {fields['check_sps']} samples/s "
+                f"({time.monotonic() - started:.0f} s so far)",
+                flush=True,
+            )
+        if "ban" not in skip:
+            results = [ban_phase(args, root, i) for i in range(args.repeats)]
+            caught = [r for r in results if r["index"] is not None]
+            fields["micro_batches_until_ban"] = (
+                f"{statistics.median(r['index'] + 1 for r in caught):g}" if caught else "none"
+            )
+            fields["ban_indices"] = ",".join(str(r["index"]) if r["index"] is not None else "-" for r in results)
+            fields["caught_right"] = f"{sum(r['right'] for r in results)}/{len(results)}"
+            fields["revoked_right"] = f"{sum(r['revoked'] for r in results)}/{len(results)}"
+            revokes = [r["revoke_s"] for r in results if r["revoke_s"] is not None]
+            fields["catch_to_revoke_s"] = f"{statistics.median(revokes):.1f}" if revokes else "none"
+    finally:
+        if args.keep:
+            print(f"logs kept in {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    fields.update(
+        cpus=str(os.cpu_count()),
+        micro_batches=str(args.micro_batches),
+        warmup=str(args.warmup),
+        rounds=str(args.rounds),
+        repeats=str(args.repeats),
+        seconds=f"{time.monotonic() - started:.0f}",
+    )
+    print(" ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
