@@ -153,8 +153,8 @@ class Authority:
                 return f"invite {request.invite}: the code is wrong"
             if entry.get("used_by") not in (None, peer_id):
                 return f"invite {request.invite} was used already"
-            if time.time() > entry.get("expires", 0):
-                return f"invite {request.invite} expired"
+            if entry.get("used_by") is None and time.time() > entry.get("expires", 0):
+                return f"invite {request.invite} expired"  # (a peer it admitted keeps renewing)
             allowed = set(entry.get("roles", []))
             if entry.get("used_by") is None:
                 _locked_update(self.invites_path, lambda data: data["invites"][request.invite].update(used_by=peer_id))

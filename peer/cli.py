@@ -305,7 +305,7 @@ def _admission_command(args: argparse.Namespace) -> int:
     from peer.coordinator import invites_file, revoked_file
 
     spec = RunSpec.from_toml(args.spec)
-    identity = Identity.load_or_create(args.identity or None)
+    identity = Identity.load(args.identity or default_identity_path())  # the running coordinator's key
     if args.command == "coordinator-invite":
         if spec.admission.mode != "invite":
             print(f"note: run '{spec.name}' has admission.mode = {spec.admission.mode!r}; codes count in invite mode")

@@ -106,7 +106,9 @@ class AdmissionConfig:
     # for a lab on a trusted network and for measuring what security costs
     mode: str = "open"
     allowlist: list[str] = field(default_factory=list)  # allowlist mode: peer ids that may join
-    credential_ttl: float = 600.0  # s a credential is valid; a peer renews it at half-life while admitted
+    credential_ttl: float = (
+        3600.0  # s a credential is valid; renewed at half-life: a coordinator may be away half this long
+    )
     refresh: float = 5.0  # s between peers' reads of the revocation list: a revocation reaches all within this
     # distinct trainers whose spot checks must find a server wrong before the coordinator revokes it; 0: never
     revoke_after_reports: int = 2

@@ -164,3 +164,30 @@ def test_a_server_that_perturbs_its_outputs_is_caught_banned_and_revoked(swarm):
     peers[2].wait_for(r"credential was revoked", 30)
     assert peers[2].wait(60) is not None
     print(f"caught at micro-batch {caught[0]['index']}")
+
+
+def test_gradient_contributions_far_above_the_median_are_clipped_and_non_finite_ones_refused():
+    import math
+
+    import torch
+
+    from peer.config import RunSpec
+    from peer.part import BadGradient
+    from peer.runtime import StageRuntime
+
+    runtime = StageRuntime(RunSpec.from_dict(SPEC), 1)
+    runtime.configure_clipping(10.0, 16)
+    typical = [torch.randn_like(p) * 0.01 for p in runtime.params]
+    norm = math.sqrt(sum(float(g.square().sum()) for g in typical))
+    for _ in range(8):
+        assert runtime.guard_gradients(typical, 4)[0] is not None
+    huge = runtime.guard_gradients([g * 1000 for g in typical], 4)
+    clipped = math.sqrt(sum(float(g.square().sum()) for g in huge))
+    assert runtime.clipped == 1 and abs(clipped - 10 * norm) < 1e-3 * norm
+    same = runtime.guard_gradients([g * 2 for g in typical], 4)  # within the bound: untouched
+    assert torch.equal(same[0], typical[0] * 2) and runtime.clipped == 1
+    poisoned = [g.clone() for g in typical]
+    poisoned[0][0] = float("nan")
+    with pytest.raises(BadGradient, match="not finite"):
+        runtime.guard_gradients(poisoned, 4)
+    assert runtime.refused_gradients == 1
