@@ -42,7 +42,7 @@ from pathlib import Path
 
 from dht.identity import Identity
 from peer.config import RunSpec
-from peer.demo import Processes, loopback_join, spec_to_toml
+from peer.demo import Processes, loopback_join, read_log, spec_to_toml
 
 START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
 STOP_GRACE = 6.0  # s the peers get to leave before they are killed (a server takes server.shutdown_grace)
@@ -63,18 +63,6 @@ def make_spec(args, mode: str, revoke_after_reports: int = 2) -> RunSpec:
     s.admission.revoke_after_reports = revoke_after_reports
     s.validate()
     return s
-
-
-def read_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    entries = []
-    for line in path.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return entries
 
 
 class Swarm:

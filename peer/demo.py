@@ -90,7 +90,8 @@ class Processes:
             log.close()
 
 
-def _read_log(path: Path) -> list[dict]:
+def read_log(path: Path) -> list[dict]:
+    """The JSON lines of a trainer's log so far (a line being written is skipped)."""
     if not path.exists():
         return []
     entries = []
@@ -103,7 +104,7 @@ def _read_log(path: Path) -> list[dict]:
 
 
 def _progress(workdir: Path, spec: RunSpec, started: float) -> dict:
-    logs = [_read_log(workdir / f"trainer{i}.jsonl") for i in range(TRAINERS)]
+    logs = [read_log(workdir / f"trainer{i}.jsonl") for i in range(TRAINERS)]
     batches = [e for log in logs for e in log if e["type"] == "micro_batch"]
     evals = [e for log in logs for e in log if e["type"] == "eval"]
     now = time.time()
