@@ -28,7 +28,7 @@ from cryptography.x509.oid import NameOID
 
 from dht.identity import Identity, IdentityError, public_key_from_peer_id, verify
 
-ROLES = ("server", "experts", "trainer", "coordinator")
+ROLES = ("server", "experts", "trainer", "relay", "coordinator")
 PROOF_CONTEXT = b"swarmtrain credential request v1\n"
 INVITE_CONTEXT = b"swarmtrain invite v1\n"
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # certificates start this long before issue: peers' clocks differ

@@ -46,6 +46,11 @@ def expert_averaging_prefix(run_id: str, expert: str) -> str:
     return f"swarmtrain_{run_id}_expert{expert.replace('.', '_')}"
 
 
+def relays_key(run_id: str) -> str:
+    """Offers of peers that relay for unreachable ones (peer.relay), a subkey per relay."""
+    return f"swarmtrain/run/{run_id}/relays"
+
+
 def credential_requests_key(run_id: str) -> str:
     """Peers' requests for a credential (signed by the requester, who is not admitted yet), a subkey each."""
     return f"swarmtrain/run/{run_id}/admission/requests"

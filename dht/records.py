@@ -56,6 +56,7 @@ class ServerRecord(Record):
     rounds_failed: int = 0  # averaging rounds that failed (their samples waited for the next one)
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
+    relay: str = ""  # peer id of the relay that carries its calls (it cannot be dialled: NAT); empty: direct
 
 
 class TrainerRecord(Record):
@@ -74,6 +75,19 @@ class TrainerRecord(Record):
     bytes_received: int = 0  # bytes of the answers
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     started: float = 0.0
+    updated: float = 0.0
+
+
+class RelayRecord(Record):
+    """A reachable peer's offer to relay for peers that cannot be dialled (peer.relay), with its load."""
+
+    endpoint: str  # host:port of its gRPC server with the Relay service
+    relayed: int = 0  # peers it carries now
+    capacity: int = 0  # the most it carries (relay.max_peers)
+    connections: int = 0  # connections it forwards now (all relayed peers together)
+    bytes_relayed: int = 0  # bytes forwarded so far, both ways
+    rate: float = 0.0  # bytes/s forwarded recently, both ways
+    role: str = ""  # what else this peer is: coordinator, server, experts, or relay alone
     updated: float = 0.0
 
 

@@ -33,7 +33,7 @@ from dht.records import CredentialGrant, CredentialRequest, RevocationList, Spot
 from peer.config import PeerConfig, RunSpec
 
 logger = logging.getLogger(__name__)
-PEER_ROLES = ("server", "experts", "trainer")  # what a joining peer may ask for (not coordinator)
+PEER_ROLES = ("server", "experts", "trainer", "relay")  # what a joining peer may ask for (not coordinator)
 
 
 # ---- the files `peer coordinator invite` and `revoke` write -----------------------------------

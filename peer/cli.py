@@ -136,9 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="revoked by the run's owner", help="why (shown to the peer when it renews)")
     p.add_argument("--identity", help="the coordinator's key (default: the user's)")
 
-    p = sub.add_parser("join", help="join a run as a stage server (default), an expert host (--experts) or a trainer")
+    p = sub.add_parser(
+        "join",
+        help="join a run as a stage server (default), an expert host (--experts), a trainer or a relay",
+    )
     p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
-    p.add_argument("--role", choices=["server", "trainer"], default="server")
+    p.add_argument(
+        "--role",
+        choices=["server", "trainer", "relay"],
+        default="server",
+        help="server (default): serve a stage; trainer: train; relay: only carry the calls of peers that "
+        "cannot be dialled (behind NAT), on a reachable machine",
+    )
     p.add_argument("--invite", metavar="CODE", help="an invite code from the coordinator (runs that admit by invite)")
     p.add_argument(
         "--stage",
@@ -281,11 +290,11 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         spec = RunSpec.from_toml(args.spec)
         run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file, resume=args.resume or "")
         return 0
-    from peer.join import run_experts, run_server, run_trainer
+    from peer.join import run_experts, run_relay, run_server, run_trainer
 
     if args.experts is not None:
-        if args.role == "trainer" or args.stage is not None:
-            raise ConfigError("--experts makes this peer an expert host: leave out --role trainer and --stage")
+        if args.role != "server" or args.stage is not None:
+            raise ConfigError("--experts makes this peer an expert host: leave out --role and --stage")
         if cfg.parallel.tp != 1:
             raise ConfigError("--tp splits a stage; expert hosts hold whole experts (use --device)")
         run_experts(args.maddr, cfg, _identity(cfg), args.experts)
@@ -296,6 +305,11 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         if cfg.parallel.tp != 1 or cfg.parallel.devices:
             raise ConfigError("--tp and --devices are for stage servers, not trainers")
         return run_trainer(args.maddr, cfg, _identity(cfg))
+    if args.role == "relay":
+        if args.stage is not None or cfg.parallel.tp != 1:
+            raise ConfigError("--stage and --tp are for stage servers; a relay serves no part")
+        run_relay(args.maddr, cfg, _identity(cfg))
+        return 0
     run_server(args.maddr, cfg, _identity(cfg), args.stage)
     return 0
 

@@ -408,6 +408,8 @@ class CoordinatorConfig:
     # where the coordinator keeps the dashboard's curves and events, so a restart shows the run's past;
     # empty: RUN.timeline.json beside its identity key
     timeline_file: str = ""
+    relay: bool = True  # the coordinator relays for peers that cannot be dialled (bounded by relay.max_peers)
+    relay_port: int = 0  # port of the coordinator's relay (gRPC); 0: any free one
 
 
 @dataclass
@@ -430,6 +432,26 @@ class SecurityConfig:
 
 
 @dataclass
+class RelayConfig:
+    # whether this peer's gRPC server can be dialled from outside: auto (another peer dials it back
+    # to find out), public (assume so: never relayed), private (never: always served through a relay)
+    reachability: str = "auto"
+    # a stage server or expert host also relays for peers that cannot be dialled (when it can be dialled
+    # itself); the coordinator relays by coordinator.relay, a relay-only peer by `peer join --role relay`
+    offer: bool = False
+    max_peers: int = 8  # peers this relay carries at once; more are refused
+    max_connections: int = 64  # connections forwarded at once for one relayed peer; more are closed
+    chunk_bytes: int = 256 * 1024  # most bytes one forwarded chunk carries
+    keepalive: float = 2.0  # s between a relay's keepalive signals to each peer it carries
+    dead_after: float = 6.0  # s without a signal before a relayed peer drops its relay and moves to another
+    probe_timeout: float = 3.0  # s for a relay to dial back a peer's endpoint (and for a ping)
+    connect_timeout: float = 5.0  # s to attach to a relay, and for a relay to see a new connection carried
+    candidates: int = 3  # relays pinged (latency) when choosing one; the best by latency and load is taken
+    ban_time: float = 30.0  # s a relay that failed (or refused) is not chosen again
+    wait: float = 30.0  # s an unreachable peer waits for a relay to appear before it gives up
+
+
+@dataclass
 class PeerConfig:
     identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
     threads: int = 0  # torch threads; 0: torch's default
@@ -442,6 +464,7 @@ class PeerConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerConfig:
@@ -452,6 +475,13 @@ class PeerConfig:
     def validate(self) -> None:
         if self.parallel.tp < 1:
             raise ConfigError(f"parallel.tp: must be at least 1, got {self.parallel.tp}")
+        if self.relay.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"relay.reachability: must be auto, public or private, got {self.relay.reachability!r}")
+        for name in ("max_peers", "max_connections", "chunk_bytes", "candidates"):
+            if getattr(self.relay, name) < 1:
+                raise ConfigError(f"relay.{name}: must be at least 1, got {getattr(self.relay, name)}")
+        for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
+            _positive(f"relay.{name}", getattr(self.relay, name))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PeerConfig:

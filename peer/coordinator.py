@@ -252,10 +252,16 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    archive = dashboard = timeline = authority = None
+    archive = dashboard = timeline = authority = relay = None
     try:
         authority = start_authority(spec, cfg, identity, dht)
         archive = open_archive(resume, spec, cfg, dht) if resume else None
+        if cfg.coordinator.relay:
+            from peer.relay import RelayThread
+
+            relay = RelayThread(cfg, spec.name, dht, cfg.coordinator.relay_port)
+            where = relay.start()
+            print(f"Relaying for peers that cannot be dialled, at {where} (coordinator.relay).", flush=True)
         if not publish_spec(dht, spec, SPEC_TTL):
             logger.warning("the run spec was not stored on any DHT node yet; will retry")
         maddrs = dht.visible_maddrs()
@@ -336,6 +342,8 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             dashboard.stop()
         if archive is not None:
             archive.stop()
+        if relay is not None:
+            relay.stop()
         if authority is not None:
             authority.stop()
         dht.shutdown()

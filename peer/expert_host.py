@@ -26,8 +26,10 @@ from peer.client import StageClient
 from peer.config import PeerConfig, RunSpec
 from peer.expert import ExpertInputError, ExpertRuntime
 from peer.moe import expert_uid, parse_expert_uid
+from peer.relay import offered_relay
 from peer.replica import Part, Replica
 from peer.server import open_grpc_server
+from peer.uplink import Uplink
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class ExpertHost:
         self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
         self.leaving = False
         self.endpoint = ""
+        self.uplink = None  # peer.uplink.Uplink: reachability, and the relay it is served through if any
         self.grpc_server: grpc.aio.Server | None = None
         self.replicas: dict[str, Replica] = {}
         self.forward_batchers: dict[str, Batcher] = {}
@@ -168,14 +171,25 @@ class ExpertHost:
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
+    async def _moved(self, endpoint: str) -> None:
+        """Its relay changed (peer.uplink): every expert announces where it is dialled now."""
+        self.endpoint = endpoint
+        for replica in self.replicas.values():
+            replica.endpoint = endpoint
+        await asyncio.gather(*(r.publish(force=True) for r in self.replicas.values()))
+
     async def start(self) -> None:
         from peer.expert_service import ExpertServicer
 
-        self.grpc_server, self.health, self.endpoint = await open_grpc_server(
-            self.cfg, ExpertServicer(self), self.dht.security
+        relay = offered_relay(self.cfg, self.spec.name, self.dht.security, "experts")
+        self.grpc_server, self.health, endpoint = await open_grpc_server(
+            self.cfg, ExpertServicer(self), self.dht.security, relay
         )
+        self.uplink = Uplink(self.cfg, self.spec.name, self.dht, endpoint, self._moved)
+        self.endpoint = await self.uplink.start()
+        self.uplink.offer(relay)
         for replica in self.replicas.values():
-            replica.endpoint = self.endpoint
+            replica.endpoint, replica.uplink = self.endpoint, self.uplink
         await asyncio.gather(*(r.publish(force=True) for r in self.replicas.values()))  # 'joining'
         loaded = await asyncio.gather(*(r.load_state_from_peers() for r in self.replicas.values()))
         self.loaded = [uid for uid, ok in zip(self.replicas, loaded, strict=True) if ok]
@@ -202,6 +216,8 @@ class ExpertHost:
         await asyncio.gather(*(r.finish(announced=True) for r in self.replicas.values()), return_exceptions=True)
         if self.grpc_server is not None:
             await self.grpc_server.stop(0.5)
+        if self.uplink is not None:
+            await self.uplink.close()
         for batcher in [*self.forward_batchers.values(), *self.backward_batchers.values()]:
             batcher.close()
         with contextlib.suppress(Exception):

@@ -15,12 +15,12 @@ import logging
 
 import grpc
 
-from dht.credential import CredentialError
+from dht.credential import ROLES, CredentialError
 from dht.gate import Gate
 
 logger = logging.getLogger(__name__)
 
-ANY = frozenset({"server", "experts", "trainer", "coordinator"})
+ANY = frozenset(ROLES)
 # method name -> roles that may call it (a method not named here: any admitted peer)
 ROLES_BY_METHOD = {
     "/swarmtrain.Stage/Forward": frozenset({"trainer", "coordinator"}),
@@ -29,7 +29,12 @@ ROLES_BY_METHOD = {
     "/swarmtrain.Expert/Backward": frozenset({"server", "trainer", "coordinator"}),
     "/swarmtrain.Stage/Round": frozenset({"server", "experts"}),
     "/swarmtrain.Expert/Round": frozenset({"server", "experts"}),
+    "/swarmtrain.Relay/Attach": frozenset({"server", "experts"}),
+    "/swarmtrain.Relay/Tunnel": frozenset({"server", "experts"}),
 }
+# long-lived streams that carry other peers' calls: bounded by relay.max_peers and relay.max_connections
+# instead of server.max_requests_per_peer
+UNCOUNTED = frozenset({"/swarmtrain.Relay/Attach", "/swarmtrain.Relay/Tunnel"})
 
 
 def roles_for(method: str) -> frozenset[str]:
@@ -67,6 +72,8 @@ class Guard(grpc.aio.ServerInterceptor):
                 f"peer {credential.peer_id} has roles {list(credential.roles)}; {method} needs one of {sorted(allowed)}",
             )
         peer = credential.peer_id
+        if method in UNCOUNTED:
+            return ""
         if self.running.get(peer, 0) >= self.max_per_peer:
             raise _Denied(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -76,6 +83,8 @@ class Guard(grpc.aio.ServerInterceptor):
         return peer
 
     def release(self, peer: str) -> None:
+        if not peer:
+            return
         left = self.running.get(peer, 1) - 1
         if left > 0:
             self.running[peer] = left

@@ -82,6 +82,16 @@ async def _until_signalled(start, stop, done: asyncio.Event | None = None) -> No
         await stop()
 
 
+async def _reachable(starting) -> None:
+    """Start a server; a peer that cannot be dialled and finds no relay exits with the reason."""
+    from peer.uplink import NoRelay
+
+    try:
+        await starting
+    except NoRelay as e:
+        raise SystemExit(f"peer join: {e}") from None
+
+
 def _server_levels(server) -> dict:
     rt = server.runtime
     return {
@@ -96,6 +106,7 @@ def _server_levels(server) -> dict:
         "queue_depth": ("gauge", "Requests running or queued", server.inflight),
         "steps_averaged": ("counter", "Steps averaged with other replicas", server.steps_averaged),
         "steps_alone": ("counter", "Steps taken alone", server.steps_alone),
+        **(server.uplink.levels() if server.uplink is not None else {}),
     }
 
 
@@ -183,7 +194,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 await experts.bind()
             follow_admission(dht, server.done.set)
             serve_metrics(server.metrics, cfg)
-            await server.start()
+            await _reachable(server.start())
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
 
         async def stop():
@@ -303,6 +314,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
                     "Highest training step of the hosted experts",
                     max(r.progress for r in runtimes.values()),
                 ),
+                **(host.uplink.levels() if host.uplink is not None else {}),
             },
         )
         host.metrics = metrics
@@ -312,7 +324,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
         async def start():
             follow_admission(dht, done.set)
             serve_metrics(metrics, cfg)
-            await host.start()
+            await _reachable(host.start())
             loaded = f"; loaded the state of {', '.join(host.loaded)} from replicas" if host.loaded else ""
             print(f"Serving experts {', '.join(wanted)} at {host.endpoint}{loaded}.", flush=True)
 
@@ -325,6 +337,47 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
     finally:
         for averager in averagers.values():
             averager.shutdown()
+        dht.shutdown()
+
+
+def run_relay(maddr: str, cfg: PeerConfig, identity: Identity) -> None:
+    """A peer that only relays: carries the calls of peers that cannot be dialled (peer.relay)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from peer.relay import RelayService, add_relay
+    from peer.server import announce_host, grpc_server, listen
+
+    dht, spec = connect(maddr, cfg, identity, "relay")
+    try:
+        net = cfg.network
+        relay = RelayService(cfg, spec.name, announce_host(net.host, net.announce_host), dht.security, "relay")
+        metrics = open_metrics(cfg, "relay", relay.levels)
+        done, tasks = asyncio.Event(), []
+
+        async def start():
+            follow_admission(dht, done.set)
+            serve_metrics(metrics, cfg)
+            server = grpc_server(cfg, dht.security)
+            add_relay(server, relay)
+            checker = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+            port = listen(server, f"{net.host}:{net.port}", dht.security)
+            await server.start()
+            await checker.set("", health_pb2.HealthCheckResponse.SERVING)
+            relay.endpoint = f"{relay.announce_host}:{port}"
+            tasks.extend([server, asyncio.create_task(relay.announce(dht))])
+            print(f"Relaying for peers that cannot be dialled, at {relay.endpoint} (peer {dht.peer_id}).", flush=True)
+
+        async def stop():
+            print("Leaving the swarm...", flush=True)
+            if tasks:
+                server, announcing = tasks
+                announcing.cancel()
+                relay.close()
+                await server.stop(0.5)
+
+        asyncio.run(_until_signalled(start, stop, done))
+    finally:
         dht.shutdown()
 
 

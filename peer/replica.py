@@ -122,6 +122,7 @@ class Replica:
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
         self.metrics = None  # peer.metrics.Metrics of this process, when it serves them
+        self.uplink = None  # peer.uplink.Uplink: reachability, and the relay it is served through if any
         try:
             self.dht_maddrs = dht.visible_maddrs()  # announced, for a restarted coordinator to rejoin through
         except Exception:
@@ -448,6 +449,7 @@ class Replica:
             last_round=self.last_round[0],
             last_round_seconds=self.last_round[1],
             rounds_failed=self.rounds_failed,
+            relay=self.uplink.relay if self.uplink is not None else "",
         )
 
     async def publish(self, force: bool = False) -> bool:

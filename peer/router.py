@@ -211,7 +211,14 @@ class Router:
         self.dead.discard(peer_id)
 
     def report_dead(self, peer_id: str) -> None:
-        """Its port refuses connections: the process is gone, with what it had accumulated."""
+        """Its port refuses connections: the process is gone, with what it had accumulated.
+
+        Not so for a peer served through a relay (its record names one): there the refusal says
+        only that the relay is gone; the peer moves to another relay and announces it.
+        """
+        record = self.latest.get(peer_id) or next((s[peer_id] for s in self.servers if peer_id in s), None)
+        if record is not None and record.relay:
+            return
         self.dead.add(peer_id)
         self.dead_since[peer_id] = time.time()
         self._unroute(peer_id)

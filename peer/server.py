@@ -25,9 +25,11 @@ from peer.balance import plan_move, stage_totals
 from peer.client import server_options
 from peer.config import PeerConfig, RunSpec
 from peer.guard import Guard
+from peer.relay import add_relay, offered_relay
 from peer.replica import Part, Replica
 from peer.runtime import StageRuntime
 from peer.servicer import StageServicer, add_to_server
+from peer.uplink import Uplink
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +64,17 @@ def listen(server: grpc.aio.Server, address: str, security) -> int:
 
 
 async def open_grpc_server(
-    cfg: PeerConfig, servicer, security=None
+    cfg: PeerConfig, servicer, security=None, relay=None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
-    """Start a gRPC server with `servicer` and health checking (NOT_SERVING until set); its announced endpoint."""
+    """Start a gRPC server with `servicer` and health checking (NOT_SERVING until set); its announced endpoint.
+
+    With `relay` (peer.relay.RelayService), the server also relays for peers that cannot be dialled.
+    """
     net = cfg.network
     server = grpc_server(cfg, security)
     add_to_server(servicer, server)
+    if relay is not None:
+        add_relay(server, relay)
     checker = health.aio.HealthServicer()
     await checker.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the state is loaded
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
@@ -167,10 +174,19 @@ class StageServer(Replica):
         self.done.set()
 
     # ---- lifecycle ------------------------------------------------------------------------
+    async def _moved(self, endpoint: str) -> None:
+        """Its relay changed (peer.uplink): announce where it is dialled now."""
+        self.endpoint = endpoint
+        await self.publish(force=True)
+
     async def start(self) -> None:
-        self.grpc_server, self.health, self.endpoint = await open_grpc_server(
-            self.cfg, StageServicer(self), self.dht.security
+        relay = offered_relay(self.cfg, self.run_id, self.dht.security, "server")
+        self.grpc_server, self.health, endpoint = await open_grpc_server(
+            self.cfg, StageServicer(self), self.dht.security, relay
         )
+        self.uplink = Uplink(self.cfg, self.run_id, self.dht, endpoint, self._moved)
+        self.endpoint = await self.uplink.start()
+        self.uplink.offer(relay)
         await self.publish(force=True)  # as 'joining': not routed to yet
         if not await self.load_state_from_peers():
             print(f"No other server holds stage {self.stage} yet: starting from the run's seed.", flush=True)
@@ -191,5 +207,7 @@ class StageServer(Replica):
         await self.finish()
         if self.grpc_server is not None:
             await self.grpc_server.stop(0.5)
+        if self.uplink is not None:
+            await self.uplink.close()
         await self.client.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
