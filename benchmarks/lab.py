@@ -70,10 +70,10 @@ class LabError(RuntimeError):
 
 
 @functools.cache
-def _tool(name: str) -> str:
+def _tool(name: str, package: str = "iproute2 (apt-get install iproute2)") -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
     if not path:
-        raise LabError(f"`{name}` not found: install iproute2 (e.g. apt-get install iproute2)")
+        raise LabError(f"`{name}` not found: install {package}")
     return path
 
 
@@ -120,6 +120,16 @@ def tbf_args(rate_mbit: float) -> list[str]:
     """`tc qdisc ... root` arguments of a token bucket capping a link at `rate_mbit` Mbit/s."""
     burst = max(int(rate_mbit * 1e6 / 8 * TBF_BURST_S), TBF_MIN_BURST)
     return ["tbf", "rate", f"{round(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+def nat_available() -> str:
+    """Why NAT hosts (Lab.add_nat_host) cannot be made here, or "" when they can."""
+    try:
+        check_available()
+        _tool("iptables", "iptables (apt-get install iptables)")
+    except LabError as e:
+        return str(e)
+    return ""
 
 
 def namespaces() -> list[str]:
@@ -233,6 +243,8 @@ class Host:
     rate_mbit: float | None
     hub_dev: str  # its veth end in the hub namespace (download cap)
     lab: Lab = field(repr=False)
+    router: str = ""  # behind NAT: the namespace of its home router (whose public address is `public_ip`)
+    public_ip: str = ""  # the address others see it come from (its router's, behind NAT; else `ip`)
 
     def _argv(self, argv: list[str]) -> list[str]:
         return [_tool("ip"), "netns", "exec", self.netns, *map(str, argv)]
@@ -325,6 +337,71 @@ class Lab:
             _cmd(["ip", "-n", self.hub, "link", "set", host.hub_dev, "addrgenmode", "none", "master", "br0", "up"])
             _cmd(["ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
             _cmd(["ip", "-n", host.netns, "link", "set", "eth0", "addrgenmode", "none", "up"])
+        self.hosts.append(host)
+        self.set_rate(host, rate_mbit)
+        return host
+
+    def add_nat_host(self, name: str, rate_mbit: float | None = None) -> Host:
+        """A host behind a home router: it dials out (MASQUERADE), nobody can dial in.
+
+        The router (namespace `<tag>-<name>-nat`) sits on the bridge with a lab address; the host's eth0
+        has 10.214.<k>.2 on a private link to it, and no lab host has a route to that network. Needs iptables.
+        """
+        if self._closed:
+            raise LabError("this lab is closed")
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,36}", name) or any(h.name == name for h in self.hosts):
+            raise ValueError(f"host name {name!r}: use a new name of letters, digits, '_' and '.'")
+        index = len(self.hosts)
+        if index >= 254:
+            raise LabError("a lab has at most 254 hosts")
+        public = str(ipaddress.ip_network(self.subnet).network_address + index + 1)
+        host = Host(name, f"{self.tag}-{name}", f"10.214.{index}.2", None, f"v{index}", self)
+        host.router, host.public_ip = f"{self.tag}-{name}-nat", public
+        iptables = _tool("iptables", "iptables (apt-get install iptables)")
+        with _signals_deferred():
+            self._add_netns(host.router)
+            self._add_netns(host.netns)
+            veth = ["type", "veth", "peer", "name", "eth0", "netns", host.router]
+            _cmd(["ip", "-n", self.hub, "link", "add", host.hub_dev, *veth])
+            _cmd(["ip", "-n", self.hub, "link", "set", host.hub_dev, "addrgenmode", "none", "master", "br0", "up"])
+            _cmd(["ip", "-n", host.router, "addr", "add", f"{public}/24", "dev", "eth0"])
+            _cmd(["ip", "-n", host.router, "link", "set", "eth0", "addrgenmode", "none", "up"])
+            _cmd(
+                [
+                    "ip",
+                    "-n",
+                    host.router,
+                    "link",
+                    "add",
+                    "lan0",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    host.netns,
+                ]
+            )
+            _cmd(["ip", "-n", host.router, "addr", "add", f"10.214.{index}.1/24", "dev", "lan0"])
+            _cmd(["ip", "-n", host.router, "link", "set", "lan0", "addrgenmode", "none", "up"])
+            _cmd(["ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
+            _cmd(["ip", "-n", host.netns, "link", "set", "eth0", "addrgenmode", "none", "up"])
+            _cmd(["ip", "-n", host.netns, "route", "add", "default", "via", f"10.214.{index}.1"])
+            _cmd(["ip", "netns", "exec", host.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            masquerade = [
+                "-t",
+                "nat",
+                "-A",
+                "POSTROUTING",
+                "-s",
+                f"10.214.{index}.0/24",
+                "-o",
+                "eth0",
+                "-j",
+                "MASQUERADE",
+            ]
+            _cmd(["ip", "netns", "exec", host.router, iptables, *masquerade])
         self.hosts.append(host)
         self.set_rate(host, rate_mbit)
         return host

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from dht import keys
 from dht.node import SwarmDHT
-from dht.records import ServerRecord, TrainerRecord
+from dht.records import RelayRecord, ServerRecord, TrainerRecord
 from peer.config import RunSpec
 from peer.moe import expert_uid
 
@@ -22,7 +22,8 @@ def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
         for layer in spec.moe_layers()
         for e in range(spec.moe.num_experts)
     }
-    return {"stages": stages, "trainers": trainers, "experts": experts}
+    relays = dht.get(keys.relays_key(spec.name), RelayRecord)
+    return {"stages": stages, "trainers": trainers, "experts": experts, "relays": relays}
 
 
 def coverage(spec: RunSpec, experts: dict[str, dict[str, ServerRecord]]) -> list[dict]:
@@ -90,7 +91,7 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
                 str(stage),
                 f"{blocks.start}-{blocks.stop - 1}",
                 pid[-8:],
-                r.endpoint,
+                f"{r.endpoint} via relay {r.relay[-8:]}" if r.relay else r.endpoint,
                 r.state,
                 str(r.tp),
                 devices_label(r.devices),
@@ -121,6 +122,22 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
                 str(len(hosts)),
             )
         console.print(etable)
+    relays: dict[str, RelayRecord] = state.get("relays", {})
+    if relays:
+        rtable = Table(title="Relays (for peers that cannot be dialled)")
+        for column in ("relay", "role", "endpoint", "peers", "connections", "MB relayed", "MB/s now"):
+            rtable.add_column(column)
+        for pid, r in sorted(relays.items(), key=lambda kv: kv[1].endpoint):
+            rtable.add_row(
+                pid[-8:],
+                r.role,
+                r.endpoint,
+                f"{r.relayed}/{r.capacity}",
+                str(r.connections),
+                f"{r.bytes_relayed / 1e6:.1f}",
+                f"{r.rate / 1e6:.2f}",
+            )
+        console.print(rtable)
     ttable = Table(title="Trainers")
     for column in ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age"):
         ttable.add_column(column)

@@ -52,6 +52,7 @@ class Uplink:
         self._call = None
         self._task: asyncio.Task | None = None
         self._tunnels: set[asyncio.Task] = set()
+        self.closing = False
         self.relay_offered = None  # peer.relay.RelayService this peer offers to others, once announced
         self._offering: asyncio.Task | None = None
 
@@ -220,6 +221,8 @@ class Uplink:
     async def _keep(self) -> None:
         while True:
             lost, why = self.relay, await self._follow()
+            if self.closing:
+                return
             self.banned[lost] = time.monotonic() + self.cfg.relay.ban_time
             self.relay, since = "", time.monotonic()
             await self._drop(lost)
@@ -281,6 +284,7 @@ class Uplink:
             await self._drop(peer)
 
     async def close(self) -> None:
+        self.closing = True
         if self.relay_offered is not None:
             self.relay_offered.close()
         tasks = [t for t in (self._task, self._offering, *self._tunnels) if t is not None]
