@@ -277,7 +277,8 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             os.replace(info_file + ".tmp", info_file)
         last_publish = time.monotonic()
         view: dict = {}
-        metrics = open_metrics(cfg, "coordinator", lambda: swarm_levels(view))
+        own_relay = relay.relay.levels if relay is not None else dict
+        metrics = open_metrics(cfg, "coordinator", lambda: {**swarm_levels(view), **own_relay()})
         serve_metrics(metrics, cfg)
         timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
         # rejoining its swarm: the dashboard goes on from the run's past (only this run's, by fingerprint)
