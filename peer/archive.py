@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer import checkpoint
+from peer.background import LoopThread
 from peer.config import PeerConfig, RunSpec
 from peer.part import state_shards
 from peer.server import announce_host, grpc_server, listen
@@ -44,10 +44,8 @@ class Archive:
             )
         self.endpoint = ""
         self.started = time.time()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
+        self._thread = LoopThread("archive")
         self._server: grpc.aio.Server | None = None
-        self._error: BaseException | None = None
 
     @property
     def step(self) -> int:
@@ -111,21 +109,8 @@ class Archive:
         self.endpoint = f"{announce_host(net.host, net.announce_host)}:{port}"
         self._server = server
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-
     def start(self, timeout: float = 30.0) -> None:
-        threading.Thread(target=self._run, name="archive", daemon=True).start()
-        if not self._ready.wait(timeout) or self._error is not None:
-            raise OSError(f"the archive's gRPC server did not start: {self._error}")
+        self._thread.start(self._serve, timeout)
 
     def records(self) -> list[tuple[str, ServerRecord]]:
         """(DHT key, record) announcing each part of the archive."""
@@ -156,5 +141,5 @@ class Archive:
 
     def stop(self) -> None:
         if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(0.5), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.call(self._server.stop(0.5))
+        self._thread.stop()

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import threading
 import time
 
 import grpc
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dht import keys
 from dht.credential import CredentialError
 from dht.records import RelayRecord
+from peer.background import LoopThread
 from peer.client import channel_options
 from peer.config import PeerConfig
 from protocols import relay_pb2, relay_pb2_grpc
@@ -173,15 +173,15 @@ class RelayService(relay_pb2_grpc.RelayServicer):
 
     # ---- Tunnel --------------------------------------------------------------------------
     async def Tunnel(self, request_iterator, context):
-        peer = await self._caller(context, "")
-        attachment = self.attached.get(peer)
         try:
             first = await asyncio.wait_for(anext(request_iterator), self.cfg.relay.connect_timeout)
         except (StopAsyncIteration, TimeoutError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a tunnel starts with a chunk naming its connection")
-        if attachment is None or first.connection not in attachment.waiting:
+        # connection numbers are unique on this relay; with TLS, only the peer it arrived for may carry it
+        attachment = next((a for a in self.attached.values() if first.connection in a.waiting), None)
+        if attachment is None or (self.security is not None and attachment.peer != await self._caller(context, "")):
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"connection {first.connection} is not waiting at this relay for {peer}"
+                grpc.StatusCode.NOT_FOUND, f"connection {first.connection} is not waiting at this relay for the caller"
             )
         reader, writer = attachment.waiting.pop(first.connection)
         attachment.carried.add(writer)
@@ -291,10 +291,8 @@ class RelayThread:
         self.cfg, self.dht, self.port = cfg, dht, port
         host = announce_host(cfg.network.host, cfg.network.announce_host)
         self.relay = RelayService(cfg, run, host, dht.security, role)
-        self._loop = asyncio.new_event_loop()
+        self._thread = LoopThread("relay")
         self._server: grpc.aio.Server | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
 
     async def _serve(self) -> None:
         from peer.server import grpc_server, listen
@@ -307,22 +305,9 @@ class RelayThread:
         self.relay.endpoint = f"{self.relay.announce_host}:{port}"
         self._announce = asyncio.ensure_future(self.relay.announce(self.dht))
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-
     def start(self, timeout: float = 30.0) -> str:
         """Serve; the relay's endpoint. OSError when its server cannot start."""
-        threading.Thread(target=self._run, name="relay", daemon=True).start()
-        if not self._ready.wait(timeout) or self._error is not None:
-            raise OSError(f"the relay's gRPC server did not start: {self._error}")
+        self._thread.start(self._serve, timeout)
         return self.relay.endpoint
 
     def stop(self) -> None:
@@ -333,5 +318,5 @@ class RelayThread:
 
         if self._server is not None:
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.call(stop())
+        self._thread.stop()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
+import urllib.request
 
-from conftest import info
+from conftest import PEER, info
 
 SPEC = {
     "name": "relayed",
@@ -58,6 +60,14 @@ def test_a_server_behind_a_relay_serves_and_moves_when_its_relay_dies(swarm):
 
     swarm.trainer("t0")
     wait_micro_batches(swarm, "t0", 8, 120)
+    # the relay's cost is visible: in peer status and in both sides' metrics
+    status = subprocess.run(
+        [*PEER, "status", swarm.maddr], capture_output=True, text=True, timeout=60, cwd=swarm.workdir
+    ).stdout
+    assert "Relays (for peers that cannot be dialled)" in status and "via relay" in status, status
+    assert re.search(rf"{first.group(1)[-8:]}.*relay.*1/8", status), status
+    assert _metric(hidden, "swarm_relayed") == 1 and _metric(public, "swarm_relayed") == 0
+    assert _metric(relays[carrier], "swarm_relay_peers") == 1 and _metric(relays[carrier], "swarm_relay_bytes") > 1e4
     killed = time.monotonic()
     relays[carrier].signal(signal.SIGKILL)
     moved = hidden.wait_for(r"Moved to relay (\S+) in ([\d.]+) s", 30)
@@ -66,6 +76,13 @@ def test_a_server_behind_a_relay_serves_and_moves_when_its_relay_dies(swarm):
     done = micro_batches(swarm, "t0")
     wait_micro_batches(swarm, "t0", done + 8, 90)  # the run goes on through the other relay
     assert "Serving through relay" not in public.output()  # a reachable server never uses one
+
+
+def _metric(peer, name: str) -> float:
+    url = peer.wait_for(r"Prometheus metrics at (\S+/metrics)", 10).group(1)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
 def _join(swarm, name: str, *extra: str) -> list[str]:
