@@ -51,7 +51,9 @@ class SwarmDHT:
         announce_maddrs: Sequence[str] = (),
         startup_timeout: float = 20.0,
         request_timeout: float = 5.0,
+        client_mode: bool = False,
     ):
+        """`client_mode`: a node others cannot dial (behind NAT): it asks the DHT, it is never asked."""
         self.identity = identity
         self.request_timeout = request_timeout
         # set once this peer holds a credential (peer.security): records it stores carry the credential,
@@ -70,6 +72,7 @@ class SwarmDHT:
             await_ready=False,
             wait_timeout=request_timeout,
             bootstrap_timeout=startup_timeout,
+            client_mode=client_mode,
         )
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)

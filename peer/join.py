@@ -39,6 +39,7 @@ def connect(maddr: str, cfg: PeerConfig, identity: Identity, role: str) -> tuple
         net.dht_announce_maddrs,
         net.dht_startup_timeout,
         net.dht_request_timeout,
+        client_mode=cfg.relay.reachability == "private",  # nobody can dial it: it only asks the DHT
     )
     try:
         spec = fetch_spec(dht, coordinator, timeout=net.dht_startup_timeout)

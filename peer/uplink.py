@@ -113,8 +113,9 @@ class Uplink:
                 rtt, reply = ping
                 scored.append((pid, record, rtt * (1 + reply.relayed / max(reply.capacity, 1))))
         scored.sort(key=lambda item: item[2])
-        for pid, *_ in offers[len(scored) :]:
-            if pid not in [s[0] for s in scored]:
+        chosen = {pid for pid, *_ in scored}
+        for pid, _ in offers:
+            if pid not in chosen:  # full now: its channel is not kept
                 await self._drop(pid)
         return scored
 
@@ -157,7 +158,8 @@ class Uplink:
                 return self.endpoint
             print(
                 f"Not reachable at {self.direct} from outside (relay {judge} could not dial it: {detail}); "
-                "serving through a relay.",
+                'serving through a relay. (Set relay.reachability = "private" to skip this check and keep the '
+                "DHT node in client mode too.)",
                 flush=True,
             )
         else:
