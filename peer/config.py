@@ -447,7 +447,7 @@ class RelayConfig:
     probe_timeout: float = 3.0  # s for a relay to dial back a peer's endpoint (and for a ping)
     connect_timeout: float = 5.0  # s to attach to a relay, and for a relay to see a new connection carried
     candidates: int = 3  # relays pinged (latency) when choosing one; the best by latency and load is taken
-    ban_time: float = 30.0  # s a relay that failed (or refused) is not chosen again
+    ban_time: float = 30.0  # s a relay that failed (or refused) is not chosen again, unless no other is left
     wait: float = 30.0  # s an unreachable peer waits for a relay to appear before it gives up
 
 

@@ -100,10 +100,10 @@ class Uplink:
             return []
         now = time.monotonic()
         offers = [
-            (pid, r)
-            for pid, r in records.items()
-            if pid != self.dht.peer_id and r.endpoint and r.relayed < r.capacity and self.banned.get(pid, 0) <= now
+            (pid, r) for pid, r in records.items() if pid != self.dht.peer_id and r.endpoint and r.relayed < r.capacity
         ]
+        unbanned = [(pid, r) for pid, r in offers if self.banned.get(pid, 0) <= now]
+        offers = unbanned or offers  # a relay that failed is tried again when it is the only one left
         offers.sort(key=lambda item: item[1].relayed / max(item[1].capacity, 1))
         offers = offers[: relay.candidates]
         pings = await asyncio.gather(*(self._ping(pid, r) for pid, r in offers))
