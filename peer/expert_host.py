@@ -201,6 +201,8 @@ class ExpertHost:
     async def stop(self) -> None:
         """Leave cleanly: every expert announces 'leaving', finishes its work and round, then 'left'."""
         self.leaving = True
+        if self.uplink is not None:
+            self.uplink.closing = True  # its relay going away now is no reason to look for another
         for replica in self.replicas.values():
             replica.leaving = True
         if self.grpc_server is not None:

@@ -57,6 +57,7 @@ class Router:
         self.last: dict[tuple[str, int], ServerRecord] = {}  # newest record seen of each (peer, incarnation)
         self.latest: dict[str, ServerRecord] = {}  # newest record seen of each peer
         self.health: dict[str, _Health] = {}
+        self.endpoints: dict[str, str] = {}  # peer -> endpoint its record named at the last refresh
         self.latency: dict[tuple[str, str], float] = {}  # (peer, kind of call) -> average seconds
         self.dead: set[str] = set()  # refused connections: the process is gone
         self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
@@ -69,13 +70,16 @@ class Router:
 
     # ---- the server list ------------------------------------------------------------------
     async def refresh(self) -> None:
-        present = set()
+        present, endpoints = set(), {}
         found = await asyncio.gather(*(self.dht.aget(key, ServerRecord) for key, _, _ in self.slots))
         for slot, ((_, stage, expert), records) in enumerate(zip(self.slots, found, strict=True)):
             records = {
                 pid: r for pid, r in records.items() if r.expert == expert and (stage is None or r.stage == stage)
             }
             for pid, r in records.items():
+                endpoints[pid] = r.endpoint
+                if self.endpoints.get(pid, r.endpoint) != r.endpoint and pid in self.health:
+                    del self.health[pid]  # it moved (to another relay): a ban of its old address does not hold
                 if not expert:  # receipts and incarnations are the trainer's, for stages
                     self.note(pid, r)
                 elif (pid in self.dead or pid in self.leaving) and r.started > self.dead_since.get(pid, 0.0):
@@ -92,7 +96,7 @@ class Router:
             }
             for r in self.servers[slot].values():
                 self.max_epoch = max(self.max_epoch, r.step, r.epoch)
-        self.present = present
+        self.present, self.endpoints = present, endpoints
         self._forget_old()
 
     def note(self, pid: str, record: ServerRecord) -> None:

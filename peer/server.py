@@ -198,6 +198,8 @@ class StageServer(Replica):
     async def stop(self) -> None:
         """Leave cleanly: announce 'leaving', refuse new work, finish what runs, announce 'left', stop."""
         self.leaving = True
+        if self.uplink is not None:
+            self.uplink.closing = True  # its relay going away now is no reason to look for another
         if self.move_to is None:  # leaving for good: a claim to move (under way) is void
             self.claim = None
             if self._balance_task is not None:
