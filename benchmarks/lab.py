@@ -319,6 +319,14 @@ class Lab:
         self._namespaces.append(name)
         _cmd(["ip", "-n", name, "link", "set", "lo", "up"])  # the p2p daemon and gRPC use loopback too
 
+    def _plug(self, netns: str, hub_dev: str, ip: str) -> None:
+        """Give `netns` an eth0 with `ip` on the lab's bridge (its other end: `hub_dev` in the hub)."""
+        veth = ["type", "veth", "peer", "name", "eth0", "netns", netns]
+        _cmd(["ip", "-n", self.hub, "link", "add", hub_dev, *veth])
+        _cmd(["ip", "-n", self.hub, "link", "set", hub_dev, "addrgenmode", "none", "master", "br0", "up"])
+        _cmd(["ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", "eth0"])
+        _cmd(["ip", "-n", netns, "link", "set", "eth0", "addrgenmode", "none", "up"])
+
     def add_host(self, name: str, rate_mbit: float | None = None) -> Host:
         """A new host `name` (namespace `<tag>-<name>`) on the bridge, capped at `rate_mbit` both ways (None: no cap)."""
         if self._closed:
@@ -332,11 +340,7 @@ class Lab:
         host = Host(name, f"{self.tag}-{name}", ip, None, f"v{index}", self)
         with _signals_deferred():
             self._add_netns(host.netns)
-            veth = ["type", "veth", "peer", "name", "eth0", "netns", host.netns]
-            _cmd(["ip", "-n", self.hub, "link", "add", host.hub_dev, *veth])
-            _cmd(["ip", "-n", self.hub, "link", "set", host.hub_dev, "addrgenmode", "none", "master", "br0", "up"])
-            _cmd(["ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
-            _cmd(["ip", "-n", host.netns, "link", "set", "eth0", "addrgenmode", "none", "up"])
+            self._plug(host.netns, host.hub_dev, host.ip)
         self.hosts.append(host)
         self.set_rate(host, rate_mbit)
         return host
@@ -361,11 +365,7 @@ class Lab:
         with _signals_deferred():
             self._add_netns(host.router)
             self._add_netns(host.netns)
-            veth = ["type", "veth", "peer", "name", "eth0", "netns", host.router]
-            _cmd(["ip", "-n", self.hub, "link", "add", host.hub_dev, *veth])
-            _cmd(["ip", "-n", self.hub, "link", "set", host.hub_dev, "addrgenmode", "none", "master", "br0", "up"])
-            _cmd(["ip", "-n", host.router, "addr", "add", f"{public}/24", "dev", "eth0"])
-            _cmd(["ip", "-n", host.router, "link", "set", "eth0", "addrgenmode", "none", "up"])
+            self._plug(host.router, host.hub_dev, public)
             _cmd(
                 [
                     "ip",
