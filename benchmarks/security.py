@@ -42,7 +42,7 @@ from pathlib import Path
 
 from dht.identity import Identity
 from peer.config import RunSpec
-from peer.demo import Processes, loopback_join, read_log, spec_to_toml
+from peer.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml
 
 START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
 STOP_GRACE = 6.0  # s the peers get to leave before they are killed (a server takes server.shutdown_grace)
@@ -95,16 +95,7 @@ class Swarm:
         info = self.workdir / "coordinator.json"
         self.procs.start(
             "coordinator",
-            [
-                "coordinator",
-                "run.toml",
-                "--identity",
-                "coordinator.pem",
-                "--host",
-                "127.0.0.1",
-                "--info-file",
-                str(info),
-            ],
+            loopback_coordinator("run.toml", str(info)),
         )
         self._wait(info.exists, ["coordinator"], "the coordinator")
         self.maddr = json.loads(info.read_text())["join"].split()[-1]

@@ -38,6 +38,21 @@ def loopback_join(maddr: str, name: str, *extra: str) -> list[str]:
     return ["join", maddr, "--identity", f"{name}.pem", "--host", "127.0.0.1", "--threads", "1", *extra]
 
 
+def loopback_coordinator(spec_file: str, info_file: str, *extra: str) -> list[str]:
+    """`peer coordinator` arguments for a one-machine swarm: its own key, loopback, its join line in `info_file`."""
+    return [
+        "coordinator",
+        spec_file,
+        "--identity",
+        "coordinator.pem",
+        "--host",
+        "127.0.0.1",
+        "--info-file",
+        info_file,
+        *extra,
+    ]
+
+
 class Processes:
     """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons)."""
 
@@ -165,14 +180,8 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         info = work / "coordinator.json"
         procs.start(
             "coordinator",
-            [
-                "coordinator",
+            loopback_coordinator(
                 str(spec_file),
-                "--identity",
-                "coordinator.pem",
-                "--host",
-                "127.0.0.1",
-                "--info-file",
                 str(info),
                 # one checkpoint when the run ends, to sample from
                 "--checkpoints",
@@ -183,7 +192,7 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
                 f"coordinator.checkpoint_every_steps={spec.training.total_steps}",
                 "--set",
                 "coordinator.checkpoint_every_minutes=0",
-            ],
+            ),
         )
         _wait(lambda: info.exists(), procs, ["coordinator"], "the coordinator to start")
         maddr = json.loads(info.read_text())["join"].split()[-1]

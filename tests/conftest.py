@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.demo import dict_to_toml, loopback_join
+from peer.demo import dict_to_toml, loopback_coordinator, loopback_join
 
 # endpoint -> (test workdir, identity file of the peer serving it): what a test's own TLS client pins
 _SERVERS: dict[str, tuple[Path, Path]] = {}
@@ -185,17 +185,7 @@ class Swarm:
         info = self.workdir / "coordinator.json"
         peer = self.start(
             "coordinator",
-            [
-                "coordinator",
-                str(path),
-                "--identity",
-                "coordinator.pem",
-                "--host",
-                "127.0.0.1",
-                "--info-file",
-                str(info),
-                *extra,
-            ],
+            loopback_coordinator(str(path), str(info), *extra),
         )
         deadline = time.monotonic() + timeout
         while not info.exists():
