@@ -5,9 +5,15 @@ mode); either way a sample-weighted mean, compressed on the wire by `compression
 
 The one module of the runtime that imports hivemind's averaging. Replicas are matched through
 the DHT under one prefix per stage; the group key carries the epoch, so replicas at different
-optimizer steps never average together, and the target group size is set before each round to
-the number of replicas that accepted the round's invitation, so a full group starts at once
-instead of waiting out the matchmaking window.
+optimizer steps never average together, and the expected group size (the replicas that accepted
+the round's invitation), so a group never grows past what one of its members expects (hivemind's
+key manager fails a member whose group outgrows its target). The target group size is set to
+that size before each round, so a full group starts at once instead of waiting out the
+matchmaking window.
+
+A round steps whole groups only: each member gathers the peer ids it expects, and a group that
+lacks one of them is discarded by all its members (two groups at one step would otherwise step
+apart and leave the stage's replicas with different weights for good).
 """
 
 from __future__ import annotations
@@ -29,7 +35,25 @@ from peer.averaging_codec import averaging_codec
 from peer.config import RunSpec
 
 logger = logging.getLogger(__name__)
-EPOCH_BITS = 16
+EPOCH_BITS = 16  # the group key carries the epoch modulo 2**16: replicas at different steps never meet
+SIZE_BITS = 10  # and the expected group size: a group never grows past what any member expects
+
+
+def group_bits(epoch: int, size: int) -> str:
+    """hivemind's group key bits for a round at `epoch` of `size` replicas."""
+    return format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b") + format(size % (1 << SIZE_BITS), f"0{SIZE_BITS}b")
+
+
+def whole_group_missing(infos: list[dict], members: list[str], max_group_size: int) -> list[str]:
+    """Replicas some member expected in the round but the group lacks (none when it is whole).
+
+    Every member runs this on the same gathered data, so all reach the same verdict. Beyond
+    `max_group_size` replicas a stage averages in several groups by design, and none is whole.
+    """
+    expected = set().union(*(set(info.get("expected", [])) for info in infos))
+    if len(expected) > max_group_size:
+        return []
+    return sorted(expected - set(members))
 
 
 class _StageAverager(DecentralizedAverager):
@@ -100,6 +124,7 @@ class RoundResult:
     group_samples: int  # samples accounted by the whole group
     group_size: int
     members: list[str]  # peer ids of the group
+    coverage: dict[str, tuple[int, int]]  # peer id -> (incarnation, seq): the accumulator additions it brought
 
 
 class GradientAverager:
@@ -130,27 +155,46 @@ class GradientAverager:
         gradients: list[torch.Tensor],
         samples: int,
         epoch: int,
-        expected_group: int,
+        expected: list[str],
         admitted: set[str] | None = None,
+        covers: tuple[int, int] = (0, 0),
     ) -> RoundResult | None:
-        """One round with the replicas at `epoch`; None when no group formed in time.
+        """One round at `epoch` with the replicas `expected` (peer ids, ours included); None if it failed.
 
-        With `admitted`, only those peer ids may be in the group (the others are refused).
+        `covers` is (incarnation, seq): the accumulator additions these gradients hold, recorded
+        with the step by every member, so that whoever looks later knows exactly what it counted.
+
+        A round steps only a whole group: one that lacks a replica any member expected (two groups
+        formed at one step, or one member saw a partner the others missed) is discarded by every
+        member alike, since they all judge the same gathered data. With `admitted`, only those peer
+        ids may be in the group (the others are refused).
         """
-        size = max(2, min(expected_group, self.cfg.max_group_size))
+        size = max(2, min(len(expected), self.cfg.max_group_size))
         try:
             self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
             self._averager.set_admitted(admitted, timeout=self.cfg.request_timeout * 5)
-            self._averager.set_group_bits(format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b"))
+            self._averager.set_group_bits(group_bits(epoch, size))
             with self._averager.get_tensors() as tensors:
                 for dst, src in zip(tensors, gradients, strict=True):
                     dst.copy_(src)
-            gathered = self._averager.step(
-                gather={"epoch": epoch, "samples": samples},
+            control = self._averager.step(
+                gather={
+                    "epoch": epoch,
+                    "samples": samples,
+                    "expected": sorted(expected),
+                    "incarnation": covers[0],
+                    "seq": covers[1],
+                },
                 weight=float(samples),
-                timeout=self.cfg.averaging_timeout,
+                timeout=self.cfg.averaging_timeout,  # to find a group
                 allow_retries=False,  # a failed round steps nobody; the next round comes soon
+                wait=False,
             )
+            try:  # hivemind waits for a round's end without a bound: a stopped averager would hang us
+                gathered = control.result(timeout=2 * self.cfg.averaging_timeout + 1.0)
+            except TimeoutError:
+                control.cancel()
+                raise TimeoutError("the averager did not finish the round in time") from None
         except Exception as e:  # a failed round must not take the server down
             logger.warning("averaging for step %d failed: %s", epoch, e)
             return None
@@ -160,10 +204,28 @@ class GradientAverager:
         if len(infos) != len(gathered) or any(info.get("epoch") != epoch for info in infos):
             logger.warning("averaging group for step %d mixed epochs: %s", epoch, infos)
             return None
+        members = sorted(pid.to_base58() if hasattr(pid, "to_base58") else str(pid) for pid in gathered)
+        missing = whole_group_missing(infos, members, self.cfg.max_group_size)
+        if missing:
+            logger.warning(
+                "averaging group for step %d (%d members) lacks %s, whom a member expected: nobody steps",
+                epoch,
+                len(members),
+                ", ".join(missing),
+            )
+            return None
         with self._averager.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
-        members = sorted(pid.to_base58() if hasattr(pid, "to_base58") else str(pid) for pid in gathered)
-        return RoundResult(averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered), members)
+        coverage = {
+            (pid.to_base58() if hasattr(pid, "to_base58") else str(pid)): (
+                int(info.get("incarnation", 0)),
+                int(info.get("seq", 0)),
+            )
+            for pid, info in gathered.items()
+        }
+        return RoundResult(
+            averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered), members, coverage
+        )
 
     def shutdown(self) -> None:
         try:

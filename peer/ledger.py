@@ -4,8 +4,9 @@ A server that dies takes its accumulator with it. So the trainer keeps each back
 (the stage's inputs and output gradients, enough for any replica to recompute it) until the
 server says the addition is in a finished optimizer step (`stepped_seq`), and replays it on
 another replica if the server goes away first. Where the server was in an averaging round when it
-went away, the survivors' step records say whether the round counted it (the server was one of
-the group's members) or not; only then is it replayed. Every sample is thus counted once.
+went away, the survivors' step records say how far the round counted its accumulator (each
+member's additions up to a seq); only what it did not count is replayed. Every sample is thus
+counted once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class Receipt:
 
 @dataclass
 class Check:
-    """A receipt whose server went away during a round: did the round's step `epoch` count it?"""
+    """A receipt whose server went away during a round: did the round's step `epoch` count it?
+
+    The survivors' step says how far it counted the server's accumulator (its additions up to a
+    seq): a receipt up to there is settled, one past it is replayed."""
 
     receipt: Receipt
     epoch: int  # the step the round made, if it succeeded

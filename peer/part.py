@@ -45,9 +45,22 @@ class Fingerprint:
     samples: int  # samples the step accounted over the whole averaging group
     values: list[float]  # per parameter: sum, then sum of squares
     members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
+    # peer id -> (incarnation, seq): the step counted that member's accumulator additions up to seq
+    coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-STEP_MEMBERS = 32  # recent steps whose group members travel with a state
+@dataclass
+class Restored:
+    """Gradients a failed round took and put back: the additions after the previous piece, up to `seq`."""
+
+    epoch: int  # the step the round was for
+    seq: int  # the last accumulator addition in this piece
+    sums: list[torch.Tensor]  # the piece's gradients summed over its samples
+    samples: int
+
+
+STEP_MEMBERS = 32  # recent steps whose group members and coverage travel with a state
+MAX_RESTORED = 16  # pieces kept from failed rounds at one step; more are merged (oldest first)
 
 
 class PartRuntime:
@@ -78,8 +91,9 @@ class PartRuntime:
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
         self.fixed_throughput = False  # announced as configured, not measured
         self._stash: tuple[int, list[torch.Tensor]] | None = None  # (version, weights) before the last step
-        # (epoch, grads, samples, seq) of a failed round, back in the accumulator
-        self.restored: tuple[int, list[torch.Tensor], int, int] | None = None
+        # what failed rounds of this epoch took and put back, in pieces by the additions they end at: a
+        # partner's step may have counted some of them (its round succeeded there, not here)
+        self.restored: list[Restored] = []
         # receipts: the accumulator's additions are numbered; stepped_seq says how many are in finished steps
         self.incarnation = random.getrandbits(63) or 1  # a new number whenever the accumulator is dropped
         self.seq = 0  # backwards added to the accumulator in this incarnation
@@ -187,39 +201,65 @@ class PartRuntime:
         for acc in self.accumulator:
             acc.zero_()
         self.samples_accumulated = 0
-        self.restored = None
+        self.restored = []
         self.incarnation = random.getrandbits(63) or 1
         self.seq = self.stepped_seq = self.taken_seq = 0
         self.counted.clear()
         return dropped
 
     def restore_gradients(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:
-        """Put gradients taken (up to addition `seq`) for a round that failed back, for the next round."""
-        for acc, g in zip(self.accumulator, grads, strict=True):
-            acc.add_(g, alpha=samples)
-        self.samples_accumulated += samples
-        self.restored = (self.epoch, grads, samples, seq)
+        """Put gradients taken (up to addition `seq`) for a round that failed back, for the next round.
 
-    def _drop_restored(self) -> None:
-        """A partner's round for our failed epoch succeeded with our contribution: take it out again."""
-        _, grads, samples, seq = self.restored
-        for acc, g in zip(self.accumulator, grads, strict=True):
-            acc.sub_(g, alpha=samples)
-        self.samples_accumulated -= samples
+        What earlier failed rounds of this epoch put back was taken again with the rest: the new
+        piece is only what this take added to them.
+        """
+        sums = [g * samples for g in grads]
+        for acc, g in zip(self.accumulator, sums, strict=True):
+            acc.add_(g)
+        self.samples_accumulated += samples
+        self.restored = [r for r in self.restored if r.epoch == self.epoch]
+        earlier = sum(r.samples for r in self.restored)
+        if samples > earlier:
+            for r in self.restored:
+                sums = [s - p for s, p in zip(sums, r.sums, strict=True)]
+            self.restored.append(Restored(self.epoch, seq, sums, samples - earlier))
+        while len(self.restored) > MAX_RESTORED:
+            first, second = self.restored[0], self.restored.pop(1)
+            first.sums = [a + b for a, b in zip(first.sums, second.sums, strict=True)]
+            first.seq, first.samples = second.seq, first.samples + second.samples
+
+    def drop_covered(self, incarnation: int, seq: int) -> int:
+        """A partner's step counted our additions up to `seq` (a round that failed here succeeded there):
+        take the pieces it covered out of the accumulator again; returns the samples dropped."""
+        if incarnation != self.incarnation:
+            return 0
+        dropped = [r for r in self.restored if r.seq <= seq]
+        for r in dropped:
+            for acc, g in zip(self.accumulator, r.sums, strict=True):
+                acc.sub_(g)
+            self.samples_accumulated -= r.samples
+        self.restored = [r for r in self.restored if r.seq > seq]
         self.stepped_seq = max(self.stepped_seq, seq)
-        self.restored = None
+        return sum(r.samples for r in dropped)
 
     def apply_step(
-        self, grads: list[torch.Tensor], group_samples: int, seq: int, members: list[str] | None = None
+        self,
+        grads: list[torch.Tensor],
+        group_samples: int,
+        seq: int,
+        members: list[str] | None = None,
+        coverage: dict[str, tuple[int, int]] | None = None,
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
-        self.restored = None  # taken with the rest of the accumulator into this step
+        self.restored = []  # taken with the rest of the accumulator into this step
         self._optimizer_step(grads, self.epoch)
         self.epoch += 1
         self.samples_stepped += group_samples
         self.stepped_seq = max(self.stepped_seq, seq)
         self._after_step()
-        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
+        fingerprint = Fingerprint(
+            self.epoch, group_samples, self.fingerprint_values(), list(members or []), dict(coverage or {})
+        )
         self.history.append(fingerprint)
         return fingerprint
 
@@ -263,7 +303,11 @@ class PartRuntime:
 
     @torch.no_grad()
     def apply_outer_step(
-        self, delta: list[torch.Tensor], group_samples: int, members: list[str] | None = None
+        self,
+        delta: list[torch.Tensor],
+        group_samples: int,
+        members: list[str] | None = None,
+        coverage: dict[str, tuple[int, int]] | None = None,
     ) -> Fingerprint:
         """Local mode: the outer Nesterov step with the group's averaged pseudo-gradient `delta`.
 
@@ -285,7 +329,9 @@ class PartRuntime:
         self.samples_stepped += group_samples
         self.version += 1
         self._after_step()
-        fingerprint = Fingerprint(self.epoch, group_samples, self.fingerprint_values(), list(members or []))
+        fingerprint = Fingerprint(
+            self.epoch, group_samples, self.fingerprint_values(), list(members or []), dict(coverage or {})
+        )
         self.history.append(fingerprint)
         return fingerprint
 
@@ -298,11 +344,18 @@ class PartRuntime:
         """What this replica averages: its mean gradients, or in local mode its pseudo-gradient."""
         return self.take_delta() if self.local else self.take_gradients()
 
-    def apply_round(self, averaged: list[torch.Tensor], group_samples: int, seq: int, members: list[str]) -> None:
+    def apply_round(
+        self,
+        averaged: list[torch.Tensor],
+        group_samples: int,
+        seq: int,
+        members: list[str],
+        coverage: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         if self.local:
-            self.apply_outer_step(averaged, group_samples, members)
+            self.apply_outer_step(averaged, group_samples, members, coverage)
         else:
-            self.apply_step(averaged, group_samples, seq, members)
+            self.apply_step(averaged, group_samples, seq, members, coverage)
 
     def restore_round(self, taken: list[torch.Tensor], samples: int, seq: int) -> None:
         """The round failed: gradients go back into the accumulator (local mode: nothing to put back)."""
@@ -357,8 +410,13 @@ class PartRuntime:
             "last_step_samples": self.history[-1].samples if self.history else 0,
             "spec": self.spec.fingerprint(),
             "tensor_count": tensor_count,
-            # who made the recent steps: a replica that resyncs keeps gradients no step of the donor counted
+            # who made the recent steps, and what each step counted of each member's accumulator: a replica
+            # that resyncs keeps the gradients no step of the donor counted, and drops the others
             "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
+            "step_coverage": {
+                str(f.epoch): {pid: list(c) for pid, c in f.coverage.items()}
+                for f in list(self.history)[-STEP_MEMBERS:]
+            },
         }
 
     def check_state(self, metadata: dict, tensors: dict[str, torch.Tensor], shapes: list[list[int]]) -> str:
@@ -400,11 +458,13 @@ class PartRuntime:
                     state[key] = t.to(p.device).clone()
             if state:
                 self.optimizer.state[p] = state
-        members = (metadata.get("step_members") or {}).get(str(self.restored[0] + 1)) if self.restored else None
-        if self.restored is not None and self.restored[0] < int(metadata["epoch"]) and me in (members or []):
-            # the donor's step after the round that failed here had us in its group: the round succeeded
-            # on its side with our samples gathered into it, so they were already accounted and applied
-            self._drop_restored()
+        if self.restored and self.restored[0].epoch < int(metadata["epoch"]):
+            # the donor's step after a round that failed here may have had us in its group: the round
+            # succeeded on its side, with the part of our accumulator it covered; that part is accounted
+            covered = (metadata.get("step_coverage") or {}).get(str(self.restored[0].epoch + 1), {}).get(me)
+            if covered:
+                self.drop_covered(int(covered[0]), int(covered[1]))
+            self.restored = []  # any other piece waits for the next step like the rest of the accumulator
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
         self.inner_steps = self.inner_samples = 0  # local mode: at the anchor, no inner step of ours on it yet

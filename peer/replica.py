@@ -153,11 +153,13 @@ class Replica:
         )
 
     # ---- stepping -------------------------------------------------------------------------
-    def _serving_peers(self) -> list[ServerRecord]:
-        """Partners that serve, leaving out those that ignored an invitation and have not announced since."""
-        return [
-            r for pid, r in self.peers.items() if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
-        ]
+    def _serving_peers(self) -> dict[str, ServerRecord]:
+        """Partners that serve, by peer id, leaving out those that ignored an invitation and have not announced since."""
+        return {
+            pid: r
+            for pid, r in self.peers.items()
+            if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
+        }
 
     def _maybe_step(self) -> None:
         if self.runtime.local:
@@ -165,7 +167,7 @@ class Replica:
         if self.stepping or self.state != "serving" or self.leaving or time.monotonic() < self._retry_after:
             return
         epoch = self.runtime.epoch
-        serving = self._serving_peers()
+        serving = list(self._serving_peers().values())
         if any(r.epoch > epoch for r in serving):
             return  # behind the stage: the progress loop resyncs first
         at_epoch = [r for r in serving if r.epoch == epoch]
@@ -220,33 +222,40 @@ class Replica:
     async def _round(self, epoch: int) -> None:
         """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
         timeout = min(self.spec.averaging.request_timeout, 2.0)
-        partners = [r for r in self._serving_peers() if r.epoch <= epoch]
+        partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
         asked = time.monotonic()
-        answers = await asyncio.gather(
-            *(
-                self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
-                for r in partners
-            ),
-            return_exceptions=True,
+        answers = dict(
+            zip(
+                partners,
+                await asyncio.gather(
+                    *(
+                        self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
+                        for r in partners.values()
+                    ),
+                    return_exceptions=True,
+                ),
+                strict=True,
+            )
         )
-        joined = sum(1 for a in answers if not isinstance(a, BaseException) and a.joining)
-        alive = [(r, a) for r, a in zip(partners, answers, strict=True) if not isinstance(a, BaseException)]
-        by_endpoint = {r.endpoint: pid for pid, r in self.peers.items()}
-        for r, a in zip(partners, answers, strict=True):
-            if isinstance(a, BaseException) and r.endpoint in by_endpoint:
-                self._unresponsive[by_endpoint[r.endpoint]] = r.updated  # hung or gone: not waited for again
-        if any(a.epoch > epoch for _, a in alive) or (not joined and any(a.epoch != epoch for _, a in alive)):
+        joiners = sorted(pid for pid, a in answers.items() if not isinstance(a, BaseException) and a.joining)
+        alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
+        for pid, a in answers.items():
+            if isinstance(a, BaseException):
+                self._unresponsive[pid] = partners[pid].updated  # hung or gone: not waited for again
+        if any(a.epoch > epoch for a in alive.values()) or (
+            not joiners and any(a.epoch != epoch for a in alive.values())
+        ):
             # a live partner is at another step (one side of a round failed): never step apart from it.
             # Ahead, we take its state now (and never average this step again with others: the round
             # it stepped may have counted our gradients); behind, it catches up from us.
             self.stepping, self.averaging_epoch = False, -1
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
-            ahead = [r for r, a in alive if a.epoch > epoch]
+            ahead = [partners[pid] for pid, a in alive.items() if a.epoch > epoch]
             if ahead:
                 await self._resync(ahead)
             await self.publish(force=True)
             return
-        late = not joined and partners and time.monotonic() - asked > 2 * timeout + 1.0
+        late = not joiners and partners and time.monotonic() - asked > 2 * timeout + 1.0
         if late and self._late_rounds < MAX_LATE_ROUNDS:
             # the invitations took far past their deadline: this process was stopped or starved, and
             # the partners went on without it (maybe to this very step, alone). Stepping alone now
@@ -254,14 +263,14 @@ class Replica:
             # records instead (the progress loop resyncs from a replica ahead, or we invite anew)
             self._late_rounds += 1
             self.stepping, self.averaging_epoch = False, -1
-            for r in partners:  # this round's silence was ours, not theirs
-                self._unresponsive.pop(by_endpoint.get(r.endpoint, ""), None)
+            for pid in partners:  # this round's silence was ours, not theirs
+                self._unresponsive.pop(pid, None)
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
             await self.refresh_peers()
             await self.publish(force=True)
             return
         self._late_rounds = 0
-        if not joined:
+        if not joiners:
             # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
             # a partner that was only slow is then behind and catches up from us
             await self._finish_step(self._step_alone())
@@ -270,10 +279,11 @@ class Replica:
         # instant can each take the other for its leader, and hivemind then fails the round
         ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])
         stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
-        await self._finish_step(asyncio.ensure_future(self._averaged_step(1 + joined, epoch, stagger)))
+        expected = sorted([self.dht.peer_id, *joiners])
+        await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
 
-    async def _averaged_step(self, group_size: int, epoch: int, stagger: float):
-        """Take the gradients (torch thread), average them (round thread), then step or put them back."""
+    async def _averaged_step(self, expected: list[str], epoch: int, stagger: float):
+        """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
         rt = self.runtime
         started = time.perf_counter()
         grads, samples, seq, incarnation = await self.run_torch(self._take)
@@ -285,7 +295,9 @@ class Replica:
         await asyncio.sleep(stagger)
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         admitted = {self.dht.peer_id, *self.peers} if self.dht.gate is not None else None
-        round_future = self.round_executor.submit(self.averager.average, grads, samples, epoch, group_size, admitted)
+        round_future = self.round_executor.submit(
+            self.averager.average, grads, samples, epoch, expected, admitted, (incarnation, seq)
+        )
 
         def finish():
             result = round_future.result()
@@ -295,7 +307,7 @@ class Replica:
                 # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
                 rt.restore_round(grads, samples, seq)
                 return samples, 0
-            rt.apply_round(result.gradients, result.group_samples, seq, result.members)
+            rt.apply_round(result.gradients, result.group_samples, seq, result.members, result.coverage)
             return result.group_samples, result.group_size
 
         def hold():
@@ -356,7 +368,8 @@ class Replica:
             # the weights (momentum, weight decay) and set this replica apart from its partners
             return 0, NOTHING_TO_STEP, time.perf_counter() - started
         grads, samples = rt.take_for_round()
-        rt.apply_round(grads, samples, rt.taken_seq, [self.dht.peer_id])
+        me = self.dht.peer_id
+        rt.apply_round(grads, samples, rt.taken_seq, [me], {me: (rt.incarnation, rt.taken_seq)})
         return samples, 1, time.perf_counter() - started
 
     def _say_round(self, members: int, seconds: float) -> None:

@@ -63,7 +63,8 @@ class Router:
         self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
         self.leaving: set[str] = set()  # said so in an answer, before its record did
         self.distrusted: set[str] = set()  # caught answering wrong (peer.spotcheck): never routed to again
-        self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
+        # the incarnation a peer last answered with, and when (time.time()): newer evidence than a record
+        self.incarnation: dict[str, tuple[int, float]] = {}
         self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
         self.rng = random.Random()
         self.max_epoch = 0
@@ -126,10 +127,8 @@ class Router:
         """
         if pid in self.dead:
             return True
-        latest = self.latest.get(pid)
-        if latest is not None and latest.incarnation != incarnation:
-            return True
-        if self.incarnation.get(pid, incarnation) != incarnation:
+        current = self.current_incarnation(pid)
+        if current is not None and current != incarnation:
             return True
         mine = self.last.get((pid, incarnation))
         if mine is not None and mine.state == "left":
@@ -207,9 +206,23 @@ class Router:
         health.banned_until = time.monotonic() + ban
         return ban
 
+    def current_incarnation(self, pid: str) -> int | None:
+        """The incarnation the newest evidence names: its newest record, or its last answer if that is newer.
+
+        A server that dropped its accumulator answers with its new incarnation at once, while its
+        record in the DHT may still name the old one for a while (its announcements were stuck):
+        going by either alone would take the live incarnation for gone, and replay forever.
+        """
+        record, answer = self.latest.get(pid), self.incarnation.get(pid)
+        if answer is None:
+            return None if record is None else record.incarnation
+        if record is None or answer[1] >= record.updated:
+            return answer[0]
+        return record.incarnation
+
     def report_answer(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
         """A server answered with its incarnation and how many of its additions are stepped."""
-        self.incarnation[peer_id] = incarnation
+        self.incarnation[peer_id] = (incarnation, time.time())
         key = (peer_id, incarnation)
         self.answered[key] = max(self.answered.get(key, 0), stepped_seq)
         self.dead.discard(peer_id)

@@ -173,7 +173,15 @@ class ServicerBase:
             await context.abort(e.code, e.message)
         rt = replica.runtime
         history = [
-            stage_pb2.StepFingerprint(epoch=f.epoch, samples=f.samples, values=f.values, members=f.members)
+            stage_pb2.StepFingerprint(
+                epoch=f.epoch,
+                samples=f.samples,
+                values=f.values,
+                members=f.members,
+                coverage=[
+                    stage_pb2.Coverage(peer_id=pid, incarnation=inc, seq=seq) for pid, (inc, seq) in f.coverage.items()
+                ],
+            )
             for f in list(rt.history)
         ]
         return stage_pb2.InfoResponse(

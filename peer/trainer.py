@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -240,15 +241,15 @@ class Trainer:
 
     async def _settle(self) -> None:
         replay, checks = self.ledger.review(self.router)
-        verdicts: dict[tuple[int, str, int, int], bool | None] = {}  # one look per (stage, server, step)
+        verdicts: dict[tuple[int, str, int, int], int | None] = {}  # one look per (stage, server, step)
         for check in checks:
             key = (check.receipt.stage, check.receipt.peer_id, check.receipt.incarnation, check.epoch)
             if key not in verdicts:
-                verdicts[key] = await self._counted_by_round(check)
-            counted = verdicts[key]
-            if counted is True:
-                self.ledger.remove(check.receipt)
-            elif counted is False and check.decisive:
+                verdicts[key] = await self._covered_by_round(check)
+            covered = verdicts[key]
+            if covered is not None and check.receipt.seq <= covered:
+                self.ledger.remove(check.receipt)  # the survivors' step counted it
+            elif covered is not None and check.decisive:
                 replay.append(check.receipt)
         for receipt in replay:
             logger.warning(
@@ -262,10 +263,12 @@ class Trainer:
             self.summary.replayed += 1
             self._write({"type": "replay", "stage": receipt.stage, "peer": receipt.peer_id, "time": time.time()})
 
-    async def _counted_by_round(self, check: Check) -> bool | None:
-        """Whether the survivors' step `check.epoch` had the gone server in its group; None: not known yet."""
+    async def _covered_by_round(self, check: Check) -> int | None:
+        """How far the survivors' step `check.epoch` counted the gone server's additions (of the receipt's
+        incarnation): the last addition it covered, -1 for none; None while that is not known yet."""
+        gone, incarnation = check.receipt.peer_id, check.receipt.incarnation
         for pid, record in list(self.router.servers[check.receipt.stage].items()):
-            if pid == check.receipt.peer_id:
+            if pid == gone:
                 continue
             try:
                 info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
@@ -274,9 +277,15 @@ class Trainer:
             if info.epoch < check.epoch:
                 return None  # the round has not finished anywhere yet
             for step in info.history:
-                if step.epoch == check.epoch and step.members:
-                    return check.receipt.peer_id in step.members
-        return None if not self.router.servers[check.receipt.stage] else False
+                if step.epoch != check.epoch or not step.members:
+                    continue
+                for part in step.coverage:
+                    if part.peer_id == gone and part.incarnation == incarnation:
+                        return part.seq
+                if gone in step.members and not step.coverage:
+                    return sys.maxsize  # a peer too old to say: the group counted all the round took
+                return -1
+        return None if not self.router.servers[check.receipt.stage] else -1
 
     async def drain(self) -> None:
         """At the end: wait until every receipt is stepped, replayed, or held by a live server's accumulator."""

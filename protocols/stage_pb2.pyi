@@ -110,16 +110,28 @@ class InfoResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples_accumulated: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., throughput: _Optional[float] = ..., load: _Optional[float] = ..., history: _Optional[_Iterable[_Union[StepFingerprint, _Mapping]]] = ..., incarnation: _Optional[int] = ..., stepped_seq: _Optional[int] = ..., state: _Optional[str] = ..., samples_averaging: _Optional[int] = ...) -> None: ...
 
 class StepFingerprint(_message.Message):
-    __slots__ = ("epoch", "samples", "values", "members")
+    __slots__ = ("epoch", "samples", "values", "members", "coverage")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     samples: int
     values: _containers.RepeatedScalarFieldContainer[float]
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    coverage: _containers.RepeatedCompositeFieldContainer[Coverage]
+    def __init__(self, epoch: _Optional[int] = ..., samples: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., members: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ...) -> None: ...
+
+class Coverage(_message.Message):
+    __slots__ = ("peer_id", "incarnation", "seq")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    incarnation: int
+    seq: int
+    def __init__(self, peer_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
     __slots__ = ("run_id", "stage", "epoch", "expert")

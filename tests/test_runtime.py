@@ -43,3 +43,56 @@ def test_bfloat16_compute_keeps_float32_weights_and_wire():
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
     fast.backward("b", ids, torch.ones_like(want), None)
     assert all(a.dtype == torch.float32 and torch.isfinite(a).all() for a in fast.accumulator)
+
+
+def test_a_resync_drops_exactly_what_the_donors_step_counted_of_rounds_that_failed_here():
+    """Two rounds at one step fail here; a partner's step counted the first one's take only (it
+    succeeded there). Loading the partner's state drops that part and keeps the rest (12 samples
+    were lost in a chaos run when the whole second take was dropped)."""
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    me, donor = StageRuntime(spec, 1), StageRuntime(spec, 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def backward(uid: str, rows: int) -> None:
+        x, y = torch.randn(rows, 8, 32, generator=gen), torch.randint(0, 256, (rows, 8), generator=gen)
+        me.backward(uid, x, None, y)
+
+    backward("a", 4)
+    backward("b", 4)
+    first = [a.clone() for a in me.accumulator]  # a and b, summed
+    grads, samples = me.take_for_round()  # the first round takes a and b (seq 2) ...
+    assert (samples, me.taken_seq) == (8, 2)
+    me.restore_round(grads, samples, me.taken_seq)  # ... and fails here, while the partner steps with it
+    backward("c", 3)
+    grads, samples = me.take_for_round()  # a second round at the same step takes a, b and c ...
+    assert (samples, me.taken_seq) == (11, 3)
+    me.restore_round(grads, samples, me.taken_seq)  # ... and fails too
+    backward("d", 2)  # and a backward arrives after it
+    before = [a.clone() for a in me.accumulator]
+
+    donor.apply_step(
+        [torch.zeros_like(p) for p in donor.params], 8, 0, ["donor", "me"], {"donor": (1, 5), "me": (me.incarnation, 2)}
+    )
+    metadata, tensors = donor.snapshot()
+    me.load_state(metadata, tensors, "me")
+    assert me.epoch == 1 and me.stepped_seq == 2  # a and b are in the donor's step: their receipts settle
+    assert me.samples_accumulated == 3 + 2  # c and d wait for the next step; nothing counted twice or lost
+    assert me.restored == []
+    for acc, total, ab in zip(me.accumulator, before, first, strict=True):
+        torch.testing.assert_close(acc, total - ab, rtol=1e-5, atol=1e-6)  # exactly c and d's gradients
+
+
+def test_a_resync_keeps_what_the_donors_step_did_not_count():
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    me, donor = StageRuntime(spec, 1), StageRuntime(spec, 1)
+    x, y = torch.randn(4, 8, 32), torch.randint(0, 256, (4, 8))
+    me.backward("a", x, None, y)
+    grads, samples = me.take_for_round()
+    me.restore_round(grads, samples, me.taken_seq)
+    donor.apply_step([torch.zeros_like(p) for p in donor.params], 4, 0, ["donor"], {"donor": (1, 1)})
+    me.load_state(*donor.snapshot(), "me")
+    assert me.samples_accumulated == 4 and me.stepped_seq == 0

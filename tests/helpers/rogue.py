@@ -38,9 +38,13 @@ def main(maddr: str, identity_path: str, seconds: float) -> None:
             dht.store(keys.servers_key(spec.name, 1), fake, ttl=10.0)
             huge = [torch.full_like(p, 1e6) for p in params]
             for epoch in range(0, 8):
-                result = averager.average(huge, 1000, epoch, 3)
+                # the group key carries the expected group size: claim the size the two replicas of
+                # stage 0 expect (2: it meets them), and one more
+                size = 2 + epoch % 2
+                expected = [identity.peer_id, *(Identity.generate().peer_id for _ in range(size - 1))]
+                result = averager.average(huge, 1000, epoch, expected)
                 members = "none" if result is None else ",".join(result.members)
-                print(f"ROUND epoch={epoch} members={members}", flush=True)
+                print(f"ROUND epoch={epoch} size={size} members={members}", flush=True)
                 if time.monotonic() > deadline:
                     break
     finally:

@@ -1,0 +1,97 @@
+"""Rounds of real hivemind averagers (real DHT nodes, p2p daemons, all-reduce) in one test process.
+
+Replicas of one stage that expect different groups must never step apart: a round steps only a
+group that holds every replica one of its members expected, and no group outgrows what one of
+its members expects (hivemind's key manager fails such a member mid-round).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from peer.averaging import GradientAverager, group_bits, whole_group_missing
+from peer.config import RunSpec
+
+SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """Three replicas of one part: (peer id, averager) each, on three DHT nodes."""
+    spec = RunSpec.from_dict(SPEC)
+    dhts, averagers = [], []
+    try:
+        for _ in range(3):
+            initial = dhts[0].visible_maddrs()[:1] if dhts else []
+            dhts.append(SwarmDHT(Identity.generate(), initial, ["/ip4/127.0.0.1/tcp/0"], [], 30.0, 5.0))
+        template = [torch.zeros(64), torch.zeros(8, 8)]
+        averagers = [GradientAverager(dht, "groups", template, spec) for dht in dhts]
+        yield [(dht.peer_id, averager) for dht, averager in zip(dhts, averagers, strict=True)]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _rounds(replicas, epoch: int, expectations: list[list[int]]):
+    """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once."""
+    ids = [pid for pid, _ in replicas]
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        futures = [
+            pool.submit(
+                averager.average,
+                [torch.full((64,), float(i)), torch.full((8, 8), float(i))],
+                i + 1,  # samples: the mean is weighted by them
+                epoch,
+                [ids[j] for j in expectations[i]],
+            )
+            for i, (_, averager) in enumerate(replicas)
+        ]
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_a_whole_group_averages_by_samples(replicas):
+    results = _rounds(replicas, 1, [[0, 1, 2]] * 3)
+    assert all(r is not None for r in results), results
+    mean = (0 * 1 + 1 * 2 + 2 * 3) / 6
+    for r in results:
+        assert r.group_size == 3 and r.group_samples == 6
+        assert sorted(r.members) == sorted(pid for pid, _ in replicas)
+        assert torch.allclose(r.gradients[0], torch.full((64,), mean))
+
+
+def test_replicas_that_expect_different_groups_never_step_apart(replicas):
+    # replica 2 missed replica 0's answer: it expects a group of 2, the others one of 3. Before,
+    # a group of 2 could form with it (and replica 1 step alone or with nobody), or replica 2
+    # failed inside hivemind ("Sample larger than population") while the others stepped
+    results = _rounds(replicas, 2, [[0, 1, 2], [0, 1, 2], [1, 2]])
+    assert results == [None, None, None]
+    # and the next round, with views that agree again, averages as usual
+    results = _rounds(replicas, 3, [[0, 1, 2]] * 3)
+    assert all(r is not None and r.group_size == 3 for r in results), results
+
+
+def test_a_group_steps_only_if_no_member_expected_someone_else(replicas):
+    # 0 and 1 expect each other; 2 saw 0 join its round too and expects it: whatever groups form,
+    # only {0, 1} may step (it holds all its members expect), and 2 has nobody to step with
+    ids = [pid for pid, _ in replicas]
+    results = _rounds(replicas, 4, [[0, 1], [0, 1], [0, 2]])
+    stepped = {i for i, r in enumerate(results) if r is not None}
+    assert stepped in (set(), {0, 1}), results
+    for i in stepped:
+        assert sorted(results[i].members) == sorted([ids[0], ids[1]])
+
+
+def test_group_keys_and_the_verdict():
+    assert group_bits(5, 3) != group_bits(5, 2) and group_bits(5, 3) != group_bits(6, 3)
+    assert len(group_bits(70000, 1000)) == len(group_bits(0, 2))
+    infos = [{"expected": ["a", "b"]}, {"expected": ["a", "b", "c"]}]
+    assert whole_group_missing(infos, ["a", "b"], 32) == ["c"]
+    assert whole_group_missing(infos, ["a", "b", "c"], 32) == []
+    assert whole_group_missing(infos, ["a", "b"], 2) == []  # beyond max_group_size groups split by design
