@@ -13,7 +13,7 @@ where dead_call_fraction is the share of the trainer's calls after the kill that
 killed peer, churn_ratio the throughput under churn over the baseline, and join_s the seconds from
 `peer join` of a fresh replica (mid-run) until it serves with the stage's current state.
 
-    python benchmarks/recovery.py [--churn 40]
+    python benchmarks/recovery.py [--churn 40] [--quick]
 """
 
 from __future__ import annotations
@@ -26,13 +26,26 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from peer.config import RunSpec
-from peer.demo import Processes, loopback_join, spec_to_toml
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-WINDOW = 2.0  # s of throughput window
-SETTLED = (12.0, 22.0)  # s after a fault over which the survivors' throughput is measured
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.config import RunSpec  # noqa: E402
+from peer.demo import Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Timing:
+    window: float = 2.0  # s of throughput window
+    settled: tuple[float, float] = (12.0, 22.0)  # s after a fault over which the survivors' throughput is measured
+    warmup: float = 10.0  # s of training before the baseline
+    pause: float = 10.0  # s between phases
+    churn_every: float = 10.0  # s between a kill and a join under churn
+
+
+QUICK = Timing(window=1.0, settled=(8.0, 12.0), warmup=2.0, pause=3.0, churn_every=5.0)
 
 
 def spec() -> RunSpec:
@@ -82,91 +95,102 @@ class Bench:
         return time.time()
 
     def entries(self, kind: str) -> list[dict]:
-        path = self.workdir / "t.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [e for e in (json.loads(line) for line in lines if line.strip()) if e["type"] == kind]
+        return [e for e in read_log(self.workdir / "t.jsonl") if e["type"] == kind]
 
     def rate(self, start: float, end: float) -> float:
         samples = sum(e["samples"] for e in self.entries("micro_batch") if start <= e["time"] < end)
         return samples / max(end - start, 1e-9)
 
-    def recovery(self, fault: float) -> tuple[float, float]:
+    def recovery(self, fault: float, timing: Timing) -> tuple[float, float]:
         """(seconds until the throughput is back to 90% of the settled one, the settled throughput)."""
-        settled = self.rate(fault + SETTLED[0], fault + SETTLED[1])
+        settled = self.rate(fault + timing.settled[0], fault + timing.settled[1])
         t = fault
-        while t < fault + SETTLED[1]:
-            if self.rate(t, t + WINDOW) >= 0.9 * settled:
+        while t < fault + timing.settled[1]:
+            if self.rate(t, t + timing.window) >= 0.9 * settled:
                 return t - fault, settled
             t += 0.1
         return float("inf"), settled
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--churn", type=float, default=40.0, help="seconds of churn (a kill and a join every 10 s)")
-    parser.add_argument("--baseline", type=float, default=20.0, help="seconds of the fault-free baseline")
-    args = parser.parse_args()
+def phases(bench: Bench, args: argparse.Namespace, timing: Timing, figures: Figures) -> None:
+    """Baseline, a killed replica, a joiner, a hung replica, then churn; figures as they come."""
     rng = random.Random(0)
+    Processes.wait_until(lambda: len(bench.entries("micro_batch")) > 20, 120, "training")
+    time.sleep(timing.warmup)
+    start = time.time()
+    time.sleep(args.baseline)
+    figures["baseline_sps"] = baseline = bench.rate(start, time.time())
+    print(f"baseline: {baseline:.1f} samples/s", flush=True)
+
+    victim = bench.endpoint("s00")
+    killed = bench.signal("s00", signal.SIGKILL)
+    bench.servers.pop("s00")
+    time.sleep(timing.settled[1] + timing.window)
+    kill_s, kill_ref = bench.recovery(killed, timing)
+    after = [e for e in bench.entries("call") if e["time"] >= killed]
+    dead_fraction = sum(1 for e in after if e["endpoint"] == victim) / max(len(after), 1)
+    figures.update(kill_recovery_s=kill_s, dead_call_fraction=dead_fraction, kill_settled_sps=kill_ref)
+    print(
+        f"SIGKILL: back to 90% of {kill_ref:.1f} samples/s after {kill_s:.2f} s; "
+        f"{dead_fraction:.4f} of {len(after)} calls went to the dead peer",
+        flush=True,
+    )
+
+    figures["join_s"] = join_s = bench.server("j0", 0)  # a fresh replica for stage 0, joining while training runs
+    print(f"join: serving with the stage's current state {join_s:.1f} s after peer join", flush=True)
+    time.sleep(timing.pause)
+    stopped = bench.signal("s01", signal.SIGSTOP)
+    time.sleep(timing.settled[1] + timing.window)
+    bench.signal("s01", signal.SIGCONT)
+    stop_s, stop_ref = bench.recovery(stopped, timing)
+    figures.update(stop_recovery_s=stop_s, stop_settled_sps=stop_ref)
+    print(f"SIGSTOP: back to 90% of {stop_ref:.1f} samples/s after {stop_s:.2f} s", flush=True)
+
+    time.sleep(timing.pause)
+    start = time.time()
+    while time.time() - start < args.churn:
+        time.sleep(timing.churn_every)
+        churn_once(bench, rng)
+    churn = bench.rate(start, time.time())
+    figures.update(churn_ratio=churn / baseline, churn_sps=churn)
+    print(f"churn: {churn:.1f} samples/s", flush=True)
+
+
+def churn_once(bench: Bench, rng: random.Random) -> None:
+    """SIGKILL a random server of a stage that keeps another, and start a fresh one (it picks its stage)."""
+    stages = list(bench.servers.values())
+    candidates = [n for n, s in bench.servers.items() if stages.count(s) >= 2]
+    name = rng.choice(sorted(candidates))
+    bench.signal(name, signal.SIGKILL)
+    bench.servers.pop(name)
+    bench.joined += 1
+    joiner = f"c{bench.joined}"
+    bench.procs.start(joiner, loopback_join(bench.maddr, joiner))
+    bench.servers[joiner] = -1  # its stage is known once it serves
+    Processes.wait_until(lambda: "Serving stage" in bench.procs.log(joiner), 120, "a joiner")
+    bench.servers[joiner] = int(bench.procs.log(joiner).rsplit("Serving stage ", 1)[1].split()[0])
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    timing = QUICK if args.quick else Timing()
+    args.churn = args.churn if args.churn is not None else (5.0 if args.quick else 40.0)
+    args.baseline = args.baseline if args.baseline is not None else (5.0 if args.quick else 20.0)
     with tempfile.TemporaryDirectory(prefix="swarmtrain-recovery-") as tmp:
         bench = Bench(Path(tmp))
         try:
             bench.start_swarm(spec())
-            Processes.wait_until(lambda: len(bench.entries("micro_batch")) > 20, 120, "training")
-            time.sleep(10)  # warm up
-            start = time.time()
-            time.sleep(args.baseline)
-            baseline = bench.rate(start, time.time())
-            print(f"baseline: {baseline:.1f} samples/s", flush=True)
-
-            victim = bench.endpoint("s00")
-            killed = bench.signal("s00", signal.SIGKILL)
-            bench.servers.pop("s00")
-            time.sleep(SETTLED[1] + WINDOW)
-            kill_s, kill_ref = bench.recovery(killed)
-            after = [e for e in bench.entries("call") if e["time"] >= killed]
-            dead_fraction = sum(1 for e in after if e["endpoint"] == victim) / max(len(after), 1)
-            print(
-                f"SIGKILL: back to 90% of {kill_ref:.1f} samples/s after {kill_s:.2f} s; "
-                f"{dead_fraction:.4f} of {len(after)} calls went to the dead peer",
-                flush=True,
-            )
-
-            join_s = bench.server("j0", 0)  # a fresh replica for stage 0, joining while training runs
-            print(f"join: serving with the stage's current state {join_s:.1f} s after peer join", flush=True)
-            time.sleep(10)
-            stopped = bench.signal("s01", signal.SIGSTOP)
-            time.sleep(SETTLED[1] + WINDOW)
-            bench.signal("s01", signal.SIGCONT)
-            stop_s, stop_ref = bench.recovery(stopped)
-            print(f"SIGSTOP: back to 90% of {stop_ref:.1f} samples/s after {stop_s:.2f} s", flush=True)
-
-            time.sleep(10)
-            start = time.time()
-            while time.time() - start < args.churn:
-                time.sleep(10)
-                stages = list(bench.servers.values())
-                candidates = [n for n, s in bench.servers.items() if stages.count(s) >= 2]
-                name = rng.choice(sorted(candidates))
-                bench.signal(name, signal.SIGKILL)
-                bench.servers.pop(name)
-                bench.joined += 1
-                bench.procs.start(f"c{bench.joined}", loopback_join(bench.maddr, f"c{bench.joined}"))
-                bench.servers[f"c{bench.joined}"] = -1  # its stage is known once it serves
-                Processes.wait_until(
-                    lambda n=f"c{bench.joined}": "Serving stage" in bench.procs.log(n), 120, "a joiner"
-                )
-                log = bench.procs.log(f"c{bench.joined}")
-                bench.servers[f"c{bench.joined}"] = int(log.rsplit("Serving stage ", 1)[1].split()[0])
-            churn = bench.rate(start, time.time())
-            print(f"churn: {churn:.1f} samples/s", flush=True)
+            phases(bench, args, timing, figures)
         finally:
             bench.procs.stop()
-    print(
-        f"kill_recovery_s={kill_s:.2f} stop_recovery_s={stop_s:.2f} churn_ratio={churn / baseline:.3f} "
-        f"dead_call_fraction={dead_fraction:.4f} join_s={join_s:.1f} baseline_sps={baseline:.1f} kill_settled_sps={kill_ref:.1f} "
-        f"stop_settled_sps={stop_ref:.1f} churn_sps={churn:.1f}"
-    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--churn", type=float, help="seconds of churn (a kill and a join every 10 s; default 40)")
+    parser.add_argument("--baseline", type=float, help="seconds of the fault-free baseline (default 20)")
+    add_quick(parser, "every phase once and short: 1 s windows, throughput settled 8-12 s after a fault, one churn")
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -25,7 +25,7 @@ the median number of micro-batches a trainer made up to and including the one wh
 the perturbing server (the spot_check entry's index + 1; ban_indices lists the raw 0-based indices,
 "-" for a swarm where nobody was caught).
 
-    python benchmarks/security.py [--micro-batches 300] [--rounds 3] [--repeats 3] [--keep]
+    python benchmarks/security.py [--micro-batches 150] [--rounds 2] [--repeats 2] [--keep] [--quick]
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from dht.identity import Identity
-from peer.config import RunSpec
-from peer.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from dht.identity import Identity  # noqa: E402
+from peer.config import RunSpec  # noqa: E402
+from peer.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
 
 START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
 STOP_GRACE = 6.0  # s the peers get to leave before they are killed (a server takes server.shutdown_grace)
@@ -247,6 +250,72 @@ def ban_phase(args, root: Path, repeat: int) -> dict:
     return result
 
 
+FULL = {"micro_batches": 150, "warmup": 10, "rounds": 2, "repeats": 2, "ban_limit": 400, "trainer_timeout": 300.0}
+QUICK = {"micro_batches": 30, "warmup": 5, "rounds": 1, "repeats": 1, "ban_limit": 300, "trainer_timeout": 120.0}
+
+
+def measure(args: argparse.Namespace, root: Path, figures: Figures, started: float) -> None:
+    skip = set(filter(None, args.skip.split(",")))
+    if "tls" not in skip:
+        rates = tls_phase(args, root)
+        figures["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
+        figures["off_sps"], figures["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
+        print(
+            f"[tls] off {figures['off_sps']} vs open {figures['tls_sps']} samples/s "
+            f"({time.monotonic() - started:.0f} s so far)",
+            flush=True,
+        )
+    if "spot" not in skip:
+        rates, false_bans = spot_check_phase(args, root)
+        figures["spot_check_overhead_pct"] = f"{overhead(rates['off'], rates['default']):.1f}"
+        figures["nocheck_sps"], figures["check_sps"] = fmt(rates["off"]), fmt(rates["default"])
+        figures["honest_banned"] = str(false_bans)
+        print(
+            f"[spot] off {figures['nocheck_sps']} vs default {figures['check_sps']} samples/s "
+            f"({time.monotonic() - started:.0f} s so far)",
+            flush=True,
+        )
+    if "ban" not in skip:
+        results = [ban_phase(args, root, i) for i in range(args.repeats)]
+        caught = [r for r in results if r["index"] is not None]
+        figures["micro_batches_until_ban"] = (
+            f"{statistics.median(r['index'] + 1 for r in caught):g}" if caught else "none"
+        )
+        figures["ban_indices"] = ",".join(str(r["index"]) if r["index"] is not None else "-" for r in results)
+        figures["caught_right"] = f"{sum(r['right'] for r in results)}/{len(results)}"
+        figures["revoked_right"] = f"{sum(r['revoked'] for r in results)}/{len(results)}"
+        revokes = [r["revoke_s"] for r in results if r["revoke_s"] is not None]
+        figures["catch_to_revoke_s"] = f"{statistics.median(revokes):.1f}" if revokes else "none"
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    started = time.monotonic()
+    print(
+        f"model: {args.layers} blocks x {args.hidden}, 2 stages, micro-batch {args.micro_batch}x{args.seq_len}, "
+        f"step {args.target_batch} samples; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    figures.update(
+        cpus=os.cpu_count(),
+        micro_batches=args.micro_batches,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        repeats=args.repeats,
+    )
+    root = Path(tempfile.mkdtemp(prefix="swarmtrain-security-"))
+    try:
+        measure(args, root, figures, started)
+    finally:
+        figures["seconds"] = f"{time.monotonic() - started:.0f}"
+        if args.keep:
+            print(f"logs kept in {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=64, help="model.hidden_size")
@@ -254,71 +323,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64, help="training.seq_len")
     parser.add_argument("--micro-batch", type=int, default=8, help="training.micro_batch_size")
     parser.add_argument("--target-batch", type=int, default=256, help="training.target_batch_size")
-    parser.add_argument("--micro-batches", type=int, default=300, help="micro-batches of each timed trainer run")
-    parser.add_argument("--warmup", type=int, default=20, help="micro-batches of each trainer run not timed")
-    parser.add_argument("--rounds", type=int, default=3, help="trainer runs per side of parts 1 and 2 (alternating)")
-    parser.add_argument("--repeats", type=int, default=3, help="swarms with a perturbing server (part 3)")
+    parser.add_argument("--micro-batches", type=int, help="micro-batches of each timed trainer run (default 150)")
+    parser.add_argument("--warmup", type=int, help="micro-batches of each trainer run not timed (default 10)")
+    parser.add_argument("--rounds", type=int, help="trainer runs per side of parts 1 and 2, alternating (default 2)")
+    parser.add_argument("--repeats", type=int, help="swarms with a perturbing server, part 3 (default 2)")
     parser.add_argument("--perturb", type=float, default=0.5, help="std of the perturbing server's noise")
-    parser.add_argument("--ban-limit", type=int, default=600, help="part 3: micro-batches before giving up")
-    parser.add_argument("--trainer-timeout", type=float, default=300.0, help="s one trainer run may take")
+    parser.add_argument("--ban-limit", type=int, help="part 3: micro-batches before giving up (default 400)")
+    parser.add_argument("--trainer-timeout", type=float, help="s one trainer run may take (default 300)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: tls,spot,ban")
     parser.add_argument("--keep", action="store_true", help="keep the peers' logs and keys (the directory is printed)")
-    args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    started = time.monotonic()
-    print(
-        f"model: {args.layers} blocks x {args.hidden}, 2 stages, micro-batch {args.micro_batch}x{args.seq_len}, "
-        f"step {args.target_batch} samples; {os.cpu_count()} CPUs",
-        flush=True,
-    )
-    root = Path(tempfile.mkdtemp(prefix="swarmtrain-security-"))
-    fields: dict[str, str] = {}
-    try:
-        if "tls" not in skip:
-            rates = tls_phase(args, root)
-            fields["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
-            fields["off_sps"], fields["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
-            print(
-                f"[tls] off {fields['off_sps']} vs open {fields['tls_sps']} samples/s "
-                f"({time.monotonic() - started:.0f} s so far)",
-                flush=True,
-            )
-        if "spot" not in skip:
-            rates, false_bans = spot_check_phase(args, root)
-            fields["spot_check_overhead_pct"] = f"{overhead(rates['off'], rates['default']):.1f}"
-            fields["nocheck_sps"], fields["check_sps"] = fmt(rates["off"]), fmt(rates["default"])
-            fields["honest_banned"] = str(false_bans)
-            print(
-                f"[spot] off {fields['nocheck_sps']} vs default {fields['check_sps']} samples/s "
-                f"({time.monotonic() - started:.0f} s so far)",
-                flush=True,
-            )
-        if "ban" not in skip:
-            results = [ban_phase(args, root, i) for i in range(args.repeats)]
-            caught = [r for r in results if r["index"] is not None]
-            fields["micro_batches_until_ban"] = (
-                f"{statistics.median(r['index'] + 1 for r in caught):g}" if caught else "none"
-            )
-            fields["ban_indices"] = ",".join(str(r["index"]) if r["index"] is not None else "-" for r in results)
-            fields["caught_right"] = f"{sum(r['right'] for r in results)}/{len(results)}"
-            fields["revoked_right"] = f"{sum(r['revoked'] for r in results)}/{len(results)}"
-            revokes = [r["revoke_s"] for r in results if r["revoke_s"] is not None]
-            fields["catch_to_revoke_s"] = f"{statistics.median(revokes):.1f}" if revokes else "none"
-    finally:
-        if args.keep:
-            print(f"logs kept in {root}", flush=True)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    fields.update(
-        cpus=str(os.cpu_count()),
-        micro_batches=str(args.micro_batches),
-        warmup=str(args.warmup),
-        rounds=str(args.rounds),
-        repeats=str(args.repeats),
-        seconds=f"{time.monotonic() - started:.0f}",
-    )
-    print(" ".join(f"{k}={v}" for k, v in fields.items()))
+    add_quick(parser, "each part once: 30 micro-batches a trainer run, one swarm with a perturbing server")
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

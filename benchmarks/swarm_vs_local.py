@@ -5,7 +5,7 @@ processes on loopback, training the demo model with `peer join`. The local loop:
 optimizer and batch in one process with as many torch threads as the swarm's servers together.
 Both run in this one invocation; the last line is `ratio=... swarm_sps=... local_sps=...`.
 
-    python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3]
+    python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3] [--quick]
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 
-from peer.config import RunSpec
-from peer.corpus import load_corpus
-from peer.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml
-from peer.local import train_local
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.config import RunSpec  # noqa: E402
+from peer.corpus import load_corpus  # noqa: E402
+from peer.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml  # noqa: E402
+from peer.local import train_local  # noqa: E402
 
 
 def local_rate(spec: RunSpec, steps: int, threads: int) -> float:
@@ -49,11 +52,13 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         procs.wait_until(
             lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120, "benchmark: serving"
         )
+        print(f"swarm: {n} servers serving; timing the trainer", flush=True)
         per_step = spec.training.target_batch_size // spec.training.micro_batch_size
         trainer_args = ["--role", "trainer", "--seed", "0", "--max-inflight", str(inflight), "--log-file", "t.jsonl"]
         limit = ["--max-micro-batches", str((steps + 2) * per_step)]
         trainer = procs.start("t", loopback_join(maddr, "t", *trainer_args, *limit))
-        trainer.wait(600)
+        if trainer.wait(600) != 0:
+            raise RuntimeError(f"the trainer failed:\n{procs.log('t')[-2000:]}")
         entries = [json.loads(line) for line in (workdir / "t.jsonl").read_text().splitlines()]
         batches = [e for e in entries if e["type"] == "micro_batch"]
         skip = 2 * per_step  # the first steps include connection set-up
@@ -67,25 +72,34 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         procs.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps timed on each side")
-    parser.add_argument("--inflight", type=int, default=3, help="micro-batches the trainer keeps in the pipeline")
-    args = parser.parse_args()
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    steps = args.steps or (4 if args.quick else 30)
     spec = RunSpec.from_toml(DEMO_SPEC)
     spec.training.total_steps = 10_000  # the trainer stops on --max-micro-batches, not on the schedule
     threads = spec.stages.num_stages  # one per server
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-") as tmp:
-        swarm, details = swarm_rate(spec, args.steps, args.inflight, Path(tmp))
-    local = local_rate(spec, args.steps, threads)
+    figures.update(threads=threads, steps=steps)
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-", dir=args.workdir or None) as tmp:
+        swarm, details = swarm_rate(spec, steps, args.inflight, Path(tmp))
+    figures["swarm_sps"] = swarm
+    local = local_rate(spec, steps, threads)
+    figures["local_sps"] = local
     print(
         f"model: {spec.model.num_layers} blocks x {spec.model.hidden_size}, {spec.stages.num_stages} stages, "
         f"micro-batch {spec.training.micro_batch_size}x{spec.training.seq_len}, step {spec.training.target_batch_size} samples"
     )
     print(f"local loop, {threads} torch threads: {local:.1f} samples/s")
     print(f"swarm, {threads} servers x 1 thread + trainer (inflight {args.inflight}): {swarm:.1f} samples/s {details}")
-    print(f"ratio={swarm / local:.3f} swarm_sps={swarm:.1f} local_sps={local:.1f} threads={threads} steps={args.steps}")
+    figures["ratio"] = swarm / local
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps timed on each side (default 30; quick 4)")
+    parser.add_argument("--inflight", type=int, default=3, help="micro-batches the trainer keeps in the pipeline")
+    parser.add_argument("--workdir", default="", help="where the swarm's temporary directory goes (default: TMPDIR)")
+    add_quick(parser, "4 timed optimizer steps on each side instead of 30")
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

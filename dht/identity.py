@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,12 +17,14 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from dht.errors import UserError
+
 # libp2p protobuf framing of Ed25519 keys: field 1 (KeyType) = 1 (Ed25519), field 2 = key bytes
 _PUBLIC_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])
 _PRIVATE_PREFIX = bytes([0x08, 0x01, 0x12, 0x40])
 
 
-class IdentityError(ValueError):
+class IdentityError(UserError, ValueError):
     """An identity file or peer id that cannot be used; the message says which and why."""
 
 
@@ -29,6 +32,26 @@ def default_identity_path() -> Path:
     """Where `peer` keeps the user's key unless told otherwise (XDG config directory)."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "swarmtrain" / "identity.pem"
+
+
+def _private_to_owner(path: Path) -> None:
+    """Like ssh, never use a key others can read: tighten its mode to 0600 (with a warning) or refuse."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return  # a missing file is reported by the caller
+    if not mode & 0o077:
+        return
+    try:
+        os.chmod(path, 0o600)
+    except OSError as e:
+        raise IdentityError(
+            f"identity file {path} is readable by others (mode {mode:o}) and cannot be made private: {e.strerror}"
+        ) from None
+    print(
+        f"warning: identity file {path} was readable by others (mode {mode:o}); made it private (600)",
+        file=sys.stderr,
+    )
 
 
 def peer_id_from_public_bytes(public: bytes) -> str:
@@ -77,10 +100,17 @@ class Identity:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Identity:
         path = Path(path)
+        if path.is_dir():
+            raise IdentityError(
+                f"identity {path} is a directory; give the path of a key file (e.g. {path}/identity.pem)"
+            )
+        _private_to_owner(path)
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except FileNotFoundError:
             raise IdentityError(f"identity file {path} does not exist") from None
+        except PermissionError:
+            raise IdentityError(f"identity file {path} cannot be read by this user") from None
         except ValueError as e:
             raise IdentityError(f"identity file {path} is not a PEM private key: {e}") from None
         if not isinstance(key, Ed25519PrivateKey):
@@ -91,11 +121,36 @@ class Identity:
     def load_or_create(cls, path: str | os.PathLike | None = None) -> Identity:
         """Load the key at `path` (default: the user's config directory), creating it on first use."""
         path = Path(path) if path is not None else default_identity_path()
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            identity = cls.generate()
-            identity.save(path)
+        if not path.exists() and not path.is_symlink():
+            return cls.create(path)
         return cls.load(path)
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, replace: bool = False) -> Identity:
+        """A new key written at `path`; an existing key there is replaced only with `replace`."""
+        path = Path(path)
+        if path.is_dir():
+            raise IdentityError(
+                f"identity {path} is a directory; give the path of a key file (e.g. {path}/identity.pem)"
+            )
+        if path.exists() and not replace:
+            existing = cls.load(path)
+            raise IdentityError(
+                f"identity {path} exists already (peer id {existing.peer_id}); --force replaces it, "
+                "and the old peer id is gone for good"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        identity = cls.generate()
+        if path.exists():
+            cls.load(path).lock()  # refused while a running peer holds it
+            tmp = path.with_name(path.name + ".new")
+            tmp.unlink(missing_ok=True)
+            identity.save(tmp)
+            os.replace(tmp, path)
+            identity.path = path
+        else:
+            identity.save(path)
+        return identity
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the key as unencrypted PKCS#8 PEM, readable by the owner only."""

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from dht import envelope, keys
+from dht.errors import UserError
 from dht.gate import Gate
 from dht.identity import Identity
 from dht.records import Record
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
 
 
-class DHTStartError(RuntimeError):
+class DHTStartError(UserError, RuntimeError):
     """The DHT node could not start or reach its initial peers; the message says what to check."""
 
 
@@ -121,7 +122,9 @@ class SwarmDHT:
         """Store `record` under `key` with this peer's signed subkey, for `ttl` seconds."""
         expiration = get_dht_time() + ttl
         subkey, value = self._seal(key, expiration, record)
-        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        # back at the first replica that stored it (the others are written in the background): a frozen
+        # DHT node (a stopped peer) must not hold every announcement up for its request timeout
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False)
         return bool(future.result(timeout=self.request_timeout * 2))
 
     def get(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:

@@ -28,12 +28,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dht.errors import UserError
+from protocols.version import software_version
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 PREFIX = "step-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that is incomplete, damaged, or not of this run."""
 
 
@@ -92,6 +95,7 @@ def write(root: str | Path, spec: dict, fingerprint: str, step: int, parts: list
             }
         manifest = {
             "format": FORMAT,
+            "software": software_version(),  # the release that wrote it
             "run": spec.get("name", ""),
             "spec": spec,
             "spec_fingerprint": fingerprint,
@@ -184,9 +188,12 @@ def model_weights(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     Stages give their parameters under their own names; an expert `L.E` of a mixture-of-experts
     layer gives `blocks.L.mlp.experts.E.*`.
     """
-    path = latest(path)
-    if path is None:
-        raise CheckpointError("no complete checkpoint there")
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: no complete checkpoint there (a directory `peer coordinator --checkpoints` wrote)"
+        )
+    path = found
     manifest = read_manifest(path)
     weights: dict[str, torch.Tensor] = {}
     for name in sorted(manifest["parts"]):
@@ -219,8 +226,20 @@ def load_exported(file: str | Path):
     from peer.config import RunSpec
     from peer.model import StageModel
 
-    with safe_open(str(file), "pt") as f:
-        spec = RunSpec.from_dict(json.loads(f.metadata()["spec"]))
+    try:
+        with safe_open(str(file), "pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:  # safetensors' own error type: the file is not a safetensors file
+        raise CheckpointError(f"{file}: not a safetensors file written by `peer export` ({e})") from None
+    if "spec" not in metadata:
+        raise CheckpointError(f"{file}: a safetensors file, but not one `peer export` wrote (it names no run spec)")
+    try:
+        spec = RunSpec.from_dict(json.loads(metadata["spec"]))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: its run spec cannot be read: {e}") from None
     model = StageModel(spec)
-    model.load_state_dict(load_file(str(file)))
+    try:
+        model.load_state_dict(load_file(str(file)))
+    except RuntimeError as e:
+        raise CheckpointError(f"{file}: its weights do not fit its own run spec: {e}") from None
     return model

@@ -1,16 +1,23 @@
-"""The `peer` command: coordinator, join, status, keygen, demo."""
+"""The `peer` command: coordinator, join, status, keygen, export, generate, demo.
+
+Startup is short on purpose: this module imports neither torch nor hivemind, so `peer --help`
+answers at once; each command imports what it needs when it runs (the lazy imports below are
+there for that reason). Every failure the user can act on (dht.errors.UserError) is one line on
+stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import multiprocessing as mp
+import socket
 import sys
 
-from dht.identity import Identity, IdentityError, default_identity_path
-from dht.node import DHTStartError
+from dht.errors import UserError
+from dht.identity import Identity, default_identity_path
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override, set_path
-from peer.corpus import CorpusError
+from protocols.version import software_version
 
 # flag -> PeerConfig field; every flag is also settable in a peer config file or with --set
 _FLAG_FIELDS = {
@@ -25,7 +32,6 @@ _FLAG_FIELDS = {
     "eval_every": "trainer.eval_every",
     "log_file": "trainer.log_file",
     "progress": "trainer.progress",
-    "device": "experts.device",
     "tp": "parallel.tp",
     "devices": "parallel.devices",
     "checkpoints": "coordinator.checkpoint_dir",
@@ -33,23 +39,33 @@ _FLAG_FIELDS = {
     "dashboard_port": "dashboard.port",
     "invite": "security.invite",
 }
+SPEC_SECTIONS = {f.name for f in dataclasses.fields(RunSpec)}  # `--set` on these goes to the run spec
+LONG_RUNNING = ("coordinator", "join", "demo", "status")  # commands whose children the reaper watches
 
 
-def _add_peer_flags(p: argparse.ArgumentParser) -> None:
+# ---- the parser -------------------------------------------------------------------------------
+def _add_peer_flags(p: argparse.ArgumentParser, spec_too: bool = False) -> None:
     p.add_argument(
         "--identity", help=f"this peer's Ed25519 key (created on first use; default {default_identity_path()})"
     )
     p.add_argument("--config", help="a TOML file of peer settings (see docs/run-spec.md); flags override it")
+    what = "any peer setting or run-spec field" if spec_too else "any peer setting"
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override any peer setting, e.g. --set network.record_ttl=20 (VALUE in TOML syntax)",
+        help=f"override {what}, e.g. --set network.record_ttl=20"
+        + (" or --set training.lr=1e-3" if spec_too else "")
+        + " (VALUE in TOML syntax)",
     )
     p.add_argument("--host", help="address to listen on for gRPC and the DHT (default 0.0.0.0)")
     p.add_argument("--port", type=int, help="gRPC port (default: any free one)")
-    p.add_argument("--dht-port", type=int, help="DHT (libp2p) port (default: any free one)")
+    p.add_argument(
+        "--dht-port",
+        type=int,
+        help="DHT (libp2p) port (default: any free one; with --announce-host, --port + 1 when --port is given)",
+    )
     p.add_argument("--announce-host", help="address other machines dial to reach this one (public IP or name)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
@@ -57,51 +73,18 @@ def _add_peer_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _peer_config(args: argparse.Namespace) -> PeerConfig:
-    cfg = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
-    for flag, path in _FLAG_FIELDS.items():
-        value = getattr(args, flag, None)
-        if value is not None and value is not False:
-            set_path(cfg, path, value)
-    host = getattr(args, "host", None) or "0.0.0.0"
-    dht_port = getattr(args, "dht_port", None)
-    if args.host is not None or dht_port is not None:
-        cfg.network.dht_host_maddrs = [f"/ip4/{host}/tcp/{dht_port or 0}"]
-    if getattr(args, "announce_host", None):
-        if not dht_port:
-            raise ConfigError("--announce-host needs --dht-port too, so the announced DHT address has a fixed port")
-        cfg.network.dht_announce_maddrs = [f"/ip4/{args.announce_host}/tcp/{dht_port}"]
-    if args.identity:
-        cfg.identity = args.identity
-    for item in args.set:
-        apply_override(cfg, item)
-    cfg.validate()
-    return cfg
-
-
-def _identity(cfg: PeerConfig) -> Identity:
-    identity = Identity.load_or_create(cfg.identity or None)
-    identity.lock()
-    return identity
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("peer").setLevel(logging.INFO)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="peer", description="Swarmtrain: train one model on computers lent by many people."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("coordinator", help="start a run: first DHT node, publishes the signed run spec")
+def _add_coordinator(sub) -> None:
+    p = sub.add_parser("coordinator", help="start a run: publishes the signed run spec, admits peers, checkpoints")
     p.add_argument("spec", help="the run spec, a TOML file (see examples/run.toml)")
     p.add_argument("--info-file", default="", help="also write the multiaddrs and join line to this JSON file")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="MADDR",
+        help="start the run on an existing DHT through these multiaddrs (e.g. a hivemind-dht bootstrap node)",
+    )
     p.add_argument(
         "--checkpoints",
         metavar="DIR",
@@ -119,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the web dashboard (swarm map, training curves, events) on this HTTP port "
         "(default: any free one; -1: none)",
     )
-    _add_peer_flags(p)
+    _add_peer_flags(p, spec_too=True)
 
     p = sub.add_parser("coordinator-invite", help="(peer coordinator invite) print a single-use invite code")
     p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
@@ -136,11 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="revoked by the run's owner", help="why (shown to the peer when it renews)")
     p.add_argument("--identity", help="the coordinator's key (default: the user's)")
 
+
+def _add_join(sub) -> None:
     p = sub.add_parser(
-        "join",
-        help="join a run as a stage server (default), an expert host (--experts), a trainer or a relay",
+        "join", help="join a run as a stage server (default), an expert host (--experts), a trainer or a relay"
     )
-    p.add_argument("maddr", help="the coordinator's (or any peer's) multiaddr, ending in /p2p/<coordinator peer id>")
+    p.add_argument(
+        "maddr",
+        help="the coordinator's multiaddr (/ip4/HOST/tcp/PORT/p2p/ID), or with --coordinator any peer's of the run",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="PEER_ID",
+        help="the run's coordinator (the /p2p/ part of the address it printed): then MADDR may be any peer of "
+        "the run or a DHT bootstrap node, and the coordinator need not be up to join (with admission off)",
+    )
     p.add_argument(
         "--role",
         choices=["server", "trainer", "relay"],
@@ -161,7 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="host experts of the run's MoE layers: N of them (the least-replicated), or a list like 1.0,1.5 "
         "(expert 0 and 5 of block 1)",
     )
-    p.add_argument("--device", help="experts: torch device to host them on (default: cuda when there is one, else cpu)")
+    p.add_argument(
+        "--device",
+        help="torch device of a server or expert host (default: cuda when there is one, else cpu); "
+        "several for --tp: --devices",
+    )
     p.add_argument(
         "--tp",
         type=int,
@@ -187,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_peer_flags(p)
 
+
+def _add_tools(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's model weights to one safetensors file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a directory of them (the newest complete one)")
     p.add_argument("out", help="the .safetensors file to write (loads into peer.model.StageModel)")
@@ -197,124 +196,155 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest byte")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
 
     p = sub.add_parser("status", help="print a table of a run's stages, servers and trainers")
-    p.add_argument("maddr", help="a multiaddr of the run's coordinator")
+    p.add_argument("maddr", help="the coordinator's multiaddr, or with --coordinator any peer's of the run")
+    p.add_argument("--coordinator", metavar="PEER_ID", help="the run's coordinator, when MADDR is another peer")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the DHT and the spec")
 
     p = sub.add_parser("keygen", help="create this peer's Ed25519 identity and print its peer id")
     p.add_argument("--identity", help=f"where to write the key (default {default_identity_path()})")
+    p.add_argument("--force", action="store_true", help="replace an existing key (its peer id is lost for good)")
 
     p = sub.add_parser("demo", help="run a whole small swarm on this machine and train for a few minutes")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps to train (default: the demo spec's)")
     p.add_argument("--workdir", default="", help="keep logs and keys here (default: a temporary directory)")
     p.add_argument("--spec", default="", help="a run spec to use instead of the demo's")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peer", description="Swarmtrain: train one model on computers lent by many people."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s (swarmtrain) {software_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_coordinator(sub)
+    _add_join(sub)
+    _add_tools(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    mp.set_start_method("fork", force=True)  # hivemind needs fork; gRPC objects are created after its processes
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i, arg in enumerate(argv[:-1]):  # `peer coordinator invite|revoke ...`: commands of their own
+def normalize_argv(argv: list[str]) -> list[str]:
+    """`peer coordinator invite|revoke ...` are commands of their own (coordinator-invite, ...)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv[:-1]):
         if arg == "coordinator" and argv[i + 1] in ("invite", "revoke"):
             argv[i : i + 2] = [f"coordinator-{argv[i + 1]}"]
             break
         if not arg.startswith("-"):
             break
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
-    try:
-        return _dispatch(args) or 0
-    except ConfigError as e:
-        print(f"peer {args.command}: configuration error: {e}", file=sys.stderr)
-        return 2
-    except (IdentityError, DHTStartError, CorpusError) as e:
-        print(f"peer {args.command}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        from peer.security import AdmissionRefused
-        from peer.swarm import RunNotFound
-
-        if isinstance(e, RunNotFound | AdmissionRefused):
-            print(f"peer {args.command}: {e}", file=sys.stderr)
-            return 1
-        raise
+    return argv
 
 
-def _dispatch(args: argparse.Namespace) -> int | None:
-    if args.command == "keygen":
-        path = args.identity or default_identity_path()
-        identity = Identity.load_or_create(path)
-        print(f"identity {path}\npeer id {identity.peer_id}")
-        return 0
-    if args.command == "demo":
-        from peer.demo import run_demo
+# ---- settings from flags ----------------------------------------------------------------------
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
+        return s.getsockname()[1]
 
-        return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
-    if args.command == "status":
-        return _status(args)
-    if args.command in ("coordinator-invite", "coordinator-revoke"):
-        return _admission_command(args)
-    if args.command == "generate":
-        from peer.checkpoint import CheckpointError
-        from peer.generate import load_model, sample
 
-        try:
-            model = load_model(args.checkpoint)
-            text = sample(model, args.prompt.encode(), args.tokens, args.temperature, args.top_k, args.seed)
-        except (CheckpointError, OSError, ValueError) as e:
-            print(f"peer generate: {args.checkpoint}: {e}", file=sys.stderr)
-            return 2
-        print(args.prompt + text.decode("utf-8", errors="replace"))
-        return 0
-    if args.command == "export":
-        from peer.checkpoint import CheckpointError, export
+def split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
+    """`--set` items for the run spec (its sections and fields) and for the peer's own settings."""
+    spec, peer = [], []
+    for item in items:
+        (spec if item.partition("=")[0].strip().split(".")[0] in SPEC_SECTIONS else peer).append(item)
+    return spec, peer
 
-        try:
-            count, params = export(args.checkpoint, args.out)
-        except (CheckpointError, OSError) as e:
-            print(f"peer export: {args.checkpoint}: {e}", file=sys.stderr)
-            return 2
-        print(f"Wrote {count} tensors ({params / 1e6:.2f}M parameters) to {args.out}.")
-        return 0
-    cfg = _peer_config(args)
-    from peer.join import set_threads
 
-    set_threads(cfg.threads)
-    if args.command == "coordinator":
-        from peer.coordinator import run_coordinator
+def _peer_config(args: argparse.Namespace, overrides: list[str] | None = None) -> PeerConfig:
+    """The peer's settings: its config file, then its flags, then `overrides` (default: all its --set items)."""
+    overrides = args.set if overrides is None else overrides
+    cfg = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
+    for flag, path in _FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None and value is not False:
+            set_path(cfg, path, value)
+    host = args.host or "0.0.0.0"
+    dht_port = args.dht_port
+    if args.announce_host and not dht_port:
+        # the announced DHT address needs a fixed port: the gRPC one + 1, or a free one picked now
+        dht_port = args.port + 1 if args.port else _free_port(host)
+    if args.host is not None or dht_port is not None:
+        cfg.network.dht_host_maddrs = [f"/ip4/{host}/tcp/{dht_port or 0}"]
+    if args.announce_host:
+        cfg.network.dht_announce_maddrs = [f"/ip4/{args.announce_host}/tcp/{dht_port}"]
+    if args.identity:
+        cfg.identity = args.identity
+    for item in overrides:
+        apply_override(cfg, item)
+    cfg.validate()
+    return cfg
 
-        spec = RunSpec.from_toml(args.spec)
-        run_coordinator(spec, cfg, _identity(cfg), info_file=args.info_file, resume=args.resume or "")
-        return 0
-    from peer.join import run_experts, run_relay, run_server, run_trainer
 
-    if args.experts is not None:
-        if args.role != "server" or args.stage is not None:
-            raise ConfigError("--experts makes this peer an expert host: leave out --role and --stage")
-        if cfg.parallel.tp != 1:
-            raise ConfigError("--tp splits a stage; expert hosts hold whole experts (use --device)")
-        run_experts(args.maddr, cfg, _identity(cfg), args.experts)
-        return 0
-    if args.role == "trainer":
-        if args.stage is not None:
-            raise ConfigError("--stage is for servers; a trainer uses every stage")
-        if cfg.parallel.tp != 1 or cfg.parallel.devices:
-            raise ConfigError("--tp and --devices are for stage servers, not trainers")
-        return run_trainer(args.maddr, cfg, _identity(cfg))
-    if args.role == "relay":
-        if args.stage is not None or cfg.parallel.tp != 1:
-            raise ConfigError("--stage and --tp are for stage servers; a relay serves no part")
-        run_relay(args.maddr, cfg, _identity(cfg))
-        return 0
-    run_server(args.maddr, cfg, _identity(cfg), args.stage)
+def _identity(cfg: PeerConfig) -> Identity:
+    identity = Identity.load_or_create(cfg.identity or None)
+    identity.lock()
+    return identity
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("peer").setLevel(logging.INFO)
+
+
+# ---- the commands -----------------------------------------------------------------------------
+def _keygen(args: argparse.Namespace) -> int:
+    path = args.identity or default_identity_path()
+    identity = Identity.create(path, replace=args.force)
+    print(f"identity {path}\npeer id {identity.peer_id}")
     return 0
 
 
-def _admission_command(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace) -> int:
+    from peer.demo import run_demo
+
+    return run_demo(steps=args.steps, workdir=args.workdir, spec_path=args.spec)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from peer.generate import load_model, sample
+
+    model = load_model(args.checkpoint)
+    try:
+        text = sample(model, args.prompt.encode(), args.tokens, args.temperature, args.top_k, args.seed)
+    except ValueError as e:
+        raise ConfigError(f"--prompt: {e}") from None
+    print(args.prompt + text.decode("utf-8", errors="replace"))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from peer.checkpoint import export
+
+    count, params = export(args.checkpoint, args.out)
+    print(f"Wrote {count} tensors ({params / 1e6:.2f}M parameters) to {args.out}.")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from dht.node import SwarmDHT  # lazy: hivemind
+    from peer.security import gate_for
+    from peer.status import gather, render
+    from peer.swarm import check_reachable, coordinator_peer_id, fetch_spec
+
+    coordinator = coordinator_peer_id(args.maddr, args.coordinator)
+    check_reachable(args.maddr, PeerConfig().network.connect_timeout)
+    dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
+    try:
+        spec = fetch_spec(dht, coordinator, timeout=args.timeout)
+        dht.gate = gate_for(spec, coordinator)  # only admitted peers' records
+        render(spec, gather(dht, spec))
+    finally:
+        dht.shutdown()
+    return 0
+
+
+def _admission(args: argparse.Namespace) -> int:
+    from dht.identity import public_key_from_peer_id
     from peer.authority import create_invite, revoke
     from peer.coordinator import invites_file, revoked_file
 
@@ -331,8 +361,6 @@ def _admission_command(args: argparse.Namespace) -> int:
         print(f"Invite code (single use, {', '.join(roles)}, valid {args.hours:g} h):\n  {code}")
         print(f"The invited peer joins with:\n  peer join ADDR --invite {code}")
         return 0
-    from dht.identity import public_key_from_peer_id
-
     public_key_from_peer_id(args.peer)  # IdentityError names a malformed peer id
     added = revoke(revoked_file(identity, spec), args.peer, args.reason)
     said = "Revoked" if added else "Already revoked:"
@@ -343,22 +371,107 @@ def _admission_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from dht.node import SwarmDHT
-    from peer.status import gather, render
-    from peer.swarm import coordinator_peer_id, fetch_spec
+def _coordinator(args: argparse.Namespace) -> int:
+    from peer.coordinator import run_coordinator
+    from peer.join import set_threads
 
-    coordinator = coordinator_peer_id(args.maddr)
-    dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
-    try:
-        spec = fetch_spec(dht, coordinator, timeout=args.timeout)
-        from peer.security import gate_for
-
-        dht.gate = gate_for(spec, coordinator)  # only admitted peers' records
-        render(spec, gather(dht, spec))
-    finally:
-        dht.shutdown()
+    spec_overrides, peer_overrides = split_overrides(args.set)
+    spec = RunSpec.from_toml(args.spec)
+    for item in spec_overrides:
+        apply_override(spec, item)
+    spec.validate()
+    cfg = _peer_config(args, peer_overrides)
+    set_threads(cfg.threads)
+    run_coordinator(
+        spec, cfg, _identity(cfg), info_file=args.info_file, resume=args.resume or "", initial=args.initial_peers
+    )
     return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    from peer.join import run_experts, run_relay, run_server, run_trainer, set_threads
+
+    spec_overrides, peer_overrides = split_overrides(args.set)
+    if spec_overrides:
+        field = spec_overrides[0].partition("=")[0]
+        raise ConfigError(f"{field}: a field of the run spec, which its coordinator sets for every peer")
+    cfg = _peer_config(args, peer_overrides)
+    _place_device(args, cfg)
+    set_threads(cfg.threads)
+    if args.experts is not None:
+        if args.role != "server" or args.stage is not None:
+            raise ConfigError("--experts makes this peer an expert host: leave out --role and --stage")
+        if cfg.parallel.tp != 1:
+            raise ConfigError("--tp splits a stage; expert hosts hold whole experts (use --device)")
+        run_experts(args.maddr, cfg, _identity(cfg), args.experts, args.coordinator)
+        return 0
+    if args.role == "trainer":
+        if args.stage is not None:
+            raise ConfigError("--stage is for servers; a trainer uses every stage")
+        if cfg.parallel.tp != 1 or cfg.parallel.devices:
+            raise ConfigError("--tp and --devices are for stage servers, not trainers")
+        return run_trainer(args.maddr, cfg, _identity(cfg), args.coordinator)
+    if args.role == "relay":
+        if args.stage is not None or cfg.parallel.tp != 1:
+            raise ConfigError("--stage and --tp are for stage servers; a relay serves no part")
+        run_relay(args.maddr, cfg, _identity(cfg), args.coordinator)
+        return 0
+    run_server(args.maddr, cfg, _identity(cfg), args.stage, args.coordinator)
+    return 0
+
+
+def _place_device(args: argparse.Namespace, cfg: PeerConfig) -> None:
+    """--device: the experts' device on an expert host, the stage's on a server; refused elsewhere."""
+    if not args.device:
+        return
+    if args.experts is not None:
+        cfg.experts.device = args.device
+    elif args.role == "server":
+        if args.devices or cfg.parallel.tp != 1:
+            raise ConfigError("--device places a whole stage; with --tp give one device per rank with --devices")
+        cfg.parallel.devices = [args.device]
+    else:
+        raise ConfigError(f"--device: a {args.role} holds no weights; it is for servers and expert hosts")
+
+
+COMMANDS = {
+    "keygen": _keygen,
+    "demo": _demo,
+    "status": _status,
+    "coordinator-invite": _admission,
+    "coordinator-revoke": _admission,
+    "generate": _generate,
+    "export": _export,
+    "coordinator": _coordinator,
+    "join": _join,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
+    if args.command in LONG_RUNNING:
+        import multiprocessing as mp
+
+        from peer.lifetime import start_reaper
+
+        start_reaper()  # before any child process: everything this command starts ends with it
+        mp.set_start_method("fork", force=True)  # hivemind needs fork; gRPC objects are created after its processes
+    _setup_logging(args.verbose)
+    try:
+        return COMMANDS[args.command](args) or 0
+    except ConfigError as e:
+        print(f"peer {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"peer {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"peer {args.command}: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

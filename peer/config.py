@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dht.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot be used; the message starts with the field's dotted name."""
 
 
@@ -57,6 +59,7 @@ class TrainingConfig:
 
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+BYTE_VOCAB = 256  # tokens of the byte-level tokenizer every run uses today
 AVERAGING_MODES = ("gradients", "local")
 
 
@@ -179,6 +182,11 @@ class RunSpec:
             raise ConfigError(f"name: must be letters, digits, '-' or '_', got {self.name!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
             _positive(f"model.{name}", getattr(m, name))
+        if m.vocab_size < BYTE_VOCAB:
+            raise ConfigError(
+                f"model.vocab_size: {m.vocab_size} cannot hold the byte-level tokenizer's {BYTE_VOCAB} tokens "
+                f"(one per byte value); use at least {BYTE_VOCAB}"
+            )
         if m.hidden_size % m.num_heads:
             raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
         if (m.hidden_size // m.num_heads) % 2:
@@ -233,8 +241,8 @@ class RunSpec:
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
-        if a.max_group_size < 2:
-            raise ConfigError(f"averaging.max_group_size: must be at least 2, got {a.max_group_size}")
+        if not 2 <= a.max_group_size <= 1023:
+            raise ConfigError(f"averaging.max_group_size: must be within 2..1023, got {a.max_group_size}")
         e = self.moe
         if e.num_experts < 0:
             raise ConfigError(f"moe.num_experts: must be >= 0, got {e.num_experts}")
@@ -284,6 +292,8 @@ class NetworkConfig:
     dht_host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # DHT listen multiaddrs
     dht_announce_maddrs: list[str] = field(default_factory=list)  # DHT multiaddrs to announce (public address)
     dht_startup_timeout: float = 20.0  # s to start the DHT node and reach the initial peers
+    connect_timeout: float = 3.0  # s for the address given to join or status to answer at all (a TCP connect)
+    spec_timeout: float = 5.0  # s to find the run spec the coordinator signed, once in the DHT
     dht_request_timeout: float = 5.0  # s for one DHT store or get
     announce_period: float = 2.0  # s between refreshes of this peer's DHT record
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
@@ -308,6 +318,9 @@ class ServerConfig:
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
+    # exits regardless of what still runs (a hung averaging round, a stuck DHT call)
+    leave_timeout: float = 10.0
     compute_dtype: str = "float32"  # the stage's matmuls: float32, or bfloat16 / float16 (autocast; for GPUs)
     throughput: float = 0.0  # samples/s this server announces; 0: measure it (a benchmark, then the real work)
     rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
@@ -408,6 +421,10 @@ class CoordinatorConfig:
     # where the coordinator keeps the dashboard's curves and events, so a restart shows the run's past;
     # empty: RUN.timeline.json beside its identity key
     timeline_file: str = ""
+    # s the signed run spec lives in the DHT after its last publication (every spec_republish s): newcomers
+    # join through any peer while the coordinator is down for up to this long
+    spec_ttl: float = 3600.0
+    spec_republish: float = 30.0  # s between the coordinator's publications of the run spec
     relay: bool = True  # the coordinator relays for peers that cannot be dialled (bounded by relay.max_peers)
     relay_port: int = 0  # port of the coordinator's relay (gRPC); 0: any free one
 
@@ -440,6 +457,9 @@ class RelayConfig:
     # itself); the coordinator relays by coordinator.relay, a relay-only peer by `peer join --role relay`
     offer: bool = False
     max_peers: int = 8  # peers this relay carries at once; more are refused
+    # TCP ports a relay opens for the peers it carries, "FIRST-LAST" (e.g. "41000-41007", one per peer,
+    # for a firewall); empty: any free ones
+    ports: str = ""
     max_connections: int = 64  # connections forwarded at once for one relayed peer; more are closed
     chunk_bytes: int = 256 * 1024  # most bytes one forwarded chunk carries
     keepalive: float = 2.0  # s between a relay's keepalive signals to each peer it carries
@@ -473,6 +493,11 @@ class PeerConfig:
         return cfg
 
     def validate(self) -> None:
+        if not self.server.leave_timeout > self.server.shutdown_grace:
+            raise ConfigError(
+                f"server.leave_timeout: must be longer than server.shutdown_grace ({self.server.shutdown_grace:g} s), "
+                f"got {self.server.leave_timeout:g}"
+            )
         if self.parallel.tp < 1:
             raise ConfigError(f"parallel.tp: must be at least 1, got {self.parallel.tp}")
         if self.relay.reachability not in ("auto", "public", "private"):
@@ -482,6 +507,7 @@ class PeerConfig:
                 raise ConfigError(f"relay.{name}: must be at least 1, got {getattr(self.relay, name)}")
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             _positive(f"relay.{name}", getattr(self.relay, name))
+        port_range(self.relay.ports)  # ConfigError names a malformed range
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PeerConfig:
@@ -499,6 +525,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no such file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def port_range(text: str) -> list[int]:
+    """The ports of "FIRST-LAST" (or one port), in order; [] for an empty text. ConfigError names relay.ports."""
+    if not text.strip():
+        return []
+    first, _, last = text.strip().partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"relay.ports: expected FIRST-LAST like 41000-41007, got {text!r}") from None
+    if not 1 <= low <= high <= 65535:
+        raise ConfigError(f"relay.ports: expected 1 <= FIRST <= LAST <= 65535, got {text!r}")
+    return list(range(low, high + 1))
 
 
 def _positive(name: str, value: Any) -> None:

@@ -22,17 +22,16 @@ from dht.records import TrainerRecord
 from peer import checkpoint
 from peer.authority import Authority
 from peer.checkpointer import Checkpointer
-from peer.config import PeerConfig, RunSpec
+from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.dashboard import Dashboard, swarm_state
+from peer.lifetime import exit_within
 from peer.metrics import open_metrics, serve_metrics
 from peer.security import Security
 from peer.status import gather
-from peer.swarm import publish_spec
+from peer.swarm import check_reachable, publish_spec
 from peer.timeline import Timeline
 
 logger = logging.getLogger(__name__)
-SPEC_TTL = 120.0  # s the published spec lives unless republished
-SPEC_REPUBLISH = 30.0  # s between republications
 
 
 def dht_maddrs(cfg: PeerConfig) -> tuple[list[str], list[str]]:
@@ -98,17 +97,17 @@ def swarm_levels(summary: dict) -> dict:
 
 
 def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
-    """The checkpoint to go on from, served to joiners (peer.archive); SystemExit naming what is wrong."""
+    """The checkpoint to go on from, served to joiners (peer.archive); CheckpointError naming what is wrong."""
     from peer.archive import Archive
 
+    path = checkpoint.latest(resume)
+    if path is None:
+        raise checkpoint.CheckpointError(f"--resume {resume}: no complete checkpoint there")
     try:
-        path = checkpoint.latest(resume)
-        if path is None:
-            raise checkpoint.CheckpointError("no complete checkpoint there")
         archive = Archive(path, spec, cfg, dht)
         archive.start()
-    except (checkpoint.CheckpointError, OSError) as e:
-        raise SystemExit(f"peer coordinator: --resume {resume}: {e}") from None
+    except OSError as e:
+        raise checkpoint.CheckpointError(f"--resume {resume}: {e}") from None
     archive.announce()
     parts = ", ".join(sorted(archive.manifest["parts"]))
     print(f"Resuming from {path} (step {archive.step}; {parts}), served at {archive.endpoint}.", flush=True)
@@ -175,11 +174,25 @@ def remember_peers(path: Path, spec: RunSpec, maddrs: list[str], limit: int = 32
         os.replace(tmp, path)
 
 
-def start_dht(spec: RunSpec, cfg: PeerConfig, identity: Identity) -> tuple[SwarmDHT, bool]:
-    """The coordinator's DHT node: rejoining the run's swarm through remembered peers, else the first node."""
+def start_dht(
+    spec: RunSpec, cfg: PeerConfig, identity: Identity, initial: list[str] | None = None
+) -> tuple[SwarmDHT, bool]:
+    """The coordinator's DHT node, and whether it rejoined its run's swarm.
+
+    Through `initial` (an existing DHT, e.g. a hivemind-dht bootstrap node) and the peers it
+    remembers from an earlier start; with neither, it is the first node of a new DHT.
+    """
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     net = cfg.network
     known = remembered_peers(peers_file(cfg, identity, spec))
+    if initial:
+        for maddr in initial:
+            check_reachable(maddr, net.connect_timeout)
+        dht = SwarmDHT(
+            identity, [*initial, *known], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout
+        )
+        print(f"Joined the existing DHT through {', '.join(initial)}.", flush=True)
+        return dht, bool(known)
     if known:
         try:
             timeout = cfg.coordinator.rejoin_timeout
@@ -204,7 +217,7 @@ def open_dashboard(cfg: PeerConfig, timeline: Timeline) -> Dashboard | None:
     try:
         endpoint = dashboard.start(host, cfg.dashboard.port, announce_host(host, cfg.network.announce_host))
     except OSError as e:
-        raise SystemExit(f"peer coordinator: dashboard.port {cfg.dashboard.port}: cannot listen on it: {e}") from None
+        raise ConfigError(f"dashboard.port {cfg.dashboard.port}: cannot listen on it: {e}") from None
     print(f"Dashboard at http://{endpoint}/", flush=True)
     return dashboard
 
@@ -247,10 +260,17 @@ def report(
         about["last_checkpoint"] = {"path": str(path), "step": step, "time": time.time()}
 
 
-def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_file: str = "", resume: str = "") -> None:
-    dht, rejoined = start_dht(spec, cfg, identity)
+def run_coordinator(
+    spec: RunSpec,
+    cfg: PeerConfig,
+    identity: Identity,
+    info_file: str = "",
+    resume: str = "",
+    initial: list[str] | None = None,
+) -> None:
+    dht, rejoined = start_dht(spec, cfg, identity, initial)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     archive = dashboard = timeline = authority = relay = None
     try:
@@ -262,7 +282,7 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             relay = RelayThread(cfg, spec.name, dht, cfg.coordinator.relay_port)
             where = relay.start()
             print(f"Relaying for peers that cannot be dialled, at {where} (coordinator.relay).", flush=True)
-        if not publish_spec(dht, spec, SPEC_TTL):
+        if not publish_spec(dht, spec, cfg.coordinator.spec_ttl):
             logger.warning("the run spec was not stored on any DHT node yet; will retry")
         maddrs = dht.visible_maddrs()
         join = join_line(pick_join_maddr(maddrs))
@@ -271,6 +291,10 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         for m in maddrs:
             print(f"  {m}", flush=True)
         print(f"To join, run on another machine:\n  {join}\n  {join} --role trainer", flush=True)
+        print(
+            f"(or through any peer of the run, the coordinator named: peer join PEER_MADDR --coordinator {identity.peer_id})",
+            flush=True,
+        )
         if info_file:
             with open(info_file + ".tmp", "w") as f:
                 json.dump({"maddrs": maddrs, "join": join, "peer_id": identity.peer_id, "run": spec.name}, f)
@@ -307,8 +331,8 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
         tick = min(report_period, cfg.dashboard.period) if dashboard is not None else report_period
         last_report = time.monotonic()
         while True:  # a first look at once (the dashboard has a state to show), then every tick
-            if time.monotonic() - last_publish > SPEC_REPUBLISH:
-                publish_spec(dht, spec, SPEC_TTL)
+            if time.monotonic() - last_publish > cfg.coordinator.spec_republish:
+                publish_spec(dht, spec, cfg.coordinator.spec_ttl)
                 last_publish = time.monotonic()
             if archive is not None:
                 try:
@@ -336,6 +360,9 @@ def run_coordinator(spec: RunSpec, cfg: PeerConfig, identity: Identity, info_fil
             if stop.wait(tick):
                 break
     finally:
+        exit_within(
+            cfg.server.leave_timeout, f"the coordinator was still stopping after {cfg.server.leave_timeout:g} s"
+        )
         if timeline is not None:
             with contextlib.suppress(Exception):
                 timeline.save(timeline_file(cfg, identity, spec), spec.fingerprint())

@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dht.errors import UserError
+
 VALIDATION_PERCENT = 5  # files whose name hashes below this go to the held-out split
 SEPARATOR = b"\n\n"
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """Data that cannot be used for training; the message names the path and the problem."""
 
 
@@ -44,12 +46,26 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
+def is_text(path: Path, probe: int = 8192) -> bool:
+    """Whether a file looks like text: no NUL byte in its first `probe` bytes (binaries nearly always have one)."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" not in f.read(probe)
+    except OSError:
+        return False
+
+
 def _user_files(path: Path) -> tuple[Path, list[Path]]:
+    """The text files of `--data`: the file itself, or those under the directory, leaving out hidden
+    files and directories (`.git/` among them) and binary files."""
     if path.is_file():
         return path.parent, [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        return path, files
+        files = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            files += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+        return path, [f for f in files if f.is_file() and is_text(f)]
     raise CorpusError(f"--data {path}: no such file or directory")
 
 

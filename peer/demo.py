@@ -25,6 +25,7 @@ from rich.table import Table
 
 from peer.config import RunSpec
 from peer.corpus import load_corpus, unigram_entropy
+from peer.lifetime import die_with_parent, interrupt_on_signals, user_tempdir
 
 DEMO_SPEC = Path(__file__).with_name("demo.toml")
 STAGES, REPLICAS, TRAINERS = 2, 2, 2
@@ -54,21 +55,26 @@ def loopback_coordinator(spec_file: str, info_file: str, *extra: str) -> list[st
 
 
 class Processes:
-    """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons)."""
+    """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons).
+
+    Each dies with the process that started it (peer.lifetime.die_with_parent), and its own reaper
+    then ends what it started: nothing outlives the command, however it ends.
+    """
 
     def __init__(self, workdir: Path):
         self.workdir, self.procs = workdir, {}
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        # TMPDIR: hivemind's p2p daemons leave their unix sockets there when killed; keep them in the run's dir
+        # TMPDIR: the peer's temporary files (its runtime dir, removed with it) go in the run's dir
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.workdir))
         proc = subprocess.Popen(
             [sys.executable, "-m", "peer.cli", *args],
             cwd=self.workdir,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True,  # our Ctrl+C reaches it through stop(), after the summary
+            preexec_fn=die_with_parent(),  # and it dies with us whatever happens, SIGKILL included
             env=env,
         )
         self.procs[name] = (proc, log)
@@ -86,7 +92,7 @@ class Processes:
                 raise SystemExit(f"{what} did not happen within {timeout:.0f} s")
             time.sleep(0.3)
 
-    def stop(self, names=None, grace: float = 10.0) -> None:
+    def stop(self, names=None, grace: float = 5.0) -> None:
         names = list(self.procs) if names is None else names
         for name in names:
             proc, _ = self.procs[name]
@@ -158,8 +164,9 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
     spec = RunSpec.from_toml(spec_path or DEMO_SPEC)
     if steps:
         spec.training.total_steps = steps
+    interrupt_on_signals()  # SIGTERM, SIGHUP: stop the swarm as Ctrl+C does
     own_dir = not workdir
-    work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-"))
+    work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-", dir=user_tempdir())).resolve()
     work.mkdir(parents=True, exist_ok=True)
     spec_file = work / "run.toml"
     spec_file.write_text(spec_to_toml(spec))

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -15,23 +16,28 @@ from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from peer.config import PeerConfig, RunSpec
+from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.corpus import load_corpus
+from peer.lifetime import exit_within
 from peer.metrics import open_metrics, serve_metrics
 from peer.security import Security
-from peer.swarm import choose_stage, coordinator_peer_id, fetch_spec
+from peer.swarm import check_reachable, choose_stage, coordinator_peer_id, fetch_spec
 
 logger = logging.getLogger(__name__)
 
 
-def connect(maddr: str, cfg: PeerConfig, identity: Identity, role: str) -> tuple[SwarmDHT, RunSpec]:
-    """Join the DHT through `maddr`, read the spec signed by the coordinator the address names, get a credential.
+def connect(
+    maddr: str, cfg: PeerConfig, identity: Identity, role: str, coordinator: str | None = None
+) -> tuple[SwarmDHT, RunSpec]:
+    """Join the DHT through `maddr` (any peer of the run), read the spec `coordinator` signed, get a credential.
 
-    The credential (peer.security) comes through the DHT, so no gRPC object exists yet when this
-    returns: hivemind's averager, which forks, can still be created.
+    Without `coordinator`, `maddr` is the coordinator's own address and names it. The credential
+    (peer.security) comes through the DHT, so no gRPC object exists yet when this returns:
+    hivemind's averager, which forks, can still be created.
     """
-    coordinator = coordinator_peer_id(maddr)
+    coordinator = coordinator_peer_id(maddr, coordinator)
     net = cfg.network
+    check_reachable(maddr, net.connect_timeout)
     dht = SwarmDHT(
         identity,
         [maddr],
@@ -42,7 +48,7 @@ def connect(maddr: str, cfg: PeerConfig, identity: Identity, role: str) -> tuple
         client_mode=cfg.relay.reachability == "private",  # nobody can dial it: it only asks the DHT
     )
     try:
-        spec = fetch_spec(dht, coordinator, timeout=net.dht_startup_timeout)
+        spec = fetch_spec(dht, coordinator, timeout=net.spec_timeout)
         if spec.admission.mode != "off":
             security = Security(spec, cfg, identity, dht, coordinator, (role,))
             security.obtain()
@@ -70,27 +76,22 @@ def follow_admission(dht: SwarmDHT, on_revoked) -> None:
     dht.security.start()
 
 
-async def _until_signalled(start, stop, done: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM (or `done` is set), then stop."""
+async def _until_signalled(start, stop, done: asyncio.Event, leave_timeout: float) -> threading.Timer:
+    """Run until SIGINT/SIGTERM/SIGHUP (or `done` is set), then stop.
+
+    From the moment it is told to leave, the process has `leave_timeout` seconds to end, whatever
+    is still running; the deadline's timer is returned, for a process that execs itself after.
+    """
     loop = asyncio.get_running_loop()
-    event = done or asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, event.set)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, done.set)
     try:
         await start()
-        await event.wait()
+        await done.wait()
     finally:
+        deadline = exit_within(leave_timeout, f"still leaving the swarm after {leave_timeout:g} s")
         await stop()
-
-
-async def _reachable(starting) -> None:
-    """Start a server; a peer that cannot be dialled and finds no relay exits with the reason."""
-    from peer.uplink import NoRelay
-
-    try:
-        await starting
-    except NoRelay as e:
-        raise SystemExit(f"peer join: {e}") from None
+    return deadline
 
 
 def _server_levels(server) -> dict:
@@ -124,26 +125,28 @@ def rejoin_argv(argv: list[str], stage: int) -> list[str]:
     return [sys.executable, "-m", "peer.cli", *args, "--stage", str(stage), "--set", "server.rebalance=always"]
 
 
-def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | None) -> None:
+def run_server(
+    maddr: str, cfg: PeerConfig, identity: Identity, stage: int | None, coordinator: str | None = None
+) -> None:
     from peer.averaging import GradientAverager
     from peer.server import StageServer
 
-    dht, spec = connect(maddr, cfg, identity, "server")
-    averager = server = ranks = None
+    dht, spec = connect(maddr, cfg, identity, "server", coordinator)
+    averager = server = ranks = deadline = None
     try:
         n = spec.stages.num_stages
         if stage is not None and not 0 <= stage < n:
-            raise SystemExit(f"peer join: --stage {stage} does not exist: run '{spec.name}' has stages 0..{n - 1}")
+            raise ConfigError(f"--stage {stage}: run '{spec.name}' has stages 0..{n - 1}")
         mode = cfg.server.rebalance
         if mode not in ("auto", "always", "never"):
-            raise SystemExit(f"peer join: server.rebalance must be auto, always or never, got {mode!r}")
+            raise ConfigError(f"server.rebalance: must be auto, always or never, got {mode!r}")
         balance = mode == "always" or (mode == "auto" and stage is None)
         from peer.tp import check_degree
 
         # a peer split over tensor-parallel ranks serves only the stages that split over them
         splittable = {s for s in range(n) if check_degree(spec, s, cfg.parallel.tp) is None}
         if not splittable:
-            raise SystemExit(f"peer join: --tp {cfg.parallel.tp}: {check_degree(spec, 0, cfg.parallel.tp)}")
+            raise ConfigError(f"--tp {cfg.parallel.tp}: {check_degree(spec, 0, cfg.parallel.tp)}")
         if stage is None:
             stage = choose_stage(dht, spec, splittable)
         blocks = spec.stage_blocks(stage)
@@ -195,7 +198,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
                 await experts.bind()
             follow_admission(dht, server.done.set)
             serve_metrics(server.metrics, cfg)
-            await _reachable(server.start())
+            await server.start()  # uplink.NoRelay: it cannot be dialled and no relay took it
             print(f"Serving stage {stage} at {server.endpoint} from step {runtime.epoch}.", flush=True)
 
         async def stop():
@@ -207,7 +210,7 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
             if experts is not None:
                 await experts.close()
 
-        asyncio.run(_until_signalled(start, stop, server.done))
+        deadline = asyncio.run(_until_signalled(start, stop, server.done, cfg.server.leave_timeout))
     finally:
         if ranks is not None:
             ranks.close()
@@ -219,6 +222,8 @@ def run_server(maddr: str, cfg: PeerConfig, identity: Identity, stage: int | Non
     if server is not None and server.move_to is not None:
         # a fresh process for the new stage: hivemind's averager must be created before any gRPC
         # object in a process, and the identity (same peer id) and settings carry over
+        if deadline is not None:
+            deadline.cancel()
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, rejoin_argv(sys.argv[1:], server.move_to))
@@ -233,13 +238,13 @@ def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
     pcfg = cfg.parallel
     problem = check_degree(spec, stage, pcfg.tp)
     if problem:
-        raise SystemExit(f"peer join: --tp {pcfg.tp}: {problem}")
+        raise ConfigError(f"--tp {pcfg.tp}: {problem}")
     try:
         devices = tp_devices(pcfg)
     except ValueError as e:
-        raise SystemExit(f"peer join: --devices: {e}") from None
+        raise ConfigError(f"--devices: {e}") from None
     if cfg.server.compute_dtype not in COMPUTE_DTYPES:
-        raise SystemExit(f"peer join: server.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}")
+        raise ConfigError(f"server.compute_dtype: must be one of {', '.join(COMPUTE_DTYPES)}")
     sizes = {
         "activation_cache_size": cfg.server.activation_cache_size,
         "fingerprint_history": cfg.server.fingerprint_history,
@@ -257,7 +262,7 @@ def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
     return runtime, ranks
 
 
-def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) -> None:
+def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, coordinator: str | None = None) -> None:
     """Host experts of the run's MoE layers: `choice` is how many (the least-replicated) or which."""
     from peer.averaging import GradientAverager
     from peer.expert import ExpertRuntime
@@ -271,15 +276,15 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
     )
     from peer.replica import Part
 
-    dht, spec = connect(maddr, cfg, identity, "experts")
+    dht, spec = connect(maddr, cfg, identity, "experts", coordinator)
     averagers: dict[str, GradientAverager] = {}
     try:
         if not spec.moe_layers():
-            raise SystemExit(f"peer join: run '{spec.name}' has no mixture-of-experts layers (moe.num_experts is 0)")
+            raise ConfigError(f"--experts: run '{spec.name}' has no mixture-of-experts layers (moe.num_experts is 0)")
         try:
             wanted = parse_expert_choice(spec, choice)
         except ValueError as e:
-            raise SystemExit(f"peer join: {e}") from None
+            raise ConfigError(f"--experts {choice}: {e}") from None
         if isinstance(wanted, int):
             known = all_experts(spec)
             records = {uid: dht.get(keys.expert_key(spec.name, uid), ServerRecord) for uid in known}
@@ -325,7 +330,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
         async def start():
             follow_admission(dht, done.set)
             serve_metrics(metrics, cfg)
-            await _reachable(host.start())
+            await host.start()
             loaded = f"; loaded the state of {', '.join(host.loaded)} from replicas" if host.loaded else ""
             print(f"Serving experts {', '.join(wanted)} at {host.endpoint}{loaded}.", flush=True)
 
@@ -334,21 +339,21 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str) ->
             await host.stop()
 
         done = asyncio.Event()
-        asyncio.run(_until_signalled(start, stop, done))
+        asyncio.run(_until_signalled(start, stop, done, cfg.server.leave_timeout))
     finally:
         for averager in averagers.values():
             averager.shutdown()
         dht.shutdown()
 
 
-def run_relay(maddr: str, cfg: PeerConfig, identity: Identity) -> None:
+def run_relay(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: str | None = None) -> None:
     """A peer that only relays: carries the calls of peers that cannot be dialled (peer.relay)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from peer.relay import RelayService, add_relay
     from peer.server import announce_host, grpc_server, listen
 
-    dht, spec = connect(maddr, cfg, identity, "relay")
+    dht, spec = connect(maddr, cfg, identity, "relay", coordinator)
     try:
         net = cfg.network
         relay = RelayService(cfg, spec.name, announce_host(net.host, net.announce_host), dht.security, "relay")
@@ -377,17 +382,17 @@ def run_relay(maddr: str, cfg: PeerConfig, identity: Identity) -> None:
                 relay.close()
                 await server.stop(0.5)
 
-        asyncio.run(_until_signalled(start, stop, done))
+        asyncio.run(_until_signalled(start, stop, done, cfg.server.leave_timeout))
     finally:
         dht.shutdown()
 
 
-def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity) -> int:
+def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: str | None = None) -> int:
     from peer.progress import TrainerProgress
     from peer.trainer import Trainer
 
     corpus = load_corpus(cfg.trainer.data)
-    dht, spec = connect(maddr, cfg, identity, "trainer")
+    dht, spec = connect(maddr, cfg, identity, "trainer", coordinator)
     try:
         print(
             f"Joined run '{spec.name}' as a trainer on {corpus.source} "

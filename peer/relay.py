@@ -28,7 +28,7 @@ from dht.credential import CredentialError
 from dht.records import RelayRecord
 from peer.background import LoopThread
 from peer.client import channel_options
-from peer.config import PeerConfig
+from peer.config import PeerConfig, port_range
 from protocols import relay_pb2, relay_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,13 @@ class RelayService(relay_pb2_grpc.RelayServicer):
                 f"this relay carries {len(self.attached)} peers already (relay.max_peers)",
             )
         attachment = _Attachment(peer)
-        attachment.listener = await asyncio.start_server(
-            lambda r, w: self._arrived(attachment, r, w), host=self.cfg.network.host or None, port=0
-        )
+        attachment.listener = await self._listen(attachment)
+        if attachment.listener is None:
+            self.refused += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this relay has no free port left in relay.ports ({self.cfg.relay.ports})",
+            )
         port = attachment.listener.sockets[0].getsockname()[1]
         attachment.endpoint = f"{self.announce_host}:{port}"
         self.attached[peer] = attachment
@@ -146,6 +150,16 @@ class RelayService(relay_pb2_grpc.RelayServicer):
                 del self.attached[peer]
             attachment.close()
             logger.warning("stopped relaying for %s (%.1f MB carried)", peer, attachment.bytes / 1e6)
+
+    async def _listen(self, attachment: _Attachment) -> asyncio.Server | None:
+        """The listener for one carried peer: on a free port of `relay.ports`, or any free one; None if none is."""
+        host = self.cfg.network.host or None
+        for port in port_range(self.cfg.relay.ports) or [0]:
+            try:
+                return await asyncio.start_server(lambda r, w: self._arrived(attachment, r, w), host=host, port=port)
+            except OSError:
+                continue  # taken (by another carried peer, or anything else on this machine)
+        return None
 
     async def _arrived(self, attachment: _Attachment, reader, writer) -> None:
         """A connection for the attached peer: announce it; close it if the peer does not carry it in time."""

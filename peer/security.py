@@ -34,6 +34,7 @@ from dht.credential import (
     ownership_proof,
     tls_key_der,
 )
+from dht.errors import UserError
 from dht.gate import Gate
 from dht.identity import Identity, IdentityError, public_key_from_peer_id
 from dht.node import SwarmDHT
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 UNKNOWN_PEER_NAME = "unknown-peer.swarmtrain"  # the TLS name pinned for an endpoint no admitted record names
 
 
-class AdmissionRefused(RuntimeError):
+class AdmissionRefused(UserError, RuntimeError):
     """The coordinator did not admit this peer; the message says why."""
 
 

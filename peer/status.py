@@ -12,6 +12,7 @@ from dht.node import SwarmDHT
 from dht.records import RelayRecord, ServerRecord, TrainerRecord
 from peer.config import RunSpec
 from peer.moe import expert_uid
+from protocols.version import software_version
 
 
 def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
@@ -64,7 +65,8 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
     samples = sum(t.samples for t in trainers.values())
     console.print(
         f"[bold]Run '{spec.name}'[/bold]: global step {global_step}/{spec.training.total_steps}, "
-        f"{samples} samples trained, target batch {spec.training.target_batch_size} samples"
+        f"{samples} samples trained, target batch {spec.training.target_batch_size} samples "
+        f"(this peer runs swarmtrain {software_version()})"
     )
     table = Table(title="Stages and servers")
     for column in (
@@ -79,13 +81,14 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
         "load",
         "step",
         "age",
+        "version",
     ):
         table.add_column(column)
     for stage, servers in enumerate(stages):
         blocks = spec.stage_blocks(stage)
         if not servers:
             row = [str(stage), f"{blocks.start}-{blocks.stop - 1}", "[red]none[/red]"]
-            table.add_row(*row, *[""] * 8)
+            table.add_row(*row, *[""] * 9)
         for pid, r in sorted(servers.items(), key=lambda kv: kv[1].endpoint):
             table.add_row(
                 str(stage),
@@ -99,6 +102,7 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
                 f"{r.load:.0f}",
                 str(r.epoch),
                 f"{now - r.started:.0f} s",
+                r.software or "?",
             )
     console.print(table)
     if spec.moe_layers():
@@ -139,7 +143,7 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
             )
         console.print(rtable)
     ttable = Table(title="Trainers")
-    for column in ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age"):
+    for column in ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age", "version"):
         ttable.add_column(column)
     for pid, t in sorted(trainers.items()):
         ttable.add_row(
@@ -150,7 +154,8 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
             f"{t.val_loss:.3f}" if t.val_loss is not None else "-",
             str(t.epoch),
             f"{now - t.started:.0f} s",
+            t.software or "?",
         )
     if not trainers:
-        ttable.add_row("none", "", "", "", "", "", "")
+        ttable.add_row("none", "", "", "", "", "", "", "")
     console.print(ttable)

@@ -22,8 +22,6 @@ import contextlib
 import json
 import logging
 import math
-import multiprocessing
-import os
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ import time
 import torch
 
 from peer.config import ParallelConfig, RunSpec
+from peer.lifetime import die_with_parent, exit_now, exit_within
 from peer.part import Fingerprint, StateError, shards_by_bytes
 from peer.runtime import InputError, Late, RankDied, StageRuntime
 from peer.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
@@ -91,6 +90,7 @@ class Ranks:
                 [sys.executable, "-m", "peer.rank"],
                 stdin=subprocess.PIPE,
                 start_new_session=True,  # a terminal's Ctrl+C goes to rank 0, which stops the others
+                preexec_fn=die_with_parent(),  # and they never outlive it, even a SIGKILL of it
             )
             self.procs.append(proc)
             message = {
@@ -166,14 +166,12 @@ class Ranks:
             self.dead = reason
         logger.error("%s: this peer stops", reason)
         # the owner leaves cleanly if it can; after exit_grace the process ends regardless, never a hang
-        timer = threading.Timer(self.cfg.exit_grace, _exit_now, (reason,))
-        timer.daemon = True
-        timer.start()
+        exit_within(self.cfg.exit_grace, reason)
         self.on_death(reason)
 
     @staticmethod
     def _default_on_death(reason: str) -> None:
-        _exit_now(reason)
+        exit_now(reason)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the other ranks: close their pipes (they exit at the end of input), then kill stragglers."""
@@ -192,20 +190,7 @@ class Ranks:
                 proc.wait()
         # the torch thread may still sit in a collective with a rank that is gone (NCCL waits out its
         # timeout): the process must end anyway once its owner is done
-        backstop = threading.Timer(self.cfg.exit_grace + 30.0, _exit_now, ("still busy after leaving", 0))
-        backstop.daemon = True
-        backstop.start()
-
-
-def _exit_now(reason: str, code: int = 1) -> None:
-    """End the process now; its forked helpers (hivemind's DHT and averager) get SIGTERM first."""
-    print(f"peer: {reason}; exiting.", file=sys.stderr, flush=True)
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(timeout=2.0)
-    os._exit(code)
+        exit_within(self.cfg.exit_grace + 30.0, "still busy after leaving", 0)
 
 
 class ShardedStageRuntime(StageRuntime):
@@ -290,8 +275,9 @@ class ShardedStageRuntime(StageRuntime):
         """The unsplit parameters (CPU copies), gathered from every rank."""
         return self._call("parameters", {})
 
-    def apply_round(self, averaged, group_samples, seq, members) -> None:
-        self._call("apply_round", {"samples": group_samples, "seq": seq, "members": members}, full=averaged)
+    def apply_round(self, averaged, group_samples, seq, members, coverage=None) -> None:
+        meta = {"samples": group_samples, "seq": seq, "members": members, "coverage": coverage or {}}
+        self._call("apply_round", meta, full=averaged)
 
     def restore_round(self, taken, samples, seq) -> None:
         self._call("restore_round", {"samples": samples, "seq": seq}, full=taken)
@@ -338,7 +324,10 @@ class ShardedStageRuntime(StageRuntime):
         ]
 
     def _op_apply_round(self, meta, tensors, full):
-        StageRuntime.apply_round(self, self._scatter_params(full), meta["samples"], meta["seq"], meta["members"])
+        coverage = {pid: (int(c[0]), int(c[1])) for pid, c in meta.get("coverage", {}).items()}
+        StageRuntime.apply_round(
+            self, self._scatter_params(full), meta["samples"], meta["seq"], meta["members"], coverage
+        )
 
     def _op_restore_round(self, meta, tensors, full):
         if self.local:

@@ -18,6 +18,7 @@ import time
 import grpc
 
 from dht import keys
+from dht.errors import UserError
 from dht.records import RelayRecord
 from peer.client import channel_options
 from peer.config import PeerConfig
@@ -26,7 +27,7 @@ from protocols import relay_pb2, relay_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class NoRelay(RuntimeError):
+class NoRelay(UserError, RuntimeError):
     """No relay took this unreachable peer within relay.wait."""
 
 

@@ -1,7 +1,9 @@
 """Fixtures that start real peers (coordinator, stage servers, trainers) as OS processes on loopback.
 
-Every process runs in its own process group and is killed, with its children (the p2p daemons),
-when the test ends, pass or fail; the fixture then checks that none of them is left.
+Every peer runs in its own process group and dies with the test process (PR_SET_PDEATHSIG). When
+the test ends, pass or fail, the fixture SIGKILLs each peer; the peer's reaper (peer.lifetime)
+ends what it started (the DHT and averager processes, the p2p daemons), and the fixture checks
+that none of them is left.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from peer.demo import dict_to_toml, loopback_coordinator, loopback_join
+from peer.lifetime import die_with_parent
 
 # endpoint -> (test workdir, identity file of the peer serving it): what a test's own TLS client pins
 _SERVERS: dict[str, tuple[Path, Path]] = {}
@@ -62,6 +65,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _preexec(niceness: int):
+    """In a started peer, before exec: its niceness, and death with this test process (SIGKILL included)."""
+    dies = die_with_parent()
+
+    def preexec() -> None:
+        if niceness:
+            os.nice(niceness)
+        dies()
+
+    return preexec
+
+
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(dict_to_toml(spec))
     return path
@@ -72,7 +87,7 @@ class Peer:
         self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False, python: bool = False
     ):
         """Start `peer ARGS` (with `python`: `python ARGS`); with `tty` its output is a pseudo-terminal."""
-        self.name = name
+        self.name, self.python = name, python
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         # TMPDIR: temporary files of the peer (torch, multiprocessing) go to the test's dir. hivemind's
@@ -90,7 +105,7 @@ class Peer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
-                preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
+                preexec_fn=_preexec(niceness),
             )
         except BaseException:
             if tty:
@@ -151,6 +166,23 @@ class Peer:
             self.known_pids.update(descendants(self.proc.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def end(self) -> None:
+        """SIGKILL a peer's own process (its reaper ends the rest); another program (a helper script,
+        hivemind's own DHT node) gets SIGTERM to its group and a few seconds to clean up first.
+        Then close what the fixture holds of it."""
+        if self.proc.poll() is None:
+            self.known_pids.update(descendants(self.proc.pid))
+            if self.python:
+                self.kill(grace=5.0)
+                return
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if self._copier is not None:
+            self._copier.join(5)
+        self._log.close()
 
     def kill(self, grace: float = 8.0) -> None:
         if self.proc.poll() is None:
@@ -221,15 +253,18 @@ class Swarm:
         path = self.workdir / f"{name}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
-    def stop_all(self) -> list[int]:
-        # all leave at once (SIGTERM), then each gets what is left of one grace period before SIGKILL
-        for peer in reversed(self.peers):
-            peer.terminate()
-        deadline = time.monotonic() + 8.0
-        for peer in reversed(self.peers):
-            peer.kill(grace=max(0.0, deadline - time.monotonic()))
-        time.sleep(0.5)
-        return [pid for peer in self.peers for pid in peer.known_pids if alive(pid)]
+    def stop_all(self, timeout: float = 10.0) -> list[int]:
+        """SIGKILL every peer (a test that checks leaving makes its peers leave itself); each peer's reaper
+        (peer.lifetime) then ends what the peer started. Returns what is still alive after `timeout`."""
+        for peer in self.peers:
+            peer.end()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = [pid for peer in self.peers for pid in peer.known_pids if alive(pid)]
+            if not left:
+                return []
+            time.sleep(0.1)
+        return left
 
 
 def hivemind_sockets() -> set[str]:
@@ -326,6 +361,25 @@ def client(endpoint: str, *args, **kwargs):
     from peer.client import StageClient
 
     return StageClient(*args, security=test_credential(endpoint), **kwargs)
+
+
+def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
+    """Info of each live replica of a stage, once they all sit at the same step with nothing in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = [info(e) for e in endpoints]
+        agree = len({i.epoch for i in infos}) == 1 and len({i.samples_stepped for i in infos}) == 1
+        if agree and not any(i.samples_averaging for i in infos):
+            return infos
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replicas never agreed: {[(i.epoch, i.samples_stepped) for i in infos]}")
+        time.sleep(1.0)
+
+
+def check_books(infos: list, samples: int, stage: int) -> None:
+    stepped = infos[0].samples_stepped
+    pending = sum(i.samples_accumulated + i.samples_averaging for i in infos)
+    assert stepped + pending == samples, f"stage {stage}: {stepped} stepped + {pending} pending != {samples} completed"
 
 
 def info(endpoint: str, timeout: float = 10.0):

@@ -12,7 +12,9 @@ import re
 import signal
 import time
 
-from conftest import info
+from conftest import check_books, settled_infos
+
+from dht.identity import Identity
 
 SPEC = {
     "name": "faults",
@@ -62,24 +64,6 @@ def stop_trainers(trainers) -> None:
         assert t.wait(90) == 0, t.output()[-3000:]
 
 
-def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
-    """Info of each live replica of a stage, once they all sit at the same step with nothing in flight."""
-    deadline = time.monotonic() + timeout
-    while True:
-        infos = [info(e) for e in endpoints]
-        if len({i.epoch for i in infos}) == 1 and len({i.samples_stepped for i in infos}) == 1:
-            return infos
-        if time.monotonic() > deadline:
-            raise AssertionError(f"replicas never agreed: {[(i.epoch, i.samples_stepped) for i in infos]}")
-        time.sleep(1.0)
-
-
-def check_books(infos: list, samples: int, stage: int) -> None:
-    stepped = infos[0].samples_stepped
-    pending = sum(i.samples_accumulated + i.samples_averaging for i in infos)
-    assert stepped + pending == samples, f"stage {stage}: {stepped} stepped + {pending} pending != {samples} completed"
-
-
 def check_same_parameters(infos: list, stage: int) -> None:
     steps = [{f.epoch: f for f in i.history} for i in infos]
     common = set.intersection(*(set(s) for s in steps))
@@ -120,8 +104,13 @@ def test_sigstop_moves_on_within_deadline_then_forgiven(swarm):
     assert max(c["seconds"] for c in failed) <= 5.0, failed
     finished = [e["time"] for e in swarm.log("t0") if e["type"] == "micro_batch"]
     assert any(stopped + 5 < t < resumed for t in finished), "training stalled while a replica was stopped"
+    # frozen past its record's TTL, the hung server dropped its accumulator (the trainer replayed what it
+    # held); only it: its partner's announcements went on (a frozen DHT node holds up no store)
+    assert re.search(r"our DHT record expired .* accumulated samples are dropped here", hung.output())
+    assert "dropped here" not in spare.output() and "dropped here" not in last.output()
+    hung_id = Identity.load(swarm.workdir / "s0a.pem").peer_id
     replays = [e for e in swarm.log("t0") if e["type"] == "replay"]
-    assert "dropped here" in hung.output() or not replays
+    assert {e["peer"] for e in replays} <= {hung_id}, replays
 
     samples = completed(swarm, ["t0"])
     for stage, endpoints in ((0, [ends["hung"], ends["spare"]]), (1, [ends["last"]])):
@@ -179,7 +168,7 @@ def test_chaos_kills_and_joins(swarm):
     alive = dict(servers)
     joined = 0
     started = time.monotonic()
-    while time.monotonic() - started < 120:
+    while time.monotonic() - started < 60:
         time.sleep(rng.uniform(8, 12))
         stages = {name: found[0] for name, s in alive.items() if (found := serving(s)) is not None}
         # a random server, among those of a stage that keeps another one
@@ -210,5 +199,7 @@ def test_chaos_kills_and_joins(swarm):
         losses = [e["loss"] for e in entries]
         assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20, f"{name}: loss did not fall"
         times = [e["time"] for e in entries]
-        assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 30, f"{name}: training stalled"
+        # a killed server refuses at once: its calls move on within a second or so (measured: at most 1.0 s)
+        gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+        assert gap < 5, f"{name}: training stalled for {gap:.1f} s"
         assert not [e for e in swarm.log(name) if e["type"] == "failed"], f"{name}: a micro-batch was given up"

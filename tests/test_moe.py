@@ -258,7 +258,8 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     host_a = _expert_host(swarm, "experts-a", "1.0,1.1,1.2")
     host_b = _expert_host(swarm, "experts-b", "1.1,1.2,1.3")
     s0, s1 = swarm.server("s0", stage=0), swarm.server("s1", stage=1)
-    _hosted_at(swarm, host_a), _hosted_at(swarm, host_b), swarm.endpoint(s0), swarm.endpoint(s1)
+    a, _ = _hosted_at(swarm, host_a), _hosted_at(swarm, host_b)
+    swarm.endpoint(s0), swarm.endpoint(s1)
     trainer = swarm.trainer("trainer", ["--max-micro-batches", "2000"])  # stopped below
     deadline = time.monotonic() + 120
     while len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"]) < 15:
@@ -282,7 +283,8 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     assert killed_at < newcomer_at < len(losses) - 30, (killed_at, newcomer_at, len(losses))
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10
     stage_log = s1.output()
-    assert "expert 1.0" in stage_log and "failed" in stage_log  # the dead host's calls failed and moved on
+    # the dead host's calls failed (the first, to whichever of its experts, bans the host) and moved on
+    assert re.search(rf"expert 1\.[012] \w+ on {re.escape(a)} failed", stage_log), stage_log[-3000:]
 
     async def newcomer_worked():
         client = admitted_client(c, 2**20, 2**28)
@@ -292,7 +294,8 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
             await client.close()
 
     info = asyncio.run(newcomer_worked())
-    assert info.epoch > 0 or info.samples_accumulated > 0, info  # the stage's calls reached the newcomer
+    # the stage's calls reached the newcomer's expert: it counted their tokens, stepped or still accumulating
+    assert info.samples_stepped + info.samples_accumulated > 0, info
 
     # peer status shows the coverage: every expert of layer 1 hosted again, 1.0 by the newcomer alone
     status = swarm.start("status", ["status", swarm.maddr])

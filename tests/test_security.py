@@ -84,7 +84,7 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
     assert ids["intruder"] not in members
     assert {ids["s0a"], ids["s0b"]} <= members  # the admitted replicas did average together
     rogue.wait(90)
-    rounds = re.findall(r"ROUND epoch=\d+ members=(\S+)", rogue.output())
+    rounds = re.findall(r"ROUND epoch=\d+ size=\d+ members=(\S+)", rogue.output())
     assert rounds and all(r == "none" for r in rounds), rounds
     assert not any(c.get("endpoint") == "127.0.0.1:9" for c in swarm.log("trainer") if c["type"] == "call")
     status = _peer_command(swarm, "status", swarm.maddr)
@@ -159,7 +159,9 @@ def test_a_server_that_perturbs_its_outputs_is_caught_banned_and_revoked(swarm):
     trainer.wait_for(r"answered wrong \(two other replicas agree\); banned and reported", 300)
     caught = [e for e in swarm.log("trainer") if e["type"] == "spot_check"]
     assert caught and {e["wrong"] for e in caught} == {ids["noisy"]}, caught
-    assert caught[0]["index"] < 600
+    # a spot check re-sends 5 % of forwards, and the noisy server is one of the two replicas compared in
+    # 2/3 of them: caught after ~30 micro-batches on average, after 300 about once in 25,000 runs
+    assert caught[0]["index"] < 300, caught[0]
     swarm.peers[0].wait_for(rf"Revoked peer {ids['noisy']}: spot checks of 1 trainer", 30)
     peers[2].wait_for(r"credential was revoked", 30)
     assert peers[2].wait(60) is not None

@@ -74,10 +74,10 @@ def test_degree_must_divide_the_stage():
     assert check_degree(spec, 0, 2) is None
     assert "num_heads (4) is not divisible by 3" in check_degree(spec, 1, 3)
     odd = RunSpec.from_dict(
-        {**SPEC, "model": {**SPEC["model"], "vocab_size": 255, "num_layers": 3}, "stages": {"num_stages": 3}}
+        {**SPEC, "model": {**SPEC["model"], "vocab_size": 257, "num_layers": 3}, "stages": {"num_stages": 3}}
     )
     assert check_degree(odd, 1, 2) is None  # a middle stage holds no vocabulary
-    assert "vocab_size (255)" in check_degree(odd, 2, 2)
+    assert "vocab_size (257)" in check_degree(odd, 2, 2)
     # a split peer chooses, and moves to, only the stages it can split
     assert weakest_stage([5.0, 1.0, 3.0], {0, 2}) == 2
     assert plan_move([30.0, 5.0, 10.0], [3, 1, 1], stage=0, throughput=10.0, margin=0.2) == 1

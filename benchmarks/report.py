@@ -1,0 +1,65 @@
+"""How every benchmark ends: its figures as one `key=value ...` line, last, whatever happened.
+
+    from report import Figures, run  # or: from benchmarks.report import ...
+
+    def body(args, figures: Figures) -> None:
+        figures["ratio"] = ...        # fill in as the figures come; what is measured stays measured
+
+    if __name__ == "__main__":
+        run(parser, body)
+
+`run` parses the arguments, makes SIGTERM and SIGHUP stop the benchmark as Ctrl+C does (so its
+`finally` blocks stop what it started; peer.lifetime.interrupt_on_signals), runs `body`, and
+prints the figures gathered so far as the last line with `status=ok`, `status=failed` (an
+exception: its traceback goes to stderr first; exit status 1) or `status=interrupted` (exit 130).
+A benchmark that is off its goal still ends with `status=ok`: its figures say how far off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+
+from peer.lifetime import interrupt_on_signals
+
+STATUS_KEY = "status"
+
+
+class Figures(dict):
+    """The benchmark's figures, in the order they were set."""
+
+    def line(self, status: str) -> str:
+        return " ".join(f"{k}={_text(v)}" for k, v in {**self, STATUS_KEY: status}.items())
+
+
+def _text(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace(" ", "_") or "-"
+
+
+def add_quick(parser: argparse.ArgumentParser, what: str) -> None:
+    """The `--quick` flag: `what` says what the small version of the comparison is."""
+    parser.add_argument("--quick", action="store_true", help=f"a few-second version of the same comparison: {what}")
+
+
+def run(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Figures], None]) -> None:
+    args = parser.parse_args()
+    interrupt_on_signals()
+    figures, status, code = Figures(), "ok", 0
+    try:
+        body(args, figures)
+    except KeyboardInterrupt:
+        status, code = "interrupted", 130
+    except SystemExit as e:
+        if e.code not in (0, None):
+            print(e.code if isinstance(e.code, str) else f"exit {e.code}", file=sys.stderr)
+            status, code = "failed", e.code if isinstance(e.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        status, code = "failed", 1
+    sys.stdout.flush()
+    print(figures.line(status), flush=True)
+    sys.exit(code)

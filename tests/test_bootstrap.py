@@ -1,0 +1,85 @@
+"""A run on an existing DHT, joined through any peer: the coordinator is the trust anchor, not the door.
+
+Real processes: hivemind's own `hivemind-dht` as a plain bootstrap node, a coordinator started
+on it with `--initial-peers`, and servers and a trainer that join through the bootstrap node with
+`--coordinator PEER_ID`, the last ones while the coordinator is stopped (SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from conftest import PEER
+
+from peer.demo import loopback_join
+
+SPEC = {
+    "name": "anywhere",
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
+    "stages": {"num_stages": 2},
+    "training": {"micro_batch_size": 4, "seq_len": 16, "target_batch_size": 8, "total_steps": 1000},
+    # a newcomer's credential needs the coordinator; the DHT, the spec and the data path do not
+    "admission": {"mode": "off"},
+}
+
+
+def test_a_run_on_a_plain_dht_is_joined_through_any_peer_while_its_coordinator_is_stopped(swarm):
+    bootstrap = swarm.start(
+        "bootstrap", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], python=True
+    )
+    door = bootstrap.wait_for(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)", 60).group(1)
+    swarm.coordinator(SPEC, extra=["--initial-peers", door])
+    coordinator = swarm.peers[-1]
+    assert "Joined the existing DHT through" in coordinator.output()
+    anchor = json.loads((swarm.workdir / "coordinator.json").read_text())["peer_id"]
+    assert anchor not in door  # the door is not the coordinator
+
+    def join(name: str, *extra: str):
+        return swarm.start(name, loopback_join(door, name, "--coordinator", anchor, *extra))
+
+    first = join("s0", "--stage", "0")
+    swarm.endpoint(first)
+
+    coordinator.signal(signal.SIGSTOP)
+    try:
+        last = join("s1", "--stage", "1")
+        swarm.endpoint(last, timeout=90)
+        trainer = join("t0", "--role", "trainer", "--log-file", "t0.jsonl", "--max-micro-batches", "12")
+        assert trainer.wait(120) == 0, trainer.output()[-3000:]
+        batches = [e for e in swarm.log("t0") if e["type"] == "micro_batch"]
+        assert len(batches) == 12
+        # and `peer status` reads the run through the same door
+        status = subprocess.run(
+            [*PEER, "status", door, "--coordinator", anchor],
+            cwd=swarm.workdir,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "Run 'anywhere'" in status.stdout
+    finally:
+        coordinator.signal(signal.SIGCONT)
+
+
+def test_a_wrong_coordinator_id_is_said_within_seconds(swarm):
+    bootstrap = swarm.start(
+        "bootstrap", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], python=True
+    )
+    door = bootstrap.wait_for(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)", 60).group(1)
+    nobody = door.rsplit("/", 1)[1]  # a real peer id, but no coordinator of any run
+    started = time.monotonic()
+    result = subprocess.run(
+        [*PEER, "join", door, "--coordinator", nobody, "--identity", "lost.pem", "--host", "127.0.0.1"],
+        cwd=swarm.workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert f"no run spec signed by coordinator {nobody}" in result.stderr and "Traceback" not in result.stderr
+    assert elapsed < 15, elapsed  # the DHT's start plus network.spec_timeout (5 s), not the 20 s start-up bound

@@ -1,0 +1,137 @@
+"""Nothing outlives the command that started it: real processes, real SIGKILL and SIGTERM.
+
+`peer demo` and a benchmark start whole swarms (coordinator, servers, trainers, each with its
+hivemind DHT process, averagers and libp2p daemon). Whatever ends them, everything they started
+must be gone within seconds: no p2pd, no forked helper, no temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, alive, descendants
+
+from peer.lifetime import die_with_parent
+
+GONE_WITHIN = 10.0  # s
+
+
+def _start(argv: list[str], workdir: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            argv,
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
+
+
+def _follow_until(proc: subprocess.Popen, log: Path, pattern: str, timeout: float) -> set[int]:
+    """Every process `proc` started so far, polled until `pattern` appears in its log."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.update(descendants(proc.pid))
+        if re.search(pattern, log.read_text(errors="replace")):
+            seen.update(descendants(proc.pid))
+            return seen
+        assert proc.poll() is None, f"exited early ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _names(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{pid} {command[:100]}")
+        except OSError:
+            out.append(str(pid))
+    return out
+
+
+def _all_gone(pids: set[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def _kill_everything(proc: subprocess.Popen, pids: set[int]) -> None:
+    """Cleanup if the test failed: nothing may stay behind whatever the outcome."""
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(10)
+
+
+def test_a_killed_demo_leaves_nothing_behind(tmp_path):
+    workdir = tmp_path / "demo"
+    log = tmp_path / "demo.log"
+    before = {p.name for p in Path("/tmp").glob("hivemind-*.sock")}
+    proc = _start(
+        [sys.executable, "-m", "peer.cli", "demo", "--workdir", str(workdir), "--steps", "100000"], tmp_path, log
+    )
+    pids: set[int] = set()
+    try:
+        # 30 s in, or once both trainers are up (then every kind of process has started), whichever is first
+        try:
+            pids = _follow_until(proc, log, r"starting 2 trainers", 30)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                pids.update(descendants(proc.pid))
+                if all((workdir / f"trainer{i}.log").exists() for i in range(2)) and any(
+                    "p2pd" in n for n in _names(pids)
+                ):
+                    break
+                time.sleep(0.2)
+        except AssertionError:
+            pids.update(descendants(proc.pid))  # 30 s without trainers on a slow machine: kill it anyway
+        names = _names(pids)
+        assert sum("p2pd" in n for n in names) >= 3, names  # the swarm really was up
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        left = _all_gone(pids, GONE_WITHIN)
+        assert not left, f"alive {GONE_WITHIN:.0f} s after the demo's SIGKILL: {_names(left)}"
+        print(f"everything the demo started ({len(pids)} processes) was gone {time.monotonic() - killed:.1f} s after")
+        leftovers = {p.name for p in Path("/tmp").glob("hivemind-*.sock")} - before
+        assert not leftovers, f"p2p sockets left: {leftovers}"
+        assert not list(workdir.glob("swarmtrain-peer-*")), "runtime directories left"
+    finally:
+        _kill_everything(proc, pids)
+
+
+def test_a_terminated_benchmark_stops_its_swarm(tmp_path):
+    log = tmp_path / "bench.log"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "swarm_vs_local.py"), "--quick", "--workdir", str(tmp_path / "w")]
+    proc = _start(argv, tmp_path, log)
+    pids: set[int] = set()
+    try:
+        pids = _follow_until(proc, log, r"serving|Serving", 120)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum("p2pd" in n for n in _names(pids)) < 2:
+            pids.update(descendants(proc.pid))
+            time.sleep(0.2)
+        assert sum("p2pd" in n for n in _names(pids)) >= 2, _names(pids)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(GONE_WITHIN) is not None
+        left = _all_gone(pids, GONE_WITHIN)
+        assert not left, f"alive {GONE_WITHIN:.0f} s after the benchmark's SIGTERM: {_names(left)}"
+    finally:
+        _kill_everything(proc, pids)
