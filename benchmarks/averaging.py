@@ -10,17 +10,18 @@ How: each lab host runs a worker (this script with --worker): a DHT node (worker
 join it), then a GradientAverager over `--size-mb` MB of float32 tensors shaped like a model's
 parameters. The parent waits until every worker is ready, then gives them a common start time;
 round r starts on every worker at start + r * period (one shared clock), and each calls
-average(tensors, samples=1, epoch=r, expected_group=n). Worker i fills its tensors with base + i + r,
+average(tensors, samples=1, epoch=r, expected=<every worker's peer id>). Worker i fills its tensors with base + i + r,
 so the result must be base + (n-1)/2 + r (checked within the codec's precision). A round's time is
 the latest worker's finish minus the common start; a round is ok when every worker averaged in a
 full group and got the right mean. Bytes per round are each host's interface counters (IP headers,
 DHT chatter and all), compared with the butterfly's 2(n-1)/n * size each way.
 
-    sudo .venv/bin/python benchmarks/averaging.py [--rate 100] [--size-mb 48] [--rounds 5]
+    sudo .venv/bin/python benchmarks/averaging.py [--rate 100] [--size-mb 48] [--rounds 5] [--quick]
 
 Last line: key=value pairs: ratio (median round time / bound), rounds_ok, bound_s, median_s, mean_s,
-max_s and bytes_per_peer_over_bound (mean over hosts and rounds of max(tx, rx) / the butterfly's).
-Goal: ratio <= 1.3 with every round ok.
+max_s, bytes_per_peer_over_bound (mean over hosts and rounds of max(tx, rx) / the butterfly's) and
+status (benchmarks/report.py); when a round fails to finish (or on Ctrl+C), those of the rounds before.
+Goal: ratio <= 1.3 with every round ok. `--quick`: 2 rounds of 4 MB.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,10 +42,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 # worst expected error of the mean, as a fraction of the inputs' largest magnitude (two roundings per value)
 TOLERANCE = {"none": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1.2e-2}
 COLUMNS = 1024  # width of the template's matrices
+QUICK = {"size_mb": 4.0, "rounds": 2, "period": 4.0, "averaging_timeout": 30.0, "start_timeout": 60.0}
+EXIT_WAIT = 15.0  # s the workers have, together, to leave once every result is in
 
 
 # --- worker: runs inside one lab host ---
@@ -116,7 +122,7 @@ def worker(args: argparse.Namespace) -> int:
         base = [0.1 * torch.randn(shape, generator=generator) for shape in shapes]
         spec = make_spec(args.compression, args.averaging_timeout)
         averager = GradientAverager(dht, "avgbench", base, spec)
-        _write_json(work / f"ready{me}.json", {"elements": sum(t.numel() for t in base)})
+        _write_json(work / f"ready{me}.json", {"elements": sum(t.numel() for t in base), "peer": dht.peer_id})
         go = _wait_json(work / "go.json", args.start_timeout)
         rounds = []
         for r in range(args.rounds):
@@ -126,7 +132,7 @@ def worker(args: argparse.Namespace) -> int:
             if late < 0:
                 time.sleep(-late)
             began = time.time()
-            result = averager.average(inputs, samples=1, epoch=r, expected_group=n)
+            result = averager.average(inputs, samples=1, epoch=r, expected=go["peers"])
             finished = time.time()
             entry = {"round": r, "seconds": finished - start, "own_seconds": finished - began, "late": max(0, late)}
             if result is None:
@@ -178,13 +184,16 @@ def _sleep_until(when: float, procs: list[subprocess.Popen], work: Path) -> None
         time.sleep(min(left, 0.2))
 
 
-def run(args: argparse.Namespace, work: Path) -> dict:
+def run_rounds(args: argparse.Namespace, work: Path, out: dict) -> None:
+    """Build the lab, run the workers' rounds; `out` gets the bound and each round's interface counters as they come
+    (the workers write their rounds' results to result<i>.json)."""
     from benchmarks.lab import Lab
 
     n, size = args.peers, sum(4 * _numel(s) for s in template_shapes(args.size_mb))
     butterfly = 2 * (n - 1) / n * size  # bytes each peer sends, and receives, in one round
     bound = butterfly * 8 / (args.rate * 1e6)
     period = args.period or max(10.0, 2 * bound + 10)
+    out.update(bound=bound, butterfly=butterfly, counters=[])
     print(
         f"{n} peers at {args.rate:g} Mbit/s, {size / 1e6:.1f} MB of float32 in {len(template_shapes(args.size_mb))} "
         f"tensors, codec {args.compression}: butterfly bound {bound:.2f} s, a round every {period:.1f} s; "
@@ -215,31 +224,41 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                 raise Failed(f"the workers were not ready within {args.start_timeout:.0f} s; logs in {work}")
             time.sleep(0.2)
         start = time.time() + 2.0
-        _write_json(work / "go.json", {"start": start, "period": period})
-        counters = []
+        peers = [_wait_json(work / f"ready{i}.json", args.start_timeout)["peer"] for i in range(n)]
+        _write_json(work / "go.json", {"start": start, "period": period, "peers": peers})
         for r in range(args.rounds):
             _sleep_until(start + r * period - 0.5, procs, work)
-            counters.append([h.counters() for h in hosts])
+            out["counters"].append([h.counters() for h in hosts])
         deadline = time.monotonic() + max(0.0, start + args.rounds * period - time.time()) + args.averaging_timeout + 30
-        results: list[list[dict]] = [[] for _ in range(n)]
-        while True:
-            for i in range(n):
-                with contextlib.suppress(OSError, ValueError):
-                    results[i] = json.loads((work / f"result{i}.json").read_text())
-            if all(len(rounds) == args.rounds for rounds in results):
-                break
+        while not all(len(rounds) == args.rounds for rounds in _results(work, n)):
             _check_alive(procs, work, allow_done=True)
             if time.monotonic() > deadline:
                 raise Failed(f"the rounds did not finish in time; logs in {work}")
             time.sleep(0.2)
-        counters.append([h.counters() for h in hosts])
+        out["counters"].append([h.counters() for h in hosts])
         _write_json(work / "done.json", {})
-        for i, proc in enumerate(procs):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                print(f"worker {i} did not exit within 30 s; killing it", flush=True)
-    return {"bound": bound, "butterfly": butterfly, "period": period, "results": results, "counters": counters}
+        _let_leave(procs)
+
+
+def _results(work: Path, n: int) -> list[list[dict]]:
+    """Each worker's rounds so far."""
+    results: list[list[dict]] = [[] for _ in range(n)]
+    for i in range(n):
+        with contextlib.suppress(OSError, ValueError):
+            results[i] = json.loads((work / f"result{i}.json").read_text())
+    return results
+
+
+def _let_leave(procs: list[subprocess.Popen]) -> None:
+    """Give the workers EXIT_WAIT s to leave on their own; kill those still there (the lab's close is next)."""
+    deadline = time.monotonic() + EXIT_WAIT
+    for i, proc in enumerate(procs):
+        try:
+            proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"worker {i} did not exit within {EXIT_WAIT:.0f} s; killing it", flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -249,14 +268,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     return total
 
 
-def report(args: argparse.Namespace, out: dict) -> str:
-    bound, butterfly, results, counters = out["bound"], out["butterfly"], out["results"], out["counters"]
-    n = len(results)
+def report(args: argparse.Namespace, work: Path, out: dict, figures: Figures) -> None:
+    """Print the rounds that every worker finished, and their bytes were counted (all but when one failed)."""
+    n, counters = args.peers, out.get("counters", [])
+    results = _results(work, n)
+    done = min(*map(len, results), len(counters) - 1)
+    if done < 1:
+        return
+    bound, butterfly = out["bound"], out["butterfly"]
     times, oks, byte_ratios = [], 0, []
     print(
         f"{'round':>5} {'time s':>7} {'ratio':>6} {'ok':>5}  per host tx/rx MB (butterfly {butterfly / 1e6:.1f} each way)"
     )
-    for r in range(args.rounds):
+    for r in range(done):
         entries = [results[i][r] for i in range(n)]
         seconds = max(e["seconds"] for e in entries)
         ok = sum(bool(e["ok"]) for e in entries)
@@ -271,20 +295,13 @@ def report(args: argparse.Namespace, out: dict) -> str:
         notes = [e["error"] for e in entries if e.get("error")] + ([f"started {late:.1f} s late"] if late > 0.5 else [])
         print(f"{r:>5} {seconds:7.2f} {seconds / bound:6.3f} {ok:>3}/{n}  {' '.join(traffic)}  {'; '.join(notes)}")
     median = statistics.median(times)
-    fields = {
-        "ratio": f"{median / bound:.3f}",
-        "rounds_ok": f"{oks}/{args.rounds}",
-        "bound_s": f"{bound:.2f}",
-        "median_s": f"{median:.2f}",
-        "mean_s": f"{statistics.mean(times):.2f}",
-        "max_s": f"{max(times):.2f}",
-        "bytes_per_peer_over_bound": f"{statistics.mean(byte_ratios):.3f}",
-    }
+    figures.update(ratio=f"{median / bound:.3f}", rounds_ok=f"{oks}/{args.rounds}", bound_s=f"{bound:.2f}")
+    figures.update(median_s=f"{median:.2f}", mean_s=f"{statistics.mean(times):.2f}", max_s=f"{max(times):.2f}")
+    figures["bytes_per_peer_over_bound"] = f"{statistics.mean(byte_ratios):.3f}"
     print(
         f"median round {median:.2f} s over the bound {bound:.2f} s = {median / bound:.3f} (goal <= 1.3); "
         f"{oks}/{args.rounds} rounds ok; each peer moved {statistics.mean(byte_ratios):.3f}x the butterfly's bytes"
     )
-    return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,52 +312,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rate", type=float, default=100.0, help="each peer's cap in Mbit/s, both ways (default 100)")
     parser.add_argument("--peers", type=int, default=4, help="peers averaging together (default 4)")
-    parser.add_argument("--size-mb", type=float, default=48.0, help="MB (1e6 bytes) of float32 averaged (default 48)")
-    parser.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
+    parser.add_argument(
+        "--size-mb", type=float, default=48.0, help="MB (1e6 bytes) of float32 averaged (default 48; quick 4)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5; quick 2)")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none", help="averaging codec (default none)")
     parser.add_argument(
-        "--period", type=float, default=0.0, help="s between round starts (default: max(10, 2 x bound + 10))"
+        "--period", type=float, default=0.0, help="s between round starts (default: max(10, 2 x bound + 10); quick 4)"
     )
-    parser.add_argument("--averaging-timeout", type=float, default=120.0, help="s a round may take (default 120)")
     parser.add_argument(
-        "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120)"
+        "--averaging-timeout", type=float, default=120.0, help="s a round may take (default 120; quick 30)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120; quick 60)"
     )
     parser.add_argument("--verbose", action="store_true", help="workers log hivemind's all-reduce at debug level")
     parser.add_argument("--workdir", default="", help="keep the workers' logs here (default: a temporary directory)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: run worker i
     parser.add_argument("--ip", default="", help=argparse.SUPPRESS)
+    add_quick(parser, "2 rounds of 4 MB, one every 4 s")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker is not None:
-        return worker(args)
+def body(args: argparse.Namespace, figures: Figures) -> None:
     if args.peers < 2 or args.rounds < 1 or args.size_mb <= 0 or args.rate <= 0:
         print("averaging.py: need --peers >= 2, --rounds >= 1, --size-mb > 0 and --rate > 0", file=sys.stderr)
-        return 2
-    from benchmarks.lab import LabError, check_available
+        raise SystemExit(2)
+    from benchmarks.lab import LabError, open_benchmark
 
-    try:
-        check_available()
-    except LabError as e:
-        print(f"averaging.py: {e}", file=sys.stderr)
-        return 2
+    open_benchmark("averaging.py", figures)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-avg-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("*.json"):  # a reused workdir: old ready/result files would be read as new
         stale.unlink()
+    out: dict = {}
     try:
-        out = run(args, work)
-    except KeyboardInterrupt:
-        print("averaging.py: interrupted; the lab is removed", file=sys.stderr)
-        return 130
-    except (Failed, LabError, OSError) as e:
-        print(f"averaging.py: {e}", file=sys.stderr)
-        return 1
-    print(report(args, out), flush=True)
-    return 0
+        run_rounds(args, work, out)
+    except (Failed, LabError, OSError) as e:  # a worker that failed, a wait that timed out: one line, no traceback
+        raise SystemExit(f"averaging.py: {e}") from None
+    finally:
+        report(args, work, out, figures)  # the rounds done, also when a later one failed or on Ctrl+C
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_known_args()[0]
+    if args.worker is not None:  # a worker in a lab host: its output is its log, not a report
+        sys.exit(worker(parser.parse_args()))
+    if args.quick:  # the quick defaults; flags given still win
+        parser.set_defaults(**QUICK)
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -10,7 +10,7 @@ Both sides write the same state, a real stage's parameters and AdamW moments
 Reported: the median seconds and MB/s of each, and the ratios. A plain save leaves its data in
 the page cache; ours waits for the disk (fsync), so the write ratio depends on the disk. Last line `key=value ...`.
 
-    python benchmarks/checkpoint.py [--hidden 512] [--layers 8] [--stages 2] [--repeats 7] [--dir DIR]
+    python benchmarks/checkpoint.py [--hidden 512] [--layers 8] [--stages 2] [--repeats 7] [--dir DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -19,15 +19,23 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from peer import checkpoint
-from peer.config import RunSpec
-from peer.runtime import StageRuntime
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer import checkpoint  # noqa: E402
+from peer.config import RunSpec  # noqa: E402
+from peer.runtime import StageRuntime  # noqa: E402
+
+# the sizes of a run, and of a --quick one; a flag given on the command line overrides both
+FULL = {"hidden": 512, "layers": 8, "repeats": 7}
+QUICK = {"hidden": 256, "layers": 2, "repeats": 3}
 
 
 def parts_for(args) -> tuple[RunSpec, list[checkpoint.Part]]:
@@ -85,16 +93,29 @@ def ours_side(root: Path, r: int, spec: RunSpec, fingerprint: str, parts: list, 
     results["ours_read"].append(time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+def report(results: dict, figures: Figures) -> None:
+    """The medians of the repeats so far, as figures."""
+    median = {k: statistics.median(v) for k, v in results.items()}
+    figures.update(
+        plain_write_s=median["plain_write"],
+        ours_write_s=median["ours_write"],
+        write_ratio=median["ours_write"] / median["plain_write"],
+        plain_synced_write_s=median["plain_synced_write"],
+        synced_write_ratio=median["ours_write"] / median["plain_synced_write"],
+        plain_read_s=median["plain_read"],
+        ours_read_s=median["ours_read"],
+        read_ratio=median["ours_read"] / median["plain_read"],
+    )
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    for key, full in FULL.items():
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK[key] if args.quick else full)
     spec, parts = parts_for(args)
     nbytes = sum(t.numel() * t.element_size() for p in parts for t in p.tensors.values())
+    mb = nbytes / 1e6
+    figures["state_mb"] = mb
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     results = {"plain_write": [], "plain_synced_write": [], "plain_read": [], "ours_write": [], "ours_read": []}
@@ -105,23 +126,32 @@ def main() -> None:
             sides = [plain_side, ours_side] if r % 2 == 0 else [ours_side, plain_side]
             for side in sides:
                 side(root, r, spec, fingerprint, parts, results)
+            report(results, figures)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    median = {k: statistics.median(v) for k, v in results.items()}
-    mb = nbytes / 1e6
     print(
         f"state: {mb:.1f} MB in {len(parts)} parts ({args.layers} blocks, hidden {args.hidden}); median of {args.repeats}"
     )
-    for key, seconds in median.items():
+    for key, values in results.items():
+        seconds = statistics.median(values)
         print(f"  {key:18s} {seconds:7.3f} s  {mb / seconds:8.1f} MB/s")
-    print(
-        f"state_mb={mb:.1f} plain_write_s={median['plain_write']:.3f} ours_write_s={median['ours_write']:.3f} "
-        f"write_ratio={median['ours_write'] / median['plain_write']:.2f} "
-        f"plain_synced_write_s={median['plain_synced_write']:.3f} "
-        f"synced_write_ratio={median['ours_write'] / median['plain_synced_write']:.2f} plain_read_s={median['plain_read']:.3f} "
-        f"ours_read_s={median['ours_read']:.3f} read_ratio={median['ours_read'] / median['plain_read']:.2f}"
-    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    def sized(name: str, what: str) -> None:
+        key = name.lstrip("-")
+        parser.add_argument(name, type=int, help=f"{what} (default {FULL[key]}; quick {QUICK[key]})")
+
+    sized("--hidden", "model width")
+    sized("--layers", "transformer blocks over all stages")
+    parser.add_argument("--stages", type=int, default=2)
+    sized("--repeats", "timed saves and loads of each side; medians are reported")
+    parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+    add_quick(parser, "hidden 256, 2 blocks, 3 repeats")
+    run(parser, body)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ gradient-like tensor (heavy-tailed, values spanning several orders of magnitude)
 hivemind's BLOCKWISE_8BIT needs bitsandbytes, which is not installed here, so it is skipped;
 its UNIFORM_8BIT and QUANTILE_8BIT work with numpy < 2.4 (pinned in pyproject.toml).
 
-    python benchmarks/codecs.py [--elements N] [--repeats R]
+    python benchmarks/codecs.py [--elements N] [--repeats R] [--quick]
 
 Last line: key=value pairs (times in ms for the activations tensor).
 """
@@ -16,7 +16,9 @@ Last line: key=value pairs (times in ms for the activations tensor).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from hivemind.compression import (
@@ -28,8 +30,25 @@ from hivemind.compression import (
     deserialize_torch_tensor,
 )
 
-from peer.averaging_codec import averaging_codec
-from protocols import codec, tensor_pb2
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.averaging_codec import averaging_codec  # noqa: E402
+from protocols import codec, tensor_pb2  # noqa: E402
+
+# the last line: key -> (codec, tensor, figure); ms is encode + decode
+FIGURES = {
+    "int8_ours_ms": ("ours int8 (hivemind API)", "activations", "ms"),
+    "int8_hivemind_uniform_ms": ("hivemind UNIFORM_8BIT", "activations", "ms"),
+    "int8_hivemind_quantile_ms": ("hivemind QUANTILE_8BIT", "activations", "ms"),
+    "fp16_ours_ms": ("ours fp16 (hivemind API)", "activations", "ms"),
+    "fp16_hivemind_ms": ("hivemind FLOAT16", "activations", "ms"),
+    "int8_bytes_ratio": ("ours int8", "activations", "bytes_ratio"),
+    "int8_ours_rel_rms": ("ours int8", "activations", "rel_rms"),
+    "int8_hivemind_uniform_rel_rms": ("hivemind UNIFORM_8BIT", "activations", "rel_rms"),
+    "int8_ours_grad_rel_rms": ("ours int8", "gradients", "rel_rms"),
+    "int8_hivemind_uniform_grad_rel_rms": ("hivemind UNIFORM_8BIT", "gradients", "rel_rms"),
+}
 
 
 def _time(fn, repeats: int) -> tuple[float, object]:
@@ -60,14 +79,11 @@ def hivemind(compression):
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--elements", type=int, default=4 * 1024 * 1024, help="elements per tensor")
-    parser.add_argument("--repeats", type=int, default=5, help="best of this many runs")
-    parser.add_argument("--block-size", type=int, default=codec.DEFAULT_BLOCK_SIZE, help="our int8 block size")
-    args = parser.parse_args()
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    n = args.elements or (256 * 1024 if args.quick else 4 * 1024 * 1024)
+    repeats = args.repeats or (2 if args.quick else 5)
     torch.manual_seed(0)
-    n, hidden = args.elements, 768
+    hidden = 768
     activations = torch.randn(n // hidden, hidden) * (1 + 4 * (torch.rand(hidden) < 0.01))  # a few outlier channels
     gradients = torch.randn(n) * torch.exp(torch.randn(n) * 2) * 1e-3
     codecs = {
@@ -82,42 +98,32 @@ def main() -> None:
         "hivemind UNIFORM_8BIT": hivemind(Uniform8BitQuantization()),
         "hivemind QUANTILE_8BIT": hivemind(Quantile8BitQuantization()),
     }
-    print(f"{n} float32 elements ({n * 4 / 2**20:.0f} MiB), best of {args.repeats}, {torch.get_num_threads()} threads")
+    print(f"{n} float32 elements ({n * 4 / 2**20:.0f} MiB), best of {repeats}, {torch.get_num_threads()} threads")
     print(
         f"{'codec':<26} {'tensor':<12} {'encode ms':>10} {'decode ms':>10} {'bytes/fp32':>11} {'rel rms':>9} {'max/absmax':>11}"
     )
-    results = {}
-    for name, run in codecs.items():
+    for name, measure in codecs.items():
         for label, t in (("activations", activations), ("gradients", gradients)):
-            enc, dec, size, out = run(t, args.repeats)
+            enc, dec, size, out = measure(t, repeats)
             out = out.reshape(t.shape).float()
             rms = ((out - t).norm() / t.norm()).item()
             worst = ((out - t).abs().max() / t.abs().max()).item()
-            results[(name, label)] = (enc, dec, size / (t.numel() * 4), rms, worst)
-            print(
-                f"{name:<26} {label:<12} {enc:>10.1f} {dec:>10.1f} {size / (t.numel() * 4):>11.4f} {rms:>9.2e} {worst:>11.2e}"
-            )
+            ratio = size / (t.numel() * 4)
+            print(f"{name:<26} {label:<12} {enc:>10.1f} {dec:>10.1f} {ratio:>11.4f} {rms:>9.2e} {worst:>11.2e}")
+            measured = {"ms": enc + dec, "bytes_ratio": ratio, "rel_rms": rms}
+            for key, (codec_name, tensor, figure) in FIGURES.items():
+                if (codec_name, tensor) == (name, label):
+                    figures[key] = measured[figure]
     print("hivemind BLOCKWISE_8BIT: skipped (needs bitsandbytes, not installed)")
 
-    def key(name):
-        return results[(name, "activations")]
 
-    def grad_rms(name):
-        return results[(name, "gradients")][3]
-
-    fields = {
-        "int8_ours_ms": key("ours int8 (hivemind API)")[0] + key("ours int8 (hivemind API)")[1],
-        "int8_hivemind_uniform_ms": key("hivemind UNIFORM_8BIT")[0] + key("hivemind UNIFORM_8BIT")[1],
-        "int8_hivemind_quantile_ms": key("hivemind QUANTILE_8BIT")[0] + key("hivemind QUANTILE_8BIT")[1],
-        "fp16_ours_ms": key("ours fp16 (hivemind API)")[0] + key("ours fp16 (hivemind API)")[1],
-        "fp16_hivemind_ms": key("hivemind FLOAT16")[0] + key("hivemind FLOAT16")[1],
-        "int8_bytes_ratio": key("ours int8")[2],
-        "int8_ours_rel_rms": key("ours int8")[3],
-        "int8_hivemind_uniform_rel_rms": key("hivemind UNIFORM_8BIT")[3],
-        "int8_ours_grad_rel_rms": grad_rms("ours int8"),
-        "int8_hivemind_uniform_grad_rel_rms": grad_rms("hivemind UNIFORM_8BIT"),
-    }
-    print(" ".join(f"{k}={v:.4g}" for k, v in fields.items()))
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=0, help="elements per tensor (default 4Mi; quick 256Ki)")
+    parser.add_argument("--repeats", type=int, default=0, help="best of this many runs (default 5; quick 2)")
+    parser.add_argument("--block-size", type=int, default=codec.DEFAULT_BLOCK_SIZE, help="our int8 block size")
+    add_quick(parser, "tensors of 256Ki elements, best of 2")
+    run(parser, body)
 
 
 if __name__ == "__main__":

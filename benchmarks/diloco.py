@@ -21,11 +21,13 @@ the samples trained. Both include DHT chatter (records every few seconds), so th
 figure is an upper bound of its averaging traffic. Outer steps are counted from the servers' logs
 ("stage 0 step K: ... averaged with 1 peer(s)").
 
-    sudo .venv/bin/python benchmarks/diloco.py [--micro-batches 256] [--inner-steps 32] [--rate 100]
+    sudo .venv/bin/python benchmarks/diloco.py [--micro-batches 256] [--inner-steps 32] [--rate 100] [--quick]
 
-Last line: key=value pairs: bytes_ratio (gradient mode's averaging bytes per sample over local
-mode's; goal >= 100), val_gradients, val_local, val_ratio (local / gradients; goal <= 1.03),
-outer_steps (local mode's averaged rounds), steps_gradients, and each run's wall time (s).
+Last line: key=value pairs: each run's figures as it ends (val_gradients, steps_gradients,
+samples_gradients, wall_gradients in s; val_local, outer_steps (local mode's averaged rounds),
+samples_local, wall_local), then val_ratio (local / gradients; goal <= 1.03), bytes_ratio
+(gradient mode's averaging bytes per sample over local mode's; goal >= 100) and status
+(benchmarks/report.py). `--quick`: 32 micro-batches a run, H=2 (the bytes ratio then says little).
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.lab import Lab, LabError, check_available, join_args, start_peer, wait_for  # noqa: E402
+from benchmarks.lab import Lab, LabError, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -54,6 +55,10 @@ TARGET_BATCH = 64
 STEP_RE = re.compile(r"stage 0 step (\d+): (\d+) samples, averaged with (\d+) peer\(s\)")
 SERVING_RE = re.compile(r"Serving stage \d+ at ")
 SERVERS, TRAINERS = ("server0", "server1"), ("trainer0", "trainer1")
+# s the peers have to leave before the lab kills them: enough for a round in flight as the trainers end (its step
+# is counted from the servers' logs), not for a server's whole leave (10 s), as nothing is measured then
+STOP_GRACE = 3.0
+QUICK = {"micro_batches": 32, "inner_steps": 2, "eval_batches": 2, "timeout": 120.0, "start_timeout": 90.0}
 
 
 def make_spec(mode: str, args: argparse.Namespace) -> RunSpec:
@@ -96,18 +101,7 @@ def entries(work: Path, name: str) -> list[dict]:
     return out
 
 
-def stop(procs: dict[str, subprocess.Popen], names: tuple[str, ...], grace: float) -> None:
-    live = [procs[n] for n in names if n in procs and procs[n].poll() is None]
-    for proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.01, deadline - time.monotonic()))
-
-
-def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
+def train(mode: str, args: argparse.Namespace, work: Path) -> dict:
     """One swarm in a fresh lab, trained on `--micro-batches` micro-batches; its traffic, samples and val loss."""
     spec = make_spec(mode, args)
     work.mkdir(parents=True, exist_ok=True)
@@ -161,9 +155,7 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
                     f"{failed[0]} failed (status {procs[failed[0]].returncode}):\n{peer_log(work, failed[0])[-3000:]}"
                 )
         finally:
-            stop(procs, TRAINERS, 3.0)
-            stop(procs, (*SERVERS, "coordinator"), 10.0)
-            lab.close(grace=0.5)
+            lab.close(grace=STOP_GRACE)
     traffic = {n: (end[n][0] - base[n][0]) + (end[n][1] - base[n][1]) for n in hosts}
     batches = [e for n in TRAINERS for e in entries(work, n) if e["type"] == "micro_batch"]
     samples = sum(e["samples"] for e in batches)
@@ -187,36 +179,36 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def report(results: dict[str, dict]) -> str:
-    for r in results.values():
-        t = r["traffic"]
-        val = f"{r['val']:.4f}" if r["val"] is not None else "none"
-        print(
-            f"{r['mode']:>9}: {r['samples']} samples in {r['train']:.0f} s ({r['samples'] / r['train']:.1f}/s; "
-            f"{r['wall']:.0f} s with the trainers' drain); "
-            f"servers {(t['server0'] + t['server1']) / 1e6:.1f} MB, trainers {(t['trainer0'] + t['trainer1']) / 1e6:.1f} "
-            f"MB, coordinator {t['coordinator'] / 1e6:.1f} MB (tx+rx); averaging {r['averaging_bytes'] / 1e6:.1f} MB "
-            f"= {r['per_sample'] / 1e3:.2f} kB/sample; {r['averaged']} rounds averaged, {r['alone']} steps alone; "
-            f"val {val}"
-        )
-    g, loc = results["gradients"], results["local"]
-    fields = {}
-    if loc["per_sample"] > 0:
-        fields["bytes_ratio"] = f"{g['per_sample'] / loc['per_sample']:.1f}"
-    else:
-        fields["bytes_ratio"] = "inf"  # DHT chatter of the trainers outweighed the servers' averaging
-    fields["val_gradients"] = f"{g['val']:.4f}" if g["val"] is not None else "none"
-    fields["val_local"] = f"{loc['val']:.4f}" if loc["val"] is not None else "none"
-    if g["val"] and loc["val"]:
-        fields["val_ratio"] = f"{loc['val'] / g['val']:.4f}"
-    fields.update(outer_steps=loc["averaged"], steps_gradients=g["averaged"])
-    fields.update(samples_gradients=g["samples"], samples_local=loc["samples"])
-    fields.update(wall_gradients=f"{g['wall']:.0f}", wall_local=f"{loc['wall']:.0f}")
+def describe(r: dict, figures: Figures) -> None:
+    """Print one run's line and add its figures."""
+    t, mode = r["traffic"], r["mode"]
+    val = f"{r['val']:.4f}" if r["val"] is not None else "none"
     print(
-        f"averaging bytes per sample: gradients / local = {fields['bytes_ratio']} (goal >= 100); "
-        f"val loss local / gradients = {fields.get('val_ratio', 'n/a')} (goal <= 1.03)"
+        f"{mode:>9}: {r['samples']} samples in {r['train']:.0f} s ({r['samples'] / r['train']:.1f}/s; "
+        f"{r['wall']:.0f} s with the trainers' drain); "
+        f"servers {(t['server0'] + t['server1']) / 1e6:.1f} MB, trainers {(t['trainer0'] + t['trainer1']) / 1e6:.1f} "
+        f"MB, coordinator {t['coordinator'] / 1e6:.1f} MB (tx+rx); averaging {r['averaging_bytes'] / 1e6:.1f} MB "
+        f"= {r['per_sample'] / 1e3:.2f} kB/sample; {r['averaged']} rounds averaged, {r['alone']} steps alone; "
+        f"val {val}",
+        flush=True,
     )
-    return " ".join(f"{k}={v}" for k, v in fields.items())
+    figures[f"val_{mode}"] = val
+    figures["outer_steps" if mode == "local" else f"steps_{mode}"] = r["averaged"]
+    figures.update({f"samples_{mode}": r["samples"], f"wall_{mode}": f"{r['wall']:.0f}"})
+
+
+def compare(g: dict, loc: dict, figures: Figures) -> None:
+    """The two runs against each other: the loss and the bytes ratios."""
+    if g["val"] and loc["val"]:
+        figures["val_ratio"] = f"{loc['val'] / g['val']:.4f}"
+    if loc["per_sample"] > 0:
+        figures["bytes_ratio"] = f"{g['per_sample'] / loc['per_sample']:.1f}"
+    else:
+        figures["bytes_ratio"] = "inf"  # DHT chatter of the trainers outweighed the servers' averaging
+    print(
+        f"averaging bytes per sample: gradients / local = {figures['bytes_ratio']} (goal >= 100); "
+        f"val loss local / gradients = {figures.get('val_ratio', 'n/a')} (goal <= 1.03)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,47 +222,54 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batches",
         type=int,
         default=256,
-        help="micro-batches of 16 per run, split over 2 trainers (default 256: 2-3 min a run here)",
+        help="micro-batches of 16 per run, split over 2 trainers (default 256: 1-2 min a run on 2 cores; quick 32)",
     )
-    parser.add_argument("--inner-steps", type=int, default=32, help="local mode: inner steps per outer step, H (32)")
+    parser.add_argument(
+        "--inner-steps", type=int, default=32, help="local mode: inner steps per outer step, H (32; quick 2)"
+    )
     parser.add_argument("--rate", type=float, default=100.0, help="every host's cap in Mbit/s, both ways (default 100)")
     parser.add_argument("--no-cap", action="store_true", help="no bandwidth cap")
     parser.add_argument("--inflight", type=int, default=2, help="micro-batches each trainer keeps in flight (2)")
-    parser.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches of the final validation")
-    parser.add_argument("--timeout", type=float, default=900.0, help="s for one run's trainers to finish (900)")
-    parser.add_argument("--start-timeout", type=float, default=180.0, help="s for the coordinator and servers (180)")
+    parser.add_argument(
+        "--eval-batches", type=int, default=16, help="held-out micro-batches of the final validation (16; quick 2)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="s for one run's trainers to finish (300; quick 120)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=180.0, help="s for the coordinator and servers (180; quick 90)"
+    )
     parser.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
+    add_quick(parser, "32 micro-batches a run, H=2, 2 validation micro-batches")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def body(args: argparse.Namespace, figures: Figures) -> None:
     if args.micro_batches < 2 or args.inner_steps < 1 or args.eval_batches < 1 or args.rate <= 0:
         print(
             "diloco.py: need --micro-batches >= 2, --inner-steps >= 1, --eval-batches >= 1, --rate > 0", file=sys.stderr
         )
-        return 2
-    try:
-        check_available()
-    except LabError as e:
-        print(f"diloco.py: {e}", file=sys.stderr)
-        return 2
+        raise SystemExit(2)
+    open_benchmark("diloco.py", figures)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-diloco-")).resolve()
     cap = "no cap" if args.no_cap else f"{args.rate:g} Mbit/s"
     print(f"{args.micro_batches} micro-batches of {MICRO_BATCH} per run, H={args.inner_steps}, {cap}; logs in {work}")
     results = {}
-    try:
-        for mode in ("gradients", "local"):
-            results[mode] = run(mode, args, work / mode)
-    except KeyboardInterrupt:
-        print("diloco.py: interrupted; the lab is removed", file=sys.stderr)
-        return 130
-    except (LabError, OSError) as e:
-        print(f"diloco.py: {e}", file=sys.stderr)
-        return 1
-    print(report(results), flush=True)
-    return 0
+    for mode in ("gradients", "local"):
+        try:
+            results[mode] = train(mode, args, work / mode)
+        except (LabError, OSError) as e:  # a peer that failed or a wait that timed out: one line, no traceback
+            raise SystemExit(f"diloco.py: {e}") from None
+        describe(results[mode], figures)
+    compare(results["gradients"], results["local"], figures)
+
+
+def main() -> None:
+    parser = build_parser()
+    if parser.parse_known_args()[0].quick:  # the quick defaults; flags given still win
+        parser.set_defaults(**QUICK)
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

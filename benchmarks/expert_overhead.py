@@ -12,12 +12,13 @@ For each hidden size (default 1024 and 4096), with batch 256 and one torch threa
 The module is the run's expert (SwiGLU, inner width 8/3 x hidden, the parameter count of
 hivemind's 4x ffn). Neither side takes an optimizer step during the timing (hivemind's backend
 gets no optimizer; our host's target batch is never reached), and both accumulate gradients as
-the local baseline does (into .grad), so both ratios are the cost of the path. Then, throughput with 8 concurrent callers of `--concurrent-tokens` tokens each, against
-our host with dynamic batching on and off (a second host whose batches hold one request).
+the local baseline does (into .grad), so both ratios are the cost of the path. Then, throughput
+with `--callers` concurrent callers of `--concurrent-tokens` tokens each, against our host with
+dynamic batching on and off (a second host whose batches hold one request).
 
-Last line: `ours=<remote/local at the first hidden size> hivemind=<same> ...`.
+Last line: `hivemind=<remote/local at the first hidden size> ... ours=<same> ...`.
 
-    python benchmarks/expert_overhead.py [--hidden 1024,4096] [--repeats 5]
+    python benchmarks/expert_overhead.py [--hidden 1024,4096] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -26,17 +27,26 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from peer.demo import Processes, dict_to_toml, loopback_join
-from peer.moe import SwiGLU
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.demo import Processes, dict_to_toml, loopback_join  # noqa: E402
+from peer.lifetime import die_with_parent, start_reaper  # noqa: E402
+from peer.moe import SwiGLU  # noqa: E402
 
 BATCH = 256
+# the sizes of a run, and of a --quick one; a flag given on the command line overrides both
+FULL = {"hidden": "1024,4096", "repeats": 9, "callers": 8, "seconds": 10.0}
+QUICK = {"hidden": "256", "repeats": 3, "callers": 4, "seconds": 2.0}
 
 
 def inner(hidden: int) -> int:
@@ -100,10 +110,44 @@ def time_hivemind(hidden: int, repeats: int) -> tuple[float, float]:
     return remote, local
 
 
-def _hivemind_child(conn, hiddens: list[int], repeats: int) -> None:
+def _hivemind_child(conn, preexec, hiddens: list[int], repeats: int) -> None:
+    preexec()  # we die with the benchmark
+    start_reaper()  # and hivemind's DHT processes and p2p daemons with us
+    # the fork kept report.run's handlers (SIGTERM raises KeyboardInterrupt): hivemind ends its task
+    # pools with SIGTERM, and a pool that catches it waits for its output thread forever
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     torch.set_num_threads(1)
     conn.send({h: time_hivemind(h, repeats) for h in hiddens})
     conn.close()
+
+
+def run_hivemind(hiddens: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+    """hivemind's (remote, local) seconds per hidden size, measured in a child process.
+
+    The child is gone (with its server, DHT and daemons) before ours start: hivemind forks, gRPC
+    must not exist in a process before that, and its leftovers would load the CPU.
+    """
+    parent, child = mp.Pipe(duplex=False)
+    # made here: die_with_parent records this process as the parent the child must not outlive
+    proc = mp.Process(target=_hivemind_child, args=(child, die_with_parent(), hiddens, repeats))
+    proc.start()
+    child.close()  # the child holds the only write end now: if it dies, recv fails at once
+    try:
+        try:
+            found = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"hivemind's side ended (exit code {proc.exitcode}) without its figures") from None
+        proc.join(60)  # it shuts hivemind's server and DHT down
+        return found
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 # ---- ours ---------------------------------------------------------------------------------
@@ -114,6 +158,8 @@ def spec(hidden: int) -> dict:
         "stages": {"num_stages": 1},
         "training": {"micro_batch_size": 1, "seq_len": 8, "target_batch_size": 10**9},
         "moe": {"num_experts": 1, "top_k": 1, "expert_size": inner(hidden)},
+        # plaintext, as our StageClient below speaks: this measures the data path, not TLS (benchmarks/security.py does)
+        "admission": {"mode": "off"},
     }
 
 
@@ -134,10 +180,43 @@ def start_host(procs: Processes, maddr: str, name: str, extra: list[str]) -> str
     return procs.log(name).split("Serving experts 0.0 at ")[1].split()[0].rstrip(".;")
 
 
+async def call_expert(client, endpoint: str, uid: str, x: torch.Tensor, g: torch.Tensor) -> int:
+    """A training forward of `uid`, then its backward, as a stage server calls them; 1 if the inputs were resent.
+
+    The backward leaves the inputs out (the host kept them); a host that no longer holds them (its
+    batch's graph was dropped) answers "send the inputs", and the caller resends them, as
+    peer/dispatch.py does.
+    """
+    import grpc
+
+    from protocols import codec, expert_pb2
+
+    header, payload = codec.encode_payload(x)
+    request = expert_pb2.ExpertForwardRequest(run_id="bench", expert="0.0", uid=uid, train=True)
+    request.inputs.CopyFrom(header)
+    response, returned = await client.expert_forward(endpoint, request, {"inputs": payload}, timeout=120)
+    codec.decode(response.outputs, payload=returned.get("outputs"))
+    request = expert_pb2.ExpertBackwardRequest(run_id="bench", expert="0.0", uid=uid, samples=1)
+    grad_header, grad_payload = codec.encode_payload(g)
+    request.grad_outputs.CopyFrom(grad_header)
+    payloads = {"grad_outputs": grad_payload}
+    resent = 0
+    try:
+        response, returned = await client.expert_backward(endpoint, request, payloads, timeout=120)
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "send the inputs" not in (e.details() or ""):
+            raise
+        request.inputs.CopyFrom(header)
+        payloads["inputs"] = payload
+        response, returned = await client.expert_backward(endpoint, request, payloads, timeout=120)
+        resent = 1
+    codec.decode(response.grad_inputs, payload=returned.get("grad_inputs"))
+    return resent
+
+
 async def time_ours(endpoint: str, hidden: int, repeats: int) -> tuple[float, float]:
     """(remote, local) median seconds, a remote and a local forward+backward alternating, so both see the same load."""
     from peer.client import StageClient
-    from protocols import codec, expert_pb2
 
     client = StageClient(2 * 2**20, 2**30, stream_bytes=2 * 2**20)
     x, g = torch.randn(BATCH, hidden), torch.randn(BATCH, hidden)
@@ -147,48 +226,29 @@ async def time_ours(endpoint: str, hidden: int, repeats: int) -> tuple[float, fl
         for i in range(repeats + 1):
             local.append(time_local(module, hidden, 1))
             started = time.perf_counter()
-            header, payload = codec.encode_payload(x)
-            request = expert_pb2.ExpertForwardRequest(run_id="bench", expert="0.0", uid=f"u{i}", train=True)
-            request.inputs.CopyFrom(header)
-            response, returned = await client.expert_forward(endpoint, request, {"inputs": payload}, timeout=120)
-            codec.decode(response.outputs, payload=returned.get("outputs"))
-            # as a stage server calls it: the host that did the forward kept the inputs
-            request = expert_pb2.ExpertBackwardRequest(run_id="bench", expert="0.0", uid=f"u{i}", samples=1)
-            header, payload = codec.encode_payload(g)
-            request.grad_outputs.CopyFrom(header)
-            payloads = {"grad_outputs": payload}
-            response, returned = await client.expert_backward(endpoint, request, payloads, timeout=120)
-            codec.decode(response.grad_inputs, payload=returned.get("grad_inputs"))
+            await call_expert(client, endpoint, f"u{i}", x, g)
             times.append(time.perf_counter() - started)
     finally:
         await client.close()
     return statistics.median(times[1:]), statistics.median(local[1:])
 
 
-async def concurrent_throughput(endpoint: str, hidden: int, tokens: int, callers: int, seconds: float) -> float:
-    """Tokens/s of forward+backward with `callers` callers each sending `tokens` tokens at a time."""
+async def concurrent_throughput(
+    endpoint: str, hidden: int, tokens: int, callers: int, seconds: float
+) -> tuple[float, int]:
+    """(tokens/s of forward+backward with `callers` callers each sending `tokens` tokens at a time, inputs resent)."""
     from peer.client import StageClient
-    from protocols import codec, expert_pb2
 
     client = StageClient(2 * 2**20, 2**30, stream_bytes=2 * 2**20)
-    done = 0
+    done = resent = 0
     stop = time.monotonic() + seconds
 
     async def caller(c: int) -> None:
-        nonlocal done
+        nonlocal done, resent
         x, g = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
         i = 0
         while time.monotonic() < stop:
-            uid = f"c{c}-{i}"
-            header, payload = codec.encode_payload(x)
-            request = expert_pb2.ExpertForwardRequest(run_id="bench", expert="0.0", uid=uid, train=True)
-            request.inputs.CopyFrom(header)
-            await client.expert_forward(endpoint, request, {"inputs": payload}, timeout=120)
-            request = expert_pb2.ExpertBackwardRequest(run_id="bench", expert="0.0", uid=uid, samples=1)
-            header, payload = codec.encode_payload(g)
-            request.grad_outputs.CopyFrom(header)
-            payloads = {"grad_outputs": payload}
-            await client.expert_backward(endpoint, request, payloads, timeout=120)
+            resent += await call_expert(client, endpoint, f"c{c}-{i}", x, g)
             done += tokens
             i += 1
 
@@ -197,73 +257,78 @@ async def concurrent_throughput(endpoint: str, hidden: int, tokens: int, callers
         await asyncio.gather(*(caller(c) for c in range(callers)))
     finally:
         await client.close()
-    return done / (time.monotonic() - started)
+    return done / (time.monotonic() - started), resent
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", default="1024,4096", help="hidden sizes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=9, help="timed forward+backward calls per measurement")
-    parser.add_argument("--callers", type=int, default=8, help="concurrent callers for the throughput figure")
-    parser.add_argument("--concurrent-tokens", type=int, default=32, help="tokens per call of each concurrent caller")
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each throughput measurement")
-    args = parser.parse_args()
+def measure_ours(h: int, args) -> tuple[float, float, dict[str, tuple[float, int]]]:
+    """(remote, local) seconds of our expert host at hidden size `h`, and its (tokens/s, resent) batched and single."""
+    with tempfile.TemporaryDirectory(prefix="swt-expert-bench-") as tmp:
+        procs = Processes(Path(tmp))
+        try:
+            maddr = start_coordinator(procs, Path(tmp), h)
+            endpoint = start_host(procs, maddr, "batching", [])
+            ours, local = asyncio.run(time_ours(endpoint, h, args.repeats))
+            tput = {
+                "batching": asyncio.run(
+                    concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
+                )
+            }
+            procs.stop(["batching"])
+            # the same host with batches of one request: what dynamic batching gives
+            endpoint = start_host(
+                procs, maddr, "single", ["--set", f"experts.max_batch_tokens={args.concurrent_tokens}"]
+            )
+            tput["single"] = asyncio.run(
+                concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
+            )
+        finally:
+            procs.stop()
+    return ours, local, tput
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    for key, full in FULL.items():
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK[key] if args.quick else full)
     mp.set_start_method("fork", force=True)
     torch.set_num_threads(1)
     hiddens = [int(h) for h in args.hidden.split(",")]
-    # hivemind first, in a child process that is gone (with its server, DHT and daemons) before ours
-    # starts: it forks, gRPC must not exist in a process before that, and its leftovers would load the CPU
-    parent, child = mp.Pipe()
-    proc = mp.Process(target=_hivemind_child, args=(child, hiddens, args.repeats))
-    proc.start()
-    hivemind = parent.recv()
-    proc.join(60)
-    results = {}
+    hivemind = run_hivemind(hiddens, args.repeats)  # first: see run_hivemind
+    figures["hivemind"] = hivemind[hiddens[0]][0] / hivemind[hiddens[0]][1]
     for h in hiddens:
-        with tempfile.TemporaryDirectory(prefix="swt-expert-bench-") as tmp:
-            procs = Processes(Path(tmp))
-            try:
-                maddr = start_coordinator(procs, Path(tmp), h)
-                endpoint = start_host(procs, maddr, "batching", [])
-                ours, local = asyncio.run(time_ours(endpoint, h, args.repeats))
-                tput = {
-                    "batching": asyncio.run(
-                        concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
-                    )
-                }
-                procs.stop(["batching"])
-                # the same host with batches of one request: what dynamic batching gives
-                endpoint = start_host(
-                    procs, maddr, "single", ["--set", f"experts.max_batch_tokens={args.concurrent_tokens}"]
-                )
-                tput["single"] = asyncio.run(
-                    concurrent_throughput(endpoint, h, args.concurrent_tokens, args.callers, args.seconds)
-                )
-            finally:
-                procs.stop()
+        figures[f"hivemind_{h}"] = hivemind[h][0] / hivemind[h][1]
+    for h in hiddens:
+        ours, local, tput = measure_ours(h, args)
         hm_remote, hm_local = hivemind[h]
-        results[h] = dict(local=local, ours=ours, hm_remote=hm_remote, hm_local=hm_local, tput=tput)
+        batched, single = tput["batching"][0], tput["single"][0]
         print(
             f"hidden {h}, batch {BATCH}: local {local * 1e3:.1f} ms, ours {ours * 1e3:.1f} ms "
             f"({ours / local:.3f}x); hivemind local {hm_local * 1e3:.1f} ms, remote {hm_remote * 1e3:.1f} ms "
             f"({hm_remote / hm_local:.3f}x); {args.callers} callers x {args.concurrent_tokens} tokens: "
-            f"{tput['batching']:.0f} tokens/s batched, {tput['single']:.0f} unbatched "
-            f"({tput['batching'] / tput['single']:.2f}x)",
+            f"{batched:.0f} tokens/s batched, {single:.0f} unbatched ({batched / single:.2f}x; "
+            f"backwards that resent their inputs: {tput['batching'][1]} batched, {tput['single'][1]} unbatched)",
             flush=True,
         )
-    first = hiddens[0]
-    parts = [
-        f"ours={results[first]['ours'] / results[first]['local']:.3f}",
-        f"hivemind={results[first]['hm_remote'] / results[first]['hm_local']:.3f}",
-    ]
-    for h in hiddens:
-        r = results[h]
-        parts += [
-            f"ours_{h}={r['ours'] / r['local']:.3f}",
-            f"hivemind_{h}={r['hm_remote'] / r['hm_local']:.3f}",
-            f"batching_gain_{h}={r['tput']['batching'] / r['tput']['single']:.2f}",
-        ]
-    print(" ".join(parts))
+        if h == hiddens[0]:
+            figures["ours"] = ours / local
+        figures[f"ours_{h}"] = ours / local
+        figures[f"batching_gain_{h}"] = batched / single
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def sized(name: str, what: str, **kw) -> None:
+        key = name.lstrip("-")
+        parser.add_argument(name, default=None, help=f"{what} (default {FULL[key]}; quick {QUICK[key]})", **kw)
+
+    sized("--hidden", "hidden sizes, comma-separated")
+    sized("--repeats", "timed forward+backward calls per measurement", type=int)
+    sized("--callers", "concurrent callers for the throughput figure", type=int)
+    parser.add_argument("--concurrent-tokens", type=int, default=32, help="tokens per call of each concurrent caller")
+    sized("--seconds", "length of each throughput measurement", type=float)
+    add_quick(parser, "hidden 256, 3 timed calls, 4 callers for 2 s")
+    run(parser, body)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,21 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def open_benchmark(prog: str, figures: dict, nat: bool = False) -> None:
+    """A lab benchmark's first step: unless the lab (and NAT hosts, if `nat`) can run here, say why and exit 2,
+    with `skipped=lab_unavailable` among its `figures`; else remove what labs of SIGKILLed processes left."""
+    try:
+        check_available()
+        if nat:
+            _tool("iptables", "iptables (apt-get install iptables)")
+    except LabError as e:
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        figures["skipped"] = "lab_unavailable"
+        raise SystemExit(2) from None
+    if removed := cleanup_stale():
+        print(f"removed leftovers of dead labs: {', '.join(removed)}", flush=True)
+
+
 # --- cleanup on signals and at exit: the only process-wide state, bookkeeping for open labs ---
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -190,6 +205,9 @@ def _on_signal(signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
+    previous = _saved_handlers.get(signum)
+    if callable(previous):  # the program's own handler says how it stops (report.run's: KeyboardInterrupt)
+        previous(signum, frame)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)  # finally-blocks and `with` exits run, and so does Lab.close
@@ -233,6 +251,18 @@ def _signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def _chain(first, then):
+    """A preexec_fn that runs `first`, then `then` (the caller's own, if any)."""
+    if then is None:
+        return first
+
+    def preexec() -> None:
+        first()
+        then()
+
+    return preexec
+
+
 @dataclass(eq=False)
 class Host:
     """One machine of the lab: a network namespace whose eth0 has `ip` on the lab's bridge."""
@@ -250,10 +280,17 @@ class Host:
         return [_tool("ip"), "netns", "exec", self.netns, *map(str, argv)]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Start argv in this host's namespace, in its own session; the lab kills its process group on close."""
+        """Start argv in this host's namespace, in its own session; the lab kills its process group on close.
+
+        The process also dies with ours (PR_SET_PDEATHSIG, kept across `ip netns exec`): a lab whose owner was
+        SIGKILLed leaves namespaces for `cleanup_stale`, but no peers still running in them.
+        """
+        from peer.lifetime import die_with_parent  # here: `python benchmarks/lab.py` puts the root on sys.path late
+
         if self.lab._closed:
             raise LabError(f"the lab of host {self.name} is closed")
         kwargs.setdefault("start_new_session", True)
+        kwargs["preexec_fn"] = _chain(die_with_parent(), kwargs.get("preexec_fn"))
         proc = subprocess.Popen(self._argv(argv), **kwargs)
         self.lab._procs.append(proc)
         return proc

@@ -8,10 +8,11 @@ serves through the relay). The trainer runs throughout; each turn measures its s
 window once `--warmup` micro-batches went through the new stage-1 server. Turns alternate
 (direct, relayed, direct, ...) so drift on this machine hits both sides alike.
 
-    sudo .venv/bin/python benchmarks/relay.py [--rate 50] [--window 20] [--rounds 2]
+    sudo .venv/bin/python benchmarks/relay.py [--rate 50] [--window 20] [--rounds 2] [--quick]
 
-Last line: `ratio=<relayed samples/s / direct samples/s> direct_sps=... relayed_sps=... ...`.
-Goal >= 0.8 (Petals assumes a relayed server keeps 0.2 of its throughput).
+Last line: `direct_sps=... relayed_sps=... ratio=<relayed samples/s / direct samples/s> ... status=ok`,
+the turns' figures as they come (benchmarks/report.py). Goal >= 0.8 (Petals assumes a relayed server
+keeps 0.2 of its throughput). `--quick`: one turn a side, 5 s windows.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.lab import Lab, LabError, Tail, join_args, nat_available, start_peer, wait_for  # noqa: E402
+from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
+
+QUICK = {"rounds": 1, "window": 5.0, "warmup": 2}
+STOP_GRACE = 1.0  # s the peers have to leave at the end, before the lab kills them: nothing is measured then
+LEAVE_GRACE = 5.0  # s a stopped server has to leave (the relay then logs what it carried for it) before SIGKILL
 
 
 def make_spec(width: int) -> RunSpec:
@@ -146,8 +152,11 @@ class Bench:
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(20)
+            try:
+                proc.wait(LEAVE_GRACE)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
 
 
 def relay_bytes(log: str) -> float:
@@ -155,47 +164,64 @@ def relay_bytes(log: str) -> float:
     return sum(map(float, found))
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=50.0, help="cap per host, Mbit/s each way")
-    parser.add_argument("--window", type=float, default=20.0, help="s of measurement per turn")
-    parser.add_argument("--warmup", type=int, default=8, help="micro-batches through a new server before its window")
-    parser.add_argument("--rounds", type=int, default=2, help="turns per side (direct, relayed, alternating)")
+    parser.add_argument("--window", type=float, default=20.0, help="s of measurement per turn (quick 5)")
+    parser.add_argument(
+        "--warmup", type=int, default=8, help="micro-batches through a new server before its window (quick 2)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="turns per side (direct, relayed, alternating; quick 1)")
     parser.add_argument("--width", type=int, default=256, help="hidden size of the model")
     parser.add_argument("--inflight", type=int, default=4, help="trainer: micro-batches in flight")
     parser.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
-    args = parser.parse_args()
-    why = nat_available()
-    if why:
-        print(f"relay.py: {why}", file=sys.stderr)
-        return 2
+    add_quick(parser, "one turn a side, 5 s windows after 2 micro-batches")
+    return parser
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    open_benchmark("relay.py", figures, nat=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-relay-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    direct, relayed = [], []
+    try:
+        turns(args, work, figures)
+    except LabError as e:  # a peer that failed or a wait that timed out: one line, no traceback
+        raise SystemExit(f"relay.py: {e}") from None
+    finally:
+        figures.update(rate_mbit=f"{args.rate:g}", width=args.width, window_s=f"{args.window:g}", rounds=args.rounds)
+        figures.update(cpus=os.cpu_count(), seconds=f"{time.time() - started:.0f}")
+
+
+def turns(args: argparse.Namespace, work: Path, figures: Figures) -> None:
+    """Alternate direct and relayed turns; each turn's samples/s (and the ratio so far) go to `figures`."""
+    sps: dict[str, list[float]] = {"direct": [], "relayed": []}
     with Lab() as lab:
         bench = Bench(lab, work, args)
         try:
             for _ in range(args.rounds):
-                for name, results in (("public", direct), ("home", relayed)):
-                    results.append(bench.turn(name))
-                    print(f"{'direct ' if name == 'public' else 'relayed'}: {results[-1]:.1f} samples/s", flush=True)
-            relayed_mb = relay_bytes(bench.log("relay"))
+                for name, side in (("public", "direct"), ("home", "relayed")):
+                    sps[side].append(bench.turn(name))
+                    print(f"{side:<7}: {sps[side][-1]:.1f} samples/s", flush=True)
+                    figures[f"{side}_sps"] = "/".join(f"{x:.1f}" for x in sps[side])
+                figures["ratio"] = f"{mean(sps['relayed']) / mean(sps['direct']):.3f}"
             if "Not reachable at" not in bench.log("home") or "Serving through relay" in bench.log("public"):
                 raise LabError(f"the home server was not relayed, or the public one was; logs in {work}")
         finally:
-            for name in list(bench.procs):
-                bench.stop(name)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    ratio = mean(relayed) / mean(direct)
-    print(
-        f"ratio={ratio:.3f} direct_sps={'/'.join(f'{x:.1f}' for x in direct)} "
-        f"relayed_sps={'/'.join(f'{x:.1f}' for x in relayed)} relay_mb={relayed_mb:.0f} rate_mbit={args.rate:g} "
-        f"width={args.width} window_s={args.window:g} rounds={args.rounds} cpus={os.cpu_count()} "
-        f"seconds={time.time() - started:.0f}"
-    )
-    return 0
+            lab.close(grace=STOP_GRACE)
+            figures["relay_mb"] = f"{relay_bytes(bench.log('relay')):.0f}"
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def main() -> None:
+    parser = build_parser()
+    if parser.parse_known_args()[0].quick:  # the quick defaults; flags given still win
+        parser.set_defaults(**QUICK)
+    run(parser, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

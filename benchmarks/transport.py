@@ -8,7 +8,7 @@ decoded input tensor back; the client is `peer.client.StageClient` called as the
 server runs in its own process; round trips of the two transports alternate so both see the same
 machine load. The last line is `ratio=<geometric mean of tcp_time/grpc_time> ...`.
 
-    python benchmarks/transport.py [--sizes 1,4,16,64]
+    python benchmarks/transport.py [--sizes 1,4,16,64] [--repeats N] [--quick]
 """
 
 from __future__ import annotations
@@ -22,15 +22,20 @@ import statistics
 import struct
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import torch
 
-from peer.client import StageClient, server_options
-from peer.config import PeerConfig
-from peer.servicer import StageServicer, add_to_server
-from protocols import codec, stage_pb2
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.client import StageClient, server_options  # noqa: E402
+from peer.config import PeerConfig, RunSpec  # noqa: E402
+from peer.lifetime import die_with_parent  # noqa: E402
+from peer.servicer import StageServicer, add_to_server  # noqa: E402
+from protocols import codec, stage_pb2  # noqa: E402
 
 MIB = 1024 * 1024
 CHUNK_BYTES = 2 * MIB
@@ -46,14 +51,18 @@ class EchoServicer(StageServicer):
         return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}
 
 
-def grpc_server_main(conn) -> None:
+def grpc_server_main(conn, preexec) -> None:
+    preexec()
     torch.set_num_threads(1)
 
     async def serve():
         cfg = PeerConfig()
         cfg.server.max_message_bytes, cfg.server.chunk_bytes = MAX_MESSAGE_BYTES, CHUNK_BYTES
         cfg.server.max_tensor_elements = MAX_MESSAGE_BYTES // 4
-        shim = SimpleNamespace(runtime=None, cfg=cfg, inflight=0, run_id="bench", stage=0, leaving=False)
+        # what the servicer reads of its server; RunSpec's defaults stand for a run (its admission plays no part here)
+        shim = SimpleNamespace(
+            runtime=None, cfg=cfg, spec=RunSpec(), inflight=0, inflight_bytes=0, run_id="bench", stage=0, leaving=False
+        )
         server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
         add_to_server(EchoServicer(shim), server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -72,7 +81,8 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def tcp_server_main(conn) -> None:
+def tcp_server_main(conn, preexec) -> None:
+    preexec()
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname()[1])
     sock, _ = listener.accept()
@@ -114,65 +124,92 @@ async def grpc_round_trip(client: StageClient, endpoint: str, tensor: torch.Tens
 
 
 def _start(target, ctx) -> tuple[mp.Process, int]:
+    """A server process that dies with this one, and the port it listens on."""
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(child,), daemon=True)
+    # made here: die_with_parent records this process as the parent the child must not outlive
+    proc = ctx.Process(target=target, args=(child, die_with_parent()), daemon=True)
     proc.start()
+    child.close()  # the child holds the only write end now: if it dies, poll and recv fail at once
     if not parent.poll(60):
         proc.kill()
         raise TimeoutError(f"{target.__name__} did not start")
-    return proc, parent.recv()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,4,16,64", help="tensor sizes in MiB")
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    torch.set_num_threads(1)
-    ctx = mp.get_context("fork")
-    procs = []
     try:
-        grpc_proc, grpc_port = _start(grpc_server_main, ctx)
-        tcp_proc, tcp_port = _start(tcp_server_main, ctx)
-        procs += [grpc_proc, tcp_proc]
-        loop = asyncio.new_event_loop()
-        client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES, stream_bytes=PeerConfig().server.stream_bytes)
-        tcp = TcpClient(tcp_port)
-        endpoint = f"127.0.0.1:{grpc_port}"
+        return proc, parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"{target.__name__} died (exit code {proc.exitcode}) before it listened") from None
 
-        def via_grpc(t):
-            return loop.run_until_complete(grpc_round_trip(client, endpoint, t))
 
-        ratios = []
-        print(f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7}")
+def time_size(size: int, repeats: int, via_grpc, via_tcp) -> tuple[float, float]:
+    """Median seconds of a gRPC and of a TCP round trip of `size` MiB, the two alternating (`repeats` 0: by size)."""
+    tensor = torch.randn(size * MIB // 4)
+    for call in (via_grpc, via_tcp):  # warm up, and check the echo is exact
+        for _ in range(2):
+            assert torch.equal(call(tensor), tensor)
+    timings = {via_grpc: [], via_tcp: []}
+    for _ in range(repeats or (10 if size <= 16 else 5)):
+        for call in timings:
+            started = time.perf_counter()
+            call(tensor)
+            timings[call].append(time.perf_counter() - started)
+    return statistics.median(timings[via_grpc]), statistics.median(timings[via_tcp])
+
+
+def compare(sizes: list[int], repeats: int, grpc_port: int, tcp_port: int, figures: Figures) -> None:
+    """Time both transports at each size; figures over the sizes so far (an interrupted run still reports them)."""
+    loop = asyncio.new_event_loop()
+    client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES, stream_bytes=PeerConfig().server.stream_bytes)
+    tcp = TcpClient(tcp_port)
+    endpoint = f"127.0.0.1:{grpc_port}"
+
+    def via_grpc(t):
+        return loop.run_until_complete(grpc_round_trip(client, endpoint, t))
+
+    ratios = []
+    print(f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7}")
+    try:
         for size in sizes:
-            tensor = torch.randn(size * MIB // 4)
-            for call in (via_grpc, tcp.round_trip):  # warm up, and check the echo is exact
-                for _ in range(2):
-                    assert torch.equal(call(tensor), tensor)
-            timings = {via_grpc: [], tcp.round_trip: []}
-            for _ in range(10 if size <= 16 else 5):
-                for call in timings:
-                    started = time.perf_counter()
-                    call(tensor)
-                    timings[call].append(time.perf_counter() - started)
-            g, t = statistics.median(timings[via_grpc]), statistics.median(timings[tcp.round_trip])
+            g, t = time_size(size, repeats, via_grpc, tcp.round_trip)
             ratios.append(t / g)
             print(
                 f"{size:>4}MB {g * 1e3:9.1f} {size / g:10.0f} {t * 1e3:9.1f} {size / t:10.0f} {t / g:7.3f}", flush=True
             )
+            figures["ratio"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            figures["min_ratio"] = min(ratios)
+            figures[f"ratio_{size}mb"] = t / g
+    finally:
         loop.run_until_complete(client.close())
         loop.close()
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        print(
-            f"ratio={geo:.3f} min_ratio={min(ratios):.3f} "
-            + " ".join(f"ratio_{s}mb={r:.3f}" for s, r in zip(sizes, ratios, strict=True))
-        )
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    sizes = [int(s) for s in (args.sizes or ("1,4" if args.quick else "1,4,16,64")).split(",")]
+    repeats = args.repeats or (3 if args.quick else 0)
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
+    procs = []
+    try:
+        # the servers first: gRPC must not have started in this process when it forks
+        grpc_proc, grpc_port = _start(grpc_server_main, ctx)
+        procs.append(grpc_proc)
+        tcp_proc, tcp_port = _start(tcp_server_main, ctx)
+        procs.append(tcp_proc)
+        compare(sizes, repeats, grpc_port, tcp_port, figures)
     finally:
         for proc in procs:
             proc.kill()
             proc.join(5)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="", help="tensor sizes in MiB (default 1,4,16,64; quick 1,4)")
+    parser.add_argument(
+        "--repeats", type=int, default=0, help="timed round trips per size (default 10, 5 above 16 MiB; quick 3)"
+    )
+    add_quick(parser, "1 and 4 MiB tensors, 3 timed round trips each")
+    run(parser, body)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
