@@ -78,6 +78,8 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     spec.training.total_steps = 10_000  # the trainer stops on --max-micro-batches, not on the schedule
     threads = spec.stages.num_stages  # one per server
     figures.update(threads=threads, steps=steps)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-", dir=args.workdir or None) as tmp:
         swarm, details = swarm_rate(spec, steps, args.inflight, Path(tmp))
     figures["swarm_sps"] = swarm

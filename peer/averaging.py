@@ -186,12 +186,12 @@ class GradientAverager:
                     "seq": covers[1],
                 },
                 weight=float(samples),
-                timeout=self.cfg.averaging_timeout,  # to find a group
+                timeout=min(self.cfg.group_timeout, self.cfg.averaging_timeout),  # to find the whole group
                 allow_retries=False,  # a failed round steps nobody; the next round comes soon
                 wait=False,
             )
             try:  # hivemind waits for a round's end without a bound: a stopped averager would hang us
-                gathered = control.result(timeout=2 * self.cfg.averaging_timeout + 1.0)
+                gathered = control.result(timeout=self.cfg.group_timeout + self.cfg.averaging_timeout + 1.0)
             except TimeoutError:
                 control.cancel()
                 raise TimeoutError("the averager did not finish the round in time") from None

@@ -77,6 +77,9 @@ class AveragingConfig:
     )
     request_timeout: float = 3.0  # s for one matchmaking request; short ones break groups on a loaded machine
     averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
+    # s a round waits for its whole group (the replicas it expects) to assemble before it fails: a group
+    # that is not whole after the matchmaking window seldom becomes whole (at most averaging_timeout)
+    group_timeout: float = 10.0
     max_group_size: int = 32  # most replicas averaged in one group
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
     # gradients: average gradients at every global step (exact data parallelism);
@@ -241,6 +244,11 @@ class RunSpec:
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
+        if not a.group_timeout > a.min_matchmaking_time:
+            raise ConfigError(
+                f"averaging.group_timeout: must be longer than averaging.min_matchmaking_time "
+                f"({a.min_matchmaking_time:g} s), got {a.group_timeout:g}"
+            )
         if not 2 <= a.max_group_size <= 1023:
             raise ConfigError(f"averaging.max_group_size: must be within 2..1023, got {a.max_group_size}")
         e = self.moe
@@ -445,7 +453,7 @@ class ParallelConfig:
 class SecurityConfig:
     invite: str = ""  # an invite code from the run's coordinator (admission.mode = invite)
     admission_timeout: float = 30.0  # s to wait for the coordinator's answer to a credential request
-    poll: float = 0.5  # s between looks for that answer (peers) or for new requests (coordinator)
+    poll: float = 0.2  # s between looks for that answer (peers) or for new requests (coordinator)
 
 
 @dataclass

@@ -77,15 +77,16 @@ def check_same_parameters(infos: list, stage: int) -> None:
 
 def test_sigstop_moves_on_within_deadline_then_forgiven(swarm):
     swarm.coordinator(SPEC)
-    hung, spare = swarm.server("s0a", 0), swarm.server("s0b", 0)
-    last = swarm.server("s1", 1)
+    short = ["--set", "network.record_ttl=5"]  # a frozen peer is taken for gone after 5 s instead of 10
+    hung, spare = swarm.server("s0a", 0, short), swarm.server("s0b", 0, short)
+    last = swarm.server("s1", 1, short)
     ends = {"hung": swarm.endpoint(hung), "spare": swarm.endpoint(spare), "last": swarm.endpoint(last)}
-    trainer = swarm.trainer("t0", ["--set", "trainer.log_calls=true"])
+    trainer = swarm.trainer("t0", ["--set", "trainer.log_calls=true", *short])
     wait_micro_batches(swarm, ["t0"], 20, 120)
 
     stopped = time.time()
     hung.signal(signal.SIGSTOP)
-    time.sleep(14)  # longer than the record TTL: the frozen server drops its accumulator, trainers replay it
+    time.sleep(8)  # longer than the record TTL: the frozen server drops its accumulator, trainers replay it
     resumed = time.time()
     hung.signal(signal.SIGCONT)
 
@@ -168,7 +169,7 @@ def test_chaos_kills_and_joins(swarm):
     alive = dict(servers)
     joined = 0
     started = time.monotonic()
-    while time.monotonic() - started < 60:
+    while time.monotonic() - started < 40:
         time.sleep(rng.uniform(8, 12))
         stages = {name: found[0] for name, s in alive.items() if (found := serving(s)) is not None}
         # a random server, among those of a stage that keeps another one

@@ -119,3 +119,29 @@ def test_a_reachable_peer_is_told_so_and_uses_no_relay():
         await relay_server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_relay_opens_only_the_ports_of_relay_ports_and_refuses_when_none_is_free():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free now: the relay's one port for the peers it carries
+
+    async def main():
+        cfg = config(reachability="private", ports=f"{port}-{port}", wait=2.0)
+        relay = RelayService(cfg, RUN, "127.0.0.1")
+        relay_server, _ = await serve(cfg, relay)
+        own, endpoint = await serve(cfg)
+        uplink = Uplink(cfg, RUN, FakeDHT("first", {"relayA": relay}), endpoint)
+        assert await uplink.start() == f"127.0.0.1:{port}"
+        assert await check(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
+        other, other_endpoint = await serve(cfg)
+        with pytest.raises(NoRelay):  # the range is used up: refused, and no other relay
+            await Uplink(cfg, RUN, FakeDHT("second", {"relayA": relay}), other_endpoint).start()
+        assert relay.refused >= 1
+        await uplink.close()
+        for server in (relay_server, own, other):
+            await server.stop(0)
+
+    asyncio.run(main())

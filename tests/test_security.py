@@ -71,7 +71,7 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
     # -- nor publish records others use, nor join averaging: a rogue announces a stage-1 server
     # that does not exist and keeps asking stage 0's replicas to average huge values
     rogue = swarm.start(
-        "rogue", [str(ROOT / "tests" / "helpers" / "rogue.py"), swarm.maddr, "intruder.pem", "25"], python=True
+        "rogue", [str(ROOT / "tests" / "helpers" / "rogue.py"), swarm.maddr, "intruder.pem", "10"], python=True
     )
     rogue.wait_for(r"ROGUE \S+ up", 60)
     trainer = swarm.trainer("trainer")
