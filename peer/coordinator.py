@@ -28,7 +28,7 @@ from peer.lifetime import exit_within
 from peer.metrics import open_metrics, serve_metrics
 from peer.security import Security
 from peer.status import gather
-from peer.swarm import check_reachable, publish_spec
+from peer.swarm import answering, check_reachable, publish_spec
 from peer.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ def start_dht(
     """
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     net = cfg.network
-    known = remembered_peers(peers_file(cfg, identity, spec))
+    # remembered peers that no longer answer at all are left out at once, not waited for (rejoin_timeout)
+    known = answering(remembered_peers(peers_file(cfg, identity, spec)), net.connect_timeout)
     if initial:
         for maddr in initial:
             check_reachable(maddr, net.connect_timeout)

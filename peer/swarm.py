@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from dht import keys
 from dht.errors import UserError
@@ -50,6 +51,22 @@ def dial_address(maddr: str) -> tuple[str, int]:
     except (StopIteration, ValueError, IndexError):
         raise RunNotFound(f"{maddr!r} is not a multiaddr like /ip4/HOST/tcp/PORT/p2p/PEER_ID") from None
     return host, port
+
+
+def answering(maddrs: list[str], timeout: float) -> list[str]:
+    """The multiaddrs at which something accepts a TCP connection within `timeout` (all tried at once)."""
+    if not maddrs:
+        return []
+
+    def answers(maddr: str) -> bool:
+        try:
+            check_reachable(maddr, timeout)
+            return True
+        except (DHTStartError, RunNotFound):
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(16, len(maddrs))) as pool:
+        return [m for m, ok in zip(maddrs, pool.map(answers, maddrs), strict=True) if ok]
 
 
 def check_reachable(maddr: str, timeout: float) -> None:

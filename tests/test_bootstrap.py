@@ -31,6 +31,10 @@ def test_a_run_on_a_plain_dht_is_joined_through_any_peer_while_its_coordinator_i
         "bootstrap", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], python=True
     )
     door = bootstrap.wait_for(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)", 60).group(1)
+    # meanwhile: a real peer id that is no run's coordinator is said within seconds, not after 20
+    nobody = door.rsplit("/", 1)[1]
+    lost = swarm.start("lost", ["join", door, "--coordinator", nobody, "--identity", "lost.pem", "--host", "127.0.0.1"])
+    asked = time.monotonic()
     swarm.coordinator(SPEC, extra=["--initial-peers", door])
     coordinator = swarm.peers[-1]
     assert "Joined the existing DHT through" in coordinator.output()
@@ -41,6 +45,9 @@ def test_a_run_on_a_plain_dht_is_joined_through_any_peer_while_its_coordinator_i
         return swarm.start(name, loopback_join(door, name, "--coordinator", anchor, *extra))
 
     first = join("s0", "--stage", "0")
+    assert lost.wait(30) == 2, lost.output()
+    assert time.monotonic() - asked < 15  # the DHT's start plus network.spec_timeout (5 s), on a busy machine
+    assert f"no run spec signed by coordinator {nobody}" in lost.output() and "Traceback" not in lost.output()
     swarm.endpoint(first)
 
     coordinator.signal(signal.SIGSTOP)
@@ -63,23 +70,3 @@ def test_a_run_on_a_plain_dht_is_joined_through_any_peer_while_its_coordinator_i
         assert "Run 'anywhere'" in status.stdout
     finally:
         coordinator.signal(signal.SIGCONT)
-
-
-def test_a_wrong_coordinator_id_is_said_within_seconds(swarm):
-    bootstrap = swarm.start(
-        "bootstrap", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], python=True
-    )
-    door = bootstrap.wait_for(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)", 60).group(1)
-    nobody = door.rsplit("/", 1)[1]  # a real peer id, but no coordinator of any run
-    started = time.monotonic()
-    result = subprocess.run(
-        [*PEER, "join", door, "--coordinator", nobody, "--identity", "lost.pem", "--host", "127.0.0.1"],
-        cwd=swarm.workdir,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    elapsed = time.monotonic() - started
-    assert result.returncode == 2, result.stderr
-    assert f"no run spec signed by coordinator {nobody}" in result.stderr and "Traceback" not in result.stderr
-    assert elapsed < 15, elapsed  # the DHT's start plus network.spec_timeout (5 s), not the 20 s start-up bound

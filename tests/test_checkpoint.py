@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from peer import checkpoint
 from peer.config import RunSpec
 from peer.runtime import StageRuntime
+from protocols.version import software_version
 
 SPEC = RunSpec.from_dict(
     {
@@ -171,31 +172,29 @@ def scrape(peer) -> dict[str, float]:
     return values
 
 
-def test_the_coordinator_checkpoints_a_running_swarm(swarm):
-    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint.
-
-    Every peer serves Prometheus metrics whose counters move with the training.
-    """
+def test_the_coordinator_checkpoints_a_running_swarm_and_a_killed_swarm_resumes_from_it(swarm):
+    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint;
+    every peer serves Prometheus metrics whose counters move with the training. Then the whole swarm
+    is killed; a coordinator started with --resume serves the checkpoint, and the run goes on."""
     root = swarm.workdir / "checkpoints"
-    swarm.coordinator(
-        SWARM_SPEC,
-        extra=[
-            "--checkpoints",
-            str(root),
-            "--set",
-            "coordinator.report_period=0.5",
-            "--set",
-            "coordinator.checkpoint_every_steps=2",
-            "--set",
-            "coordinator.checkpoint_every_minutes=0",
-        ],
-    )
+    every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
+    swarm.coordinator(SWARM_SPEC, extra=["--checkpoints", str(root), "--set", "coordinator.report_period=0.5", *every])
     servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
     endpoints = [swarm.endpoint(s) for s in servers]
     idle = scrape(servers[1])
     trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "16"])
     assert trainer.wait(240) == 0, trainer.output()[-3000:]
-    busy = scrape(servers[1])
+    _check_metrics(swarm, idle, scrape(servers[1]))
+    deadline = time.monotonic() + 30
+    while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
+        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
+        time.sleep(0.5)
+    _check_checkpoint(root, endpoints)
+    assert "Wrote checkpoint" in swarm.peers[0].output()
+    _resume(swarm, root)
+
+
+def _check_metrics(swarm, idle: dict, busy: dict) -> None:
     backward_ok = "swarm_requests_total{method=backward,outcome=ok}"
     assert idle.get(backward_ok, 0) == 0 and busy[backward_ok] == 16
     assert busy["swarm_request_seconds_count{method=backward}"] == 16
@@ -205,15 +204,15 @@ def test_the_coordinator_checkpoints_a_running_swarm(swarm):
     while scrape(swarm.peers[0]).get("swarm_total_samples_total{}", 0) < 16 * 4:  # the coordinator's view
         assert time.monotonic() < deadline, scrape(swarm.peers[0])
         time.sleep(0.5)
-    deadline = time.monotonic() + 30
-    while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
-        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
-        time.sleep(0.5)
+
+
+def _check_checkpoint(root, endpoints: list[str]) -> None:
     kept = checkpoint.complete(root)
     assert 1 <= len(kept) <= 3  # checkpoint_keep
     path = kept[-1]
     manifest = checkpoint.read_manifest(path)
     assert sorted(manifest["parts"]) == ["stage 0", "stage 1"]
+    assert manifest["software"] == software_version()
     spec = RunSpec.from_dict(SWARM_SPEC)
     for stage, endpoint in enumerate(endpoints):
         entry = manifest["parts"][f"stage {stage}"]
@@ -225,30 +224,18 @@ def test_the_coordinator_checkpoints_a_running_swarm(swarm):
         names = [n for n, _ in StageRuntime(spec, stage).model.named_parameters()]
         sums = [v for n in names for v in (tensors[f"param/{n}"].double().sum().item(),)]
         assert sums == pytest.approx(fingerprint[0::2], rel=1e-9, abs=1e-9)
-    assert "Wrote checkpoint" in swarm.peers[0].output()
 
 
-def test_a_killed_swarm_resumes_from_its_checkpoint(swarm):
+def _resume(swarm, root) -> None:
     """Kill the whole swarm; a coordinator started with --resume serves the checkpoint, and the run goes on."""
-    root = swarm.workdir / "checkpoints"
-    every = ["--set", "coordinator.report_period=0.5", "--set", "coordinator.checkpoint_every_steps=2"]
-    swarm.coordinator(SWARM_SPEC, extra=["--checkpoints", str(root), *every])
-    for stage in range(2):
-        swarm.endpoint(swarm.server(f"a{stage}", stage))
-    trainer = swarm.trainer("ta", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "16"])
-    assert trainer.wait(240) == 0, trainer.output()[-3000:]
-    deadline = time.monotonic() + 30
-    while not any(checkpoint.read_manifest(p)["step"] >= 6 for p in checkpoint.complete(root)):
-        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
-        time.sleep(0.5)
     for peer in swarm.peers:  # the whole swarm goes down
         peer.kill(grace=0)
     manifest = checkpoint.read_manifest(checkpoint.latest(root))
-    before = [e["loss"] for e in swarm.log("ta") if e["type"] == "micro_batch"]
+    before = [e["loss"] for e in swarm.log("t0") if e["type"] == "micro_batch"]
 
     (swarm.workdir / "coordinator.json").unlink()
     swarm.coordinator(SWARM_SPEC, extra=["--resume", str(root)])
-    # (its remembered peers are all dead: it starts the DHT afresh after coordinator.rejoin_timeout)
+    # (its remembered peers are all dead: it sees that at once and starts the DHT afresh)
     assert f"step {manifest['step']}" in swarm.peers[-1].wait_for(r"Resuming from .*", 60).group(0)
     for stage in range(2):
         server = swarm.server(f"b{stage}", stage)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,11 +85,17 @@ def test_generate_and_export_name_a_file_that_is_not_ours(tmp_path):
 
 def test_join_and_status_refuse_what_cannot_work_in_one_line(tmp_path):
     good_id = Identity.generate().peer_id
-    refused(peer("join", "/ip4/127.0.0.1/tcp/1/p2p/nope", "--identity", "i.pem", cwd=tmp_path), "nope")
-    refused(peer("join", "x", "--role", "trainer", "--device", "cpu", cwd=tmp_path), "--device", "trainer")
-    refused(peer("join", "x", "--set", "training.lr=0.1", cwd=tmp_path), "training.lr", "run spec")
-    refused(peer("join", "x", "--set", "relay.ports=10-5", cwd=tmp_path), "relay.ports")
-    refused(peer("status", "/ip4/127.0.0.1/tcp/1/p2p/" + good_id, cwd=tmp_path), "cannot reach 127.0.0.1:1")
+    cases = [  # (arguments, words the one line must hold); run at once, each its own process
+        (["join", "/ip4/127.0.0.1/tcp/1/p2p/nope", "--identity", "i.pem"], ["nope"]),
+        (["join", "x", "--role", "trainer", "--device", "cpu"], ["--device", "trainer"]),
+        (["join", "x", "--set", "training.lr=0.1"], ["training.lr", "run spec"]),
+        (["join", "x", "--set", "relay.ports=10-5"], ["relay.ports"]),
+        (["status", "/ip4/127.0.0.1/tcp/1/p2p/" + good_id], ["cannot reach 127.0.0.1:1"]),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: peer(*case[0], cwd=tmp_path), cases))
+    for (_, words), result in zip(cases, results, strict=True):
+        refused(result, *words)
 
 
 def test_device_places_a_whole_stage_server():

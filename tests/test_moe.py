@@ -273,14 +273,14 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     c = _hosted_at(swarm, newcomer)
     newcomer_at = len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"])
     deadline = time.monotonic() + 120
-    while len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"]) < newcomer_at + 40:
+    while len([e for e in swarm.log("trainer") if e["type"] == "micro_batch"]) < newcomer_at + 20:
         assert time.monotonic() < deadline and trainer.proc.poll() is None, trainer.output()[-3000:]
         time.sleep(0.5)
     trainer.signal(signal.SIGTERM)  # a graceful stop: finishes what is under way, exits 0 if nothing was given up
     assert trainer.wait(120) == 0, trainer.output()[-3000:]
     assert "0 given up" in trainer.output()
     losses = [e["loss"] for e in swarm.log("trainer") if e["type"] == "micro_batch"]
-    assert killed_at < newcomer_at < len(losses) - 30, (killed_at, newcomer_at, len(losses))
+    assert killed_at < newcomer_at < len(losses) - 15, (killed_at, newcomer_at, len(losses))
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10
     stage_log = s1.output()
     # the dead host's calls failed (the first, to whichever of its experts, bans the host) and moved on
