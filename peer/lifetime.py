@@ -38,6 +38,8 @@ PR_SET_PDEATHSIG = 1
 REAPER_ENV = "SWARMTRAIN_REAPER"  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
 USER_TMPDIR_ENV = "SWARMTRAIN_USER_TMPDIR"  # the temporary directory before the runtime dir replaced it
 SOCKET_FLAG = "-listen=/unix"  # how hivemind names a p2p daemon's unix socket on its command line
+SOCKET_DIR = "/tmp/hivemind-"  # where hivemind puts its unix sockets, whatever TMPDIR says
+SOCKET_LOOKS = 4  # the reaper notes the sockets the peer's processes hold every this many looks
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: a preexec_fn must not load libraries
 
 
@@ -79,6 +81,27 @@ def _processes() -> dict[int, tuple[int, int, int]]:
     return table
 
 
+def _bound_sockets(pids: list[int], prefix: str = SOCKET_DIR) -> set[str]:
+    """Paths under `prefix` of the unix sockets these processes hold (hivemind's clients make their own)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    if not inodes or not pids:
+        return set()
+    try:
+        with open(f"/proc/{pids[0]}/net/unix") as f:  # the processes' own network namespace
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return set()
+    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith(prefix)}
+
+
 def _sockets_of(pid: int) -> list[str]:
     """The unix socket paths a hivemind p2p daemon was started with (its own and its client's)."""
     try:
@@ -107,6 +130,7 @@ class Watch:
     adopters: set[int]
     seen: dict[int, int] = field(default_factory=dict)  # descendant pid -> start time
     sockets: set[str] = field(default_factory=set)
+    looks: int = 0
 
     def look(self) -> None:
         """Remember the peer's descendants as they are now."""
@@ -115,13 +139,18 @@ class Watch:
         for pid, (ppid, _, _) in table.items():
             children.setdefault(ppid, []).append(pid)
         todo = [self.peer, *[p for p in self.seen if p in table and table[p][2] == self.seen[p]]]
+        new = False
         while todo:
             for child in children.get(todo.pop(), []):
                 if child == self.me or child in self.seen:
                     continue
-                self.seen[child] = table[child][2]
+                self.seen[child], new = table[child][2], True
                 self.sockets.update(_sockets_of(child))
                 todo.append(child)
+        self.looks += 1
+        if new or self.looks % SOCKET_LOOKS == 0:
+            live = [self.peer, *(p for p in self.seen if p in table and table[p][2] == self.seen[p])]
+            self.sockets.update(_bound_sockets(live))
 
     def leftovers(self) -> list[int]:
         """Live processes of the peer: those seen (same start time), their children, and orphans of its group."""
