@@ -35,14 +35,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 # worst expected error of the mean, as a fraction of the inputs' largest magnitude (two roundings per value)
@@ -327,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120; quick 60)"
     )
     parser.add_argument("--verbose", action="store_true", help="workers log hivemind's all-reduce at debug level")
-    parser.add_argument("--workdir", default="", help="keep the workers' logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir",
+        default="",
+        help="keep the workers' logs here (default: a temporary directory, kept only if the run fails)",
+    )
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: run worker i
     parser.add_argument("--ip", default="", help=argparse.SUPPRESS)
     add_quick(parser, "2 rounds of 4 MB, one every 4 s")
@@ -341,17 +344,16 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     from benchmarks.lab import LabError, open_benchmark
 
     open_benchmark("averaging.py", figures)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-avg-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob("*.json"):  # a reused workdir: old ready/result files would be read as new
-        stale.unlink()
-    out: dict = {}
-    try:
-        run_rounds(args, work, out)
-    except (Failed, LabError, OSError) as e:  # a worker that failed, a wait that timed out: one line, no traceback
-        raise SystemExit(f"averaging.py: {e}") from None
-    finally:
-        report(args, work, out, figures)  # the rounds done, also when a later one failed or on Ctrl+C
+    with workdir(args.workdir, "swarmtrain-avg-") as work:
+        for stale in work.glob("*.json"):  # a reused workdir: old ready/result files would be read as new
+            stale.unlink()
+        out: dict = {}
+        try:
+            run_rounds(args, work, out)
+        except (Failed, LabError, OSError) as e:  # a worker that failed, a wait that timed out: one line
+            raise SystemExit(f"averaging.py: {e}") from None
+        finally:
+            report(args, work, out, figures)  # the rounds done, also when a later one failed or on Ctrl+C
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lab import Lab, LabError, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -239,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--start-timeout", type=float, default=180.0, help="s for the coordinator and servers (180; quick 90)"
     )
-    parser.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
+    )
     add_quick(parser, "32 micro-batches a run, H=2, 2 validation micro-batches")
     return parser
 
@@ -251,16 +252,18 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
         )
         raise SystemExit(2)
     open_benchmark("diloco.py", figures)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-diloco-")).resolve()
     cap = "no cap" if args.no_cap else f"{args.rate:g} Mbit/s"
-    print(f"{args.micro_batches} micro-batches of {MICRO_BATCH} per run, H={args.inner_steps}, {cap}; logs in {work}")
     results = {}
-    for mode in ("gradients", "local"):
-        try:
-            results[mode] = train(mode, args, work / mode)
-        except (LabError, OSError) as e:  # a peer that failed or a wait that timed out: one line, no traceback
-            raise SystemExit(f"diloco.py: {e}") from None
-        describe(results[mode], figures)
+    with workdir(args.workdir, "swarmtrain-diloco-") as work:
+        print(
+            f"{args.micro_batches} micro-batches of {MICRO_BATCH} per run, H={args.inner_steps}, {cap}; logs in {work}"
+        )
+        for mode in ("gradients", "local"):
+            try:
+                results[mode] = train(mode, args, work / mode)
+            except (LabError, OSError) as e:  # a peer that failed or a wait that timed out: one line, no traceback
+                raise SystemExit(f"diloco.py: {e}") from None
+            describe(results[mode], figures)
     compare(results["gradients"], results["local"], figures)
 
 

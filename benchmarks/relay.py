@@ -25,14 +25,13 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -174,18 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2, help="turns per side (direct, relayed, alternating; quick 1)")
     parser.add_argument("--width", type=int, default=256, help="hidden size of the model")
     parser.add_argument("--inflight", type=int, default=4, help="trainer: micro-batches in flight")
-    parser.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
+    )
     add_quick(parser, "one turn a side, 5 s windows after 2 micro-batches")
     return parser
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
     open_benchmark("relay.py", figures, nat=True)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-relay-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     try:
-        turns(args, work, figures)
+        with workdir(args.workdir, "swarmtrain-relay-") as work:
+            turns(args, work, figures)
     except LabError as e:  # a peer that failed or a wait that timed out: one line, no traceback
         raise SystemExit(f"relay.py: {e}") from None
     finally:

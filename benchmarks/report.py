@@ -13,14 +13,22 @@
 prints the figures gathered so far as the last line with `status=ok`, `status=failed` (an
 exception: its traceback goes to stderr first; exit status 1) or `status=interrupted` (exit 130).
 A benchmark that is off its goal still ends with `status=ok`: its figures say how far off.
+
+`workdir` gives a benchmark that writes logs its directory: the one the user named (kept), or a
+temporary one that is removed after a run that succeeded and kept, named on stderr, after one
+that did not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
+import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from peer.lifetime import interrupt_on_signals
 
@@ -43,6 +51,23 @@ def _text(value) -> str:
 def add_quick(parser: argparse.ArgumentParser, what: str) -> None:
     """The `--quick` flag: `what` says what the small version of the comparison is."""
     parser.add_argument("--quick", action="store_true", help=f"a few-second version of the same comparison: {what}")
+
+
+@contextlib.contextmanager
+def workdir(given: str | None, prefix: str) -> Iterator[Path]:
+    """The benchmark's directory for its logs: `given` (kept), or a temporary one, kept only if the run fails."""
+    if given:
+        path = Path(given).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix)).resolve()
+    try:
+        yield path
+    except BaseException:
+        print(f"logs kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def run(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Figures], None]) -> None:

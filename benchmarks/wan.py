@@ -35,14 +35,13 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -261,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation (first width): micro-batches; 0: skip it (default 48; quick 24)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="s for a validation to finish (300; quick 120)")
-    parser.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
+    )
     add_quick(parser, "codecs none and int8 at width 192, 5 s windows, 24 validation micro-batches")
     return parser
 
@@ -269,18 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
 def body(args: argparse.Namespace, figures: Figures) -> None:
     widths, codecs = [int(w) for w in args.widths.split(",")], args.codecs.split(",")
     open_benchmark("wan.py", figures)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="swarmtrain-wan-"))
-    print(f"logs in {work}", flush=True)
     vals: dict[str, tuple[float, float]] = {}
-    for width in widths:
-        for codec in codecs:
-            validate = width == widths[0] and args.micro_batches > 0
-            if not (validate or args.window):
-                continue
-            try:
-                measure(codec, width, validate, args, work, figures, vals)
-            except LabError as e:  # a peer that failed or a wait that timed out: what was measured stays
-                raise SystemExit(f"wan.py: {codec} at width {width}: {e}") from None
+    with workdir(args.workdir, "swarmtrain-wan-") as work:
+        print(f"logs in {work}", flush=True)
+        for width in widths:
+            for codec in codecs:
+                validate = width == widths[0] and args.micro_batches > 0
+                if not (validate or args.window):
+                    continue
+                try:
+                    measure(codec, width, validate, args, work, figures, vals)
+                except LabError as e:  # a peer that failed or a wait that timed out: what was measured stays
+                    raise SystemExit(f"wan.py: {codec} at width {width}: {e}") from None
     if "none" in vals and "int8" in vals:
         figures["val_int8_over_none"] = f"{vals['int8'][0] / vals['none'][0]:.4f}"
         figures["bytes_int8_over_none"] = f"{vals['int8'][1] / vals['none'][1]:.3f}"
