@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Bad input or an unusable environment: the message is for the user, in one line."""
+
+
+class DHTStartError(UserError, RuntimeError):
+    """The DHT node could not start or reach its initial peers; the message says what to check."""

@@ -34,6 +34,11 @@ def default_identity_path() -> Path:
     return Path(base) / "swarmtrain" / "identity.pem"
 
 
+def _not_a_directory(path: Path) -> None:
+    if path.is_dir():
+        raise IdentityError(f"identity {path} is a directory; give the path of a key file (e.g. {path}/identity.pem)")
+
+
 def _private_to_owner(path: Path) -> None:
     """Like ssh, never use a key others can read: tighten its mode to 0600 (with a warning) or refuse."""
     try:
@@ -100,21 +105,20 @@ class Identity:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Identity:
         path = Path(path)
-        if path.is_dir():
-            raise IdentityError(
-                f"identity {path} is a directory; give the path of a key file (e.g. {path}/identity.pem)"
-            )
-        _private_to_owner(path)
+        _not_a_directory(path)
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except FileNotFoundError:
             raise IdentityError(f"identity file {path} does not exist") from None
         except PermissionError:
             raise IdentityError(f"identity file {path} cannot be read by this user") from None
+        except TypeError:  # cryptography's word for a key that needs a password
+            raise IdentityError(f"identity file {path} is encrypted; give an unencrypted Ed25519 key") from None
         except ValueError as e:
             raise IdentityError(f"identity file {path} is not a PEM private key: {e}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError(f"identity file {path} holds a {type(key).__name__}, expected an Ed25519 key")
+        _private_to_owner(path)
         return cls(key, path)
 
     @classmethod
@@ -127,22 +131,21 @@ class Identity:
 
     @classmethod
     def create(cls, path: str | os.PathLike, replace: bool = False) -> Identity:
-        """A new key written at `path`; an existing key there is replaced only with `replace`."""
+        """A new key written at `path`; whatever is there (a key, or a broken file) only with `replace`."""
         path = Path(path)
-        if path.is_dir():
-            raise IdentityError(
-                f"identity {path} is a directory; give the path of a key file (e.g. {path}/identity.pem)"
-            )
+        _not_a_directory(path)
         if path.exists() and not replace:
-            existing = cls.load(path)
+            try:
+                named = f" (peer id {cls.load(path).peer_id})"
+            except IdentityError:
+                named = " (not a usable key)"
             raise IdentityError(
-                f"identity {path} exists already (peer id {existing.peer_id}); --force replaces it, "
-                "and the old peer id is gone for good"
+                f"identity {path} exists already{named}; --force replaces it, and the old peer id is gone for good"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         identity = cls.generate()
         if path.exists():
-            cls.load(path).lock()  # refused while a running peer holds it
+            Identity(identity.private_key, path).lock()  # refused while a running peer holds this path
             tmp = path.with_name(path.name + ".new")
             tmp.unlink(missing_ok=True)
             identity.save(tmp)

@@ -22,18 +22,15 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from dht import envelope, keys
-from dht.errors import UserError
+from dht.errors import DHTStartError  # noqa: F401 - raised here, imported from here by callers
 from dht.gate import Gate
 from dht.identity import Identity
 from dht.records import Record
 from dht.validator import SignedRecordValidator
+from protocols.version import software_version
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
-
-
-class DHTStartError(UserError, RuntimeError):
-    """The DHT node could not start or reach its initial peers; the message says what to check."""
 
 
 async def _count_neighbours(_dht, node) -> int:
@@ -86,9 +83,12 @@ class SwarmDHT:
             with contextlib.suppress(Exception):
                 self.dht.shutdown()
             where = ", ".join(initial_peers) if initial_peers else "its listen addresses"
+            took = time.monotonic() - started
+            when = f"within {startup_timeout:.0f} s" if took >= startup_timeout * 0.9 else f"(after {took:.1f} s)"
             raise DHTStartError(
-                f"could not start the DHT node and reach {where} within {startup_timeout:.0f} s "
-                f"({type(e).__name__}: {e or 'timed out'}); check that the address is right and the peer is running"
+                f"could not start the DHT node and reach {where} {when} ({type(e).__name__}: "
+                f"{str(e).strip() or 'timed out'}); check the address, that the peer runs, and that the /p2p/ id "
+                "is that peer's (a wrong id fails the handshake)"
             ) from None
         if initial_peers and not self._has_neighbours():
             self.shutdown()
@@ -112,6 +112,7 @@ class SwarmDHT:
 
     # ---- signed records -------------------------------------------------------------------
     def _seal(self, key: str, expiration_time: float, record: Record) -> tuple[str, bytes]:
+        record.software = record.software or software_version()  # every record this software stores names it
         subkey = keys.signed_subkey(self.peer_id)
         payload = record.model_dump_json().encode()
         key_id = DHTID.generate(source=key).to_bytes()

@@ -6,15 +6,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocols.version import software_version
-
 
 class Record(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     version: int = 1  # bumped when a field changes meaning; readers ignore fields they do not know
-    # the software that wrote the record (the swarmtrain release); "" from peers older than this field
-    software: str = Field(default_factory=software_version)
+    # the software that wrote the record (the swarmtrain release; set when a record is stored); "" from
+    # peers older than this field
+    software: str = ""
 
 
 class RunSpecRecord(Record):

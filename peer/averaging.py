@@ -44,6 +44,11 @@ def group_bits(epoch: int, size: int) -> str:
     return format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b") + format(size % (1 << SIZE_BITS), f"0{SIZE_BITS}b")
 
 
+def _name(peer) -> str:
+    """A peer id as text (hivemind hands PeerID objects)."""
+    return peer.to_base58() if hasattr(peer, "to_base58") else str(peer)
+
+
 def whole_group_missing(infos: list[dict], members: list[str], max_group_size: int) -> list[str]:
     """Replicas some member expected in the round but the group lacks (none when it is whole).
 
@@ -169,63 +174,60 @@ class GradientAverager:
         member alike, since they all judge the same gathered data. With `admitted`, only those peer
         ids may be in the group (the others are refused).
         """
-        size = max(2, min(len(expected), self.cfg.max_group_size))
+        gather = {"epoch": epoch, "samples": samples, "expected": sorted(expected)}
+        gather.update(incarnation=covers[0], seq=covers[1])
         try:
-            self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
-            self._averager.set_admitted(admitted, timeout=self.cfg.request_timeout * 5)
-            self._averager.set_group_bits(group_bits(epoch, size))
-            with self._averager.get_tensors() as tensors:
-                for dst, src in zip(tensors, gradients, strict=True):
-                    dst.copy_(src)
-            control = self._averager.step(
-                gather={
-                    "epoch": epoch,
-                    "samples": samples,
-                    "expected": sorted(expected),
-                    "incarnation": covers[0],
-                    "seq": covers[1],
-                },
-                weight=float(samples),
-                timeout=min(self.cfg.group_timeout, self.cfg.averaging_timeout),  # to find the whole group
-                allow_retries=False,  # a failed round steps nobody; the next round comes soon
-                wait=False,
-            )
-            try:  # hivemind waits for a round's end without a bound: a stopped averager would hang us
-                gathered = control.result(timeout=self.cfg.group_timeout + self.cfg.averaging_timeout + 1.0)
-            except TimeoutError:
-                control.cancel()
-                raise TimeoutError("the averager did not finish the round in time") from None
+            gathered = self._round(gradients, samples, epoch, len(expected), admitted, gather)
         except Exception as e:  # a failed round must not take the server down
             logger.warning("averaging for step %d failed: %s", epoch, e)
             return None
-        if not gathered:
+        infos = {_name(pid): info for pid, info in (gathered or {}).items()}
+        if not self._whole(infos, epoch):
             return None
-        infos = [g for g in gathered.values() if isinstance(g, dict)]
-        if len(infos) != len(gathered) or any(info.get("epoch") != epoch for info in infos):
-            logger.warning("averaging group for step %d mixed epochs: %s", epoch, infos)
-            return None
-        members = sorted(pid.to_base58() if hasattr(pid, "to_base58") else str(pid) for pid in gathered)
-        missing = whole_group_missing(infos, members, self.cfg.max_group_size)
+        with self._averager.get_tensors() as tensors:
+            averaged = [t.clone() for t in tensors]
+        coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
+        total = sum(int(i.get("samples", 0)) for i in infos.values())
+        return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
+
+    def _round(self, gradients, samples: int, epoch: int, expected: int, admitted, gather: dict) -> dict | None:
+        """hivemind's round: its group key, the tensors in, then the step; what every member gathered."""
+        size = max(2, min(expected, self.cfg.max_group_size))
+        self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
+        self._averager.set_admitted(admitted, timeout=self.cfg.request_timeout * 5)
+        self._averager.set_group_bits(group_bits(epoch, size))
+        with self._averager.get_tensors() as tensors:
+            for dst, src in zip(tensors, gradients, strict=True):
+                dst.copy_(src)
+        control = self._averager.step(
+            gather=gather,
+            weight=float(samples),
+            timeout=min(self.cfg.group_timeout, self.cfg.averaging_timeout),  # to find the whole group
+            allow_retries=False,  # a failed round steps nobody; the next round comes soon
+            wait=False,
+        )
+        try:  # hivemind waits for a round's end without a bound: a stopped averager would hang us
+            return control.result(timeout=self.cfg.group_timeout + self.cfg.averaging_timeout + 1.0)
+        except TimeoutError:
+            control.cancel()
+            raise TimeoutError("the averager did not finish the round in time") from None
+
+    def _whole(self, infos: dict[str, dict], epoch: int) -> bool:
+        """Whether the group may step: all at `epoch`, and holding every replica a member expected."""
+        if not infos:
+            return False
+        if any(not isinstance(i, dict) or i.get("epoch") != epoch for i in infos.values()):
+            logger.warning("averaging group for step %d mixed epochs: %s", epoch, list(infos.values()))
+            return False
+        missing = whole_group_missing(list(infos.values()), sorted(infos), self.cfg.max_group_size)
         if missing:
             logger.warning(
                 "averaging group for step %d (%d members) lacks %s, whom a member expected: nobody steps",
                 epoch,
-                len(members),
+                len(infos),
                 ", ".join(missing),
             )
-            return None
-        with self._averager.get_tensors() as tensors:
-            averaged = [t.clone() for t in tensors]
-        coverage = {
-            (pid.to_base58() if hasattr(pid, "to_base58") else str(pid)): (
-                int(info.get("incarnation", 0)),
-                int(info.get("seq", 0)),
-            )
-            for pid, info in gathered.items()
-        }
-        return RoundResult(
-            averaged, sum(int(info.get("samples", 0)) for info in infos), len(gathered), members, coverage
-        )
+        return not missing
 
     def shutdown(self) -> None:
         try:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import socket
 import sys
 
+from dht.address import AddressError, answering, check_reachable, coordinator_peer_id
 from dht.errors import UserError
 from dht.identity import Identity, default_identity_path
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override, set_path
@@ -240,9 +242,33 @@ def normalize_argv(argv: list[str]) -> list[str]:
 
 # ---- settings from flags ----------------------------------------------------------------------
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket() as s:
+            s.bind((host if host not in ("", "0.0.0.0") else "", 0))
+            return s.getsockname()[1]
+    except OSError as e:
+        raise ConfigError(f"--host {host}: cannot listen there ({e.strerror or e})") from None
+
+
+def _maddr(host: str, port: int) -> str:
+    """The multiaddr of `host` (an IPv4 or IPv6 address, or a DNS name) and a TCP port."""
+    try:
+        kind = "ip4" if ipaddress.ip_address(host).version == 4 else "ip6"
+    except ValueError:
+        kind = "dns"
+    return f"/{kind}/{host}/tcp/{port}"
+
+
+def _dht_port(args: argparse.Namespace, cfg: PeerConfig) -> int | None:
+    """The DHT port: --dht-port; for an announced address, the config file's, else --port + 1, else a free one."""
+    if args.dht_port:
+        return args.dht_port
+    if not args.announce_host:
+        return None
+    configured = [m for m in cfg.network.dht_host_maddrs if not m.endswith("/tcp/0")]
+    if configured:
+        return int(configured[0].rsplit("/", 1)[1])
+    return args.port + 1 if args.port else _free_port(args.host or "0.0.0.0")
 
 
 def split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
@@ -262,14 +288,11 @@ def _peer_config(args: argparse.Namespace, overrides: list[str] | None = None) -
         if value is not None and value is not False:
             set_path(cfg, path, value)
     host = args.host or "0.0.0.0"
-    dht_port = args.dht_port
-    if args.announce_host and not dht_port:
-        # the announced DHT address needs a fixed port: the gRPC one + 1, or a free one picked now
-        dht_port = args.port + 1 if args.port else _free_port(host)
+    dht_port = _dht_port(args, cfg)  # an announced DHT address needs a fixed port
     if args.host is not None or dht_port is not None:
-        cfg.network.dht_host_maddrs = [f"/ip4/{host}/tcp/{dht_port or 0}"]
+        cfg.network.dht_host_maddrs = [_maddr(host, dht_port or 0)]
     if args.announce_host:
-        cfg.network.dht_announce_maddrs = [f"/ip4/{args.announce_host}/tcp/{dht_port}"]
+        cfg.network.dht_announce_maddrs = [_maddr(args.announce_host, dht_port)]
     if args.identity:
         cfg.identity = args.identity
     for item in overrides:
@@ -326,13 +349,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from dht.node import SwarmDHT  # lazy: hivemind
+    coordinator = coordinator_peer_id(args.maddr, args.coordinator)
+    check_reachable(args.maddr, PeerConfig().network.connect_timeout)  # said in seconds, before the imports
+    from dht.node import SwarmDHT  # lazy: hivemind and torch
     from peer.security import gate_for
     from peer.status import gather, render
-    from peer.swarm import check_reachable, coordinator_peer_id, fetch_spec
+    from peer.swarm import fetch_spec
 
-    coordinator = coordinator_peer_id(args.maddr, args.coordinator)
-    check_reachable(args.maddr, PeerConfig().network.connect_timeout)
     dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
     try:
         spec = fetch_spec(dht, coordinator, timeout=args.timeout)
@@ -372,15 +395,20 @@ def _admission(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from peer.coordinator import run_coordinator
-    from peer.join import set_threads
-
     spec_overrides, peer_overrides = split_overrides(args.set)
     spec = RunSpec.from_toml(args.spec)
     for item in spec_overrides:
         apply_override(spec, item)
     spec.validate()
     cfg = _peer_config(args, peer_overrides)
+    if args.initial_peers:  # an existing DHT: said in seconds if none of its addresses answers
+        answer = answering(args.initial_peers, cfg.network.connect_timeout)
+        if not answer:
+            raise AddressError(f"--initial-peers: none of {', '.join(args.initial_peers)} answers")
+        args.initial_peers = answer
+    from peer.coordinator import run_coordinator  # lazy: hivemind and torch
+    from peer.join import set_threads
+
     set_threads(cfg.threads)
     run_coordinator(
         spec, cfg, _identity(cfg), info_file=args.info_file, resume=args.resume or "", initial=args.initial_peers
@@ -389,14 +417,16 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from peer.join import run_experts, run_relay, run_server, run_trainer, set_threads
-
     spec_overrides, peer_overrides = split_overrides(args.set)
     if spec_overrides:
         field = spec_overrides[0].partition("=")[0]
         raise ConfigError(f"{field}: a field of the run spec, which its coordinator sets for every peer")
     cfg = _peer_config(args, peer_overrides)
     _place_device(args, cfg)
+    coordinator_peer_id(args.maddr, args.coordinator)  # a malformed address or id is said at once,
+    check_reachable(args.maddr, cfg.network.connect_timeout)  # and a dead one in seconds, before the imports
+    from peer.join import run_experts, run_relay, run_server, run_trainer, set_threads  # lazy: torch, hivemind
+
     set_threads(cfg.threads)
     if args.experts is not None:
         if args.role != "server" or args.stage is not None:

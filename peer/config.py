@@ -244,6 +244,11 @@ class RunSpec:
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
+        if not a.averaging_timeout > a.min_matchmaking_time:
+            raise ConfigError(
+                f"averaging.averaging_timeout: must be longer than averaging.min_matchmaking_time "
+                f"({a.min_matchmaking_time:g} s), got {a.averaging_timeout:g}"
+            )
         if not a.group_timeout > a.min_matchmaking_time:
             raise ConfigError(
                 f"averaging.group_timeout: must be longer than averaging.min_matchmaking_time "
@@ -531,8 +536,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: cannot be read by this user") from None
 
 
 def port_range(text: str) -> list[int]:

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from dht.address import answering
 from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
 from dht.records import TrainerRecord
@@ -28,7 +29,7 @@ from peer.lifetime import exit_within
 from peer.metrics import open_metrics, serve_metrics
 from peer.security import Security
 from peer.status import gather
-from peer.swarm import answering, check_reachable, publish_spec
+from peer.swarm import publish_spec
 from peer.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -186,9 +187,7 @@ def start_dht(
     net = cfg.network
     # remembered peers that no longer answer at all are left out at once, not waited for (rejoin_timeout)
     known = answering(remembered_peers(peers_file(cfg, identity, spec)), net.connect_timeout)
-    if initial:
-        for maddr in initial:
-            check_reachable(maddr, net.connect_timeout)
+    if initial:  # (the CLI kept those that answer)
         dht = SwarmDHT(
             identity, [*initial, *known], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout
         )

@@ -13,6 +13,7 @@ import time
 import torch
 
 from dht import keys
+from dht.address import coordinator_peer_id
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
@@ -21,9 +22,10 @@ from peer.corpus import load_corpus
 from peer.lifetime import exit_within
 from peer.metrics import open_metrics, serve_metrics
 from peer.security import Security
-from peer.swarm import check_reachable, choose_stage, coordinator_peer_id, fetch_spec
+from peer.swarm import choose_stage, fetch_spec
 
 logger = logging.getLogger(__name__)
+MOVE_TIMEOUT_FACTOR = 3  # a server moving to another stage gets this many leave timeouts before it exits regardless
 
 
 def connect(
@@ -36,8 +38,7 @@ def connect(
     hivemind's averager, which forks, can still be created.
     """
     coordinator = coordinator_peer_id(maddr, coordinator)
-    net = cfg.network
-    check_reachable(maddr, net.connect_timeout)
+    net = cfg.network  # (the CLI checked that something answers at maddr: dht.address.check_reachable)
     dht = SwarmDHT(
         identity,
         [maddr],
@@ -76,11 +77,14 @@ def follow_admission(dht: SwarmDHT, on_revoked) -> None:
     dht.security.start()
 
 
-async def _until_signalled(start, stop, done: asyncio.Event, leave_timeout: float) -> threading.Timer:
+async def _until_signalled(
+    start, stop, done: asyncio.Event, leave_timeout: float, moving=lambda: False
+) -> threading.Timer:
     """Run until SIGINT/SIGTERM/SIGHUP (or `done` is set), then stop.
 
     From the moment it is told to leave, the process has `leave_timeout` seconds to end, whatever
-    is still running; the deadline's timer is returned, for a process that execs itself after.
+    is still running (a server that `moving()` to another stage: three times that, to hand over
+    and start anew); the deadline's timer is returned, for a process that execs itself after.
     """
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -89,7 +93,8 @@ async def _until_signalled(start, stop, done: asyncio.Event, leave_timeout: floa
         await start()
         await done.wait()
     finally:
-        deadline = exit_within(leave_timeout, f"still leaving the swarm after {leave_timeout:g} s")
+        bound = leave_timeout * (MOVE_TIMEOUT_FACTOR if moving() else 1)
+        deadline = exit_within(bound, f"still leaving the swarm after {bound:g} s")
         await stop()
     return deadline
 
@@ -210,7 +215,9 @@ def run_server(
             if experts is not None:
                 await experts.close()
 
-        deadline = asyncio.run(_until_signalled(start, stop, server.done, cfg.server.leave_timeout))
+        deadline = asyncio.run(
+            _until_signalled(start, stop, server.done, cfg.server.leave_timeout, lambda: server.move_to is not None)
+        )
     finally:
         if ranks is not None:
             ranks.close()

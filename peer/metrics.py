@@ -15,7 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from peer.config import PeerConfig
+from peer.config import ConfigError, PeerConfig
 
 logger = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -117,5 +117,8 @@ def serve_metrics(metrics, cfg: PeerConfig) -> None:
     from peer.server import announce_host
 
     host = cfg.metrics.host or cfg.network.host
-    endpoint = metrics.serve(host, cfg.metrics.port, announce_host(host, cfg.network.announce_host))
+    try:
+        endpoint = metrics.serve(host, cfg.metrics.port, announce_host(host, cfg.network.announce_host))
+    except OSError as e:
+        raise ConfigError(f"metrics.port: cannot listen on {host}:{cfg.metrics.port} ({e.strerror or e})") from None
     print(f"Prometheus metrics at http://{endpoint}/metrics.", flush=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import statistics
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -29,6 +29,11 @@ from peer.config import RunSpec
 from peer.optim import build_optimizer, set_lr
 
 logger = logging.getLogger(__name__)
+
+
+def next_incarnation(previous: int) -> int:
+    """An incarnation number larger than `previous` and than any this peer id had before (nanoseconds)."""
+    return max(previous + 1, time.time_ns())
 
 
 class BadGradient(ValueError):
@@ -55,12 +60,14 @@ class Restored:
 
     epoch: int  # the step the round was for
     seq: int  # the last accumulator addition in this piece
-    sums: list[torch.Tensor]  # the piece's gradients summed over its samples
+    sums: list[torch.Tensor]  # the piece's gradients summed over its samples (CPU copies)
     samples: int
 
 
 STEP_MEMBERS = 32  # recent steps whose group members and coverage travel with a state
-MAX_RESTORED = 16  # pieces kept from failed rounds at one step; more are merged (oldest first)
+# pieces kept from failed rounds at one step (each a gradient-sized copy, in host memory); more are merged,
+# oldest first, and a partner's step then covers a merged piece only whole (else it stays: counted twice)
+MAX_RESTORED = 4
 
 
 class PartRuntime:
@@ -95,7 +102,8 @@ class PartRuntime:
         # partner's step may have counted some of them (its round succeeded there, not here)
         self.restored: list[Restored] = []
         # receipts: the accumulator's additions are numbered; stepped_seq says how many are in finished steps
-        self.incarnation = random.getrandbits(63) or 1  # a new number whenever the accumulator is dropped
+        # a new, larger number whenever the accumulator is dropped: the newest incarnation is the largest
+        self.incarnation = next_incarnation(0)
         self.seq = 0  # backwards added to the accumulator in this incarnation
         self.stepped_seq = 0  # additions up to this one are in a finished optimizer step
         self.taken_seq = 0  # additions up to this one were taken out by take_gradients
@@ -202,7 +210,7 @@ class PartRuntime:
             acc.zero_()
         self.samples_accumulated = 0
         self.restored = []
-        self.incarnation = random.getrandbits(63) or 1
+        self.incarnation = next_incarnation(self.incarnation)
         self.seq = self.stepped_seq = self.taken_seq = 0
         self.counted.clear()
         return dropped
@@ -213,13 +221,13 @@ class PartRuntime:
         What earlier failed rounds of this epoch put back was taken again with the rest: the new
         piece is only what this take added to them.
         """
-        sums = [g * samples for g in grads]
-        for acc, g in zip(self.accumulator, sums, strict=True):
-            acc.add_(g)
+        for acc, g in zip(self.accumulator, grads, strict=True):
+            acc.add_(g, alpha=samples)
         self.samples_accumulated += samples
         self.restored = [r for r in self.restored if r.epoch == self.epoch]
         earlier = sum(r.samples for r in self.restored)
         if samples > earlier:
+            sums = [(g * samples).cpu() for g in grads]
             for r in self.restored:
                 sums = [s - p for s, p in zip(sums, r.sums, strict=True)]
             self.restored.append(Restored(self.epoch, seq, sums, samples - earlier))
@@ -236,7 +244,7 @@ class PartRuntime:
         dropped = [r for r in self.restored if r.seq <= seq]
         for r in dropped:
             for acc, g in zip(self.accumulator, r.sums, strict=True):
-                acc.sub_(g)
+                acc.sub_(g.to(acc.device))
             self.samples_accumulated -= r.samples
         self.restored = [r for r in self.restored if r.seq > seq]
         self.stepped_seq = max(self.stepped_seq, seq)
@@ -364,6 +372,28 @@ class PartRuntime:
         else:
             self.restore_gradients(taken, samples, seq)
 
+    def _drop_what_the_donor_counted(self, step: Fingerprint | None, me: str) -> None:
+        if step is None:
+            return
+        if me in step.coverage:
+            self.drop_covered(*step.coverage[me])
+        elif me in step.members and not step.coverage:  # a donor too old to say: it counted the whole take
+            self.drop_covered(self.incarnation, max(r.seq for r in self.restored))
+
+    def _inherit_history(self, steps: dict[int, Fingerprint], last_samples: int) -> None:
+        """After a load: the donor's recent steps (members and coverage; values unknown, empty) replace
+        our entries from the first of them on (ours are kept where we made the step too), and the loaded
+        step carries our fingerprint of the donor's parameters. A replica that resynced past a round can
+        so still say what that round counted."""
+        own = {f.epoch: f for f in self.history if f.values}  # steps we made too: the same, with real values
+        first = min(steps, default=self.epoch)
+        kept = [f for f in self.history if f.epoch < first]
+        inherited = [own.get(e, f) for e, f in sorted(steps.items()) if e < self.epoch]
+        loaded = steps.get(self.epoch, Fingerprint(self.epoch, 0, []))
+        loaded.samples, loaded.values = last_samples, self.fingerprint_values()
+        self.history.clear()
+        self.history.extend([*kept, *inherited, loaded])
+
     def has_work(self) -> bool:
         """Whether a step alone would change anything: gradients accumulated, or inner steps to fold in."""
         return bool(self.inner_samples) if self.local else bool(self.samples_accumulated)
@@ -417,6 +447,7 @@ class PartRuntime:
                 str(f.epoch): {pid: list(c) for pid, c in f.coverage.items()}
                 for f in list(self.history)[-STEP_MEMBERS:]
             },
+            "step_samples": {str(f.epoch): f.samples for f in list(self.history)[-STEP_MEMBERS:]},
         }
 
     def check_state(self, metadata: dict, tensors: dict[str, torch.Tensor], shapes: list[list[int]]) -> str:
@@ -458,24 +489,38 @@ class PartRuntime:
                     state[key] = t.to(p.device).clone()
             if state:
                 self.optimizer.state[p] = state
+        steps = inherited_steps(metadata)
         if self.restored and self.restored[0].epoch < int(metadata["epoch"]):
             # the donor's step after a round that failed here may have had us in its group: the round
             # succeeded on its side, with the part of our accumulator it covered; that part is accounted
-            covered = (metadata.get("step_coverage") or {}).get(str(self.restored[0].epoch + 1), {}).get(me)
-            if covered:
-                self.drop_covered(int(covered[0]), int(covered[1]))
+            self._drop_what_the_donor_counted(steps.get(self.restored[0].epoch + 1), me)
             self.restored = []  # any other piece waits for the next step like the rest of the accumulator
         self.epoch = int(metadata["epoch"])
         self.samples_stepped = int(metadata.get("samples_stepped", 0))
         self.inner_steps = self.inner_samples = 0  # local mode: at the anchor, no inner step of ours on it yet
         self._taken = None
         if self.epoch > 0:  # the parameters after this step are now the donor's
-            self.history.append(
-                Fingerprint(self.epoch, int(metadata.get("last_step_samples", 0)), self.fingerprint_values())
-            )
+            self._inherit_history(steps, int(metadata.get("last_step_samples", 0)))
         self._stash = None
         self.version += 1
         self._after_load()
+
+
+def inherited_steps(metadata: dict) -> dict[int, Fingerprint]:
+    """The donor's recent steps from a state's metadata: who made each and what it counted (no values)."""
+    members = metadata.get("step_members") or {}
+    coverage = metadata.get("step_coverage") or {}
+    samples = metadata.get("step_samples") or {}
+    return {
+        int(epoch): Fingerprint(
+            int(epoch),
+            int(samples.get(epoch, 0)),
+            [],
+            list(members.get(epoch, [])),
+            {pid: (int(c[0]), int(c[1])) for pid, c in coverage.get(epoch, {}).items()},
+        )
+        for epoch in sorted({*members, *coverage}, key=int)
+    }
 
 
 def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:

@@ -63,8 +63,7 @@ class Router:
         self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
         self.leaving: set[str] = set()  # said so in an answer, before its record did
         self.distrusted: set[str] = set()  # caught answering wrong (peer.spotcheck): never routed to again
-        # the incarnation a peer last answered with, and when (time.time()): newer evidence than a record
-        self.incarnation: dict[str, tuple[int, float]] = {}
+        self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
         self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
         self.rng = random.Random()
         self.max_epoch = 0
@@ -207,22 +206,19 @@ class Router:
         return ban
 
     def current_incarnation(self, pid: str) -> int | None:
-        """The incarnation the newest evidence names: its newest record, or its last answer if that is newer.
+        """The newest incarnation its records and answers name: the largest (a server's grow, peer.part).
 
         A server that dropped its accumulator answers with its new incarnation at once, while its
         record in the DHT may still name the old one for a while (its announcements were stuck):
         going by either alone would take the live incarnation for gone, and replay forever.
         """
         record, answer = self.latest.get(pid), self.incarnation.get(pid)
-        if answer is None:
-            return None if record is None else record.incarnation
-        if record is None or answer[1] >= record.updated:
-            return answer[0]
-        return record.incarnation
+        known = [i for i in (record.incarnation if record is not None else None, answer) if i]
+        return max(known) if known else None
 
     def report_answer(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
         """A server answered with its incarnation and how many of its additions are stepped."""
-        self.incarnation[peer_id] = (incarnation, time.time())
+        self.incarnation[peer_id] = max(incarnation, self.incarnation.get(peer_id, 0))
         key = (peer_id, incarnation)
         self.answered[key] = max(self.answered.get(key, 0), stepped_seq)
         self.dead.discard(peer_id)

@@ -23,7 +23,7 @@ from dht.records import ServerRecord
 from peer.averaging import GradientAverager
 from peer.balance import plan_move, stage_totals
 from peer.client import server_options
-from peer.config import PeerConfig, RunSpec
+from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.guard import Guard
 from peer.relay import add_relay, offered_relay
 from peer.replica import Part, Replica
@@ -54,12 +54,19 @@ def grpc_server(cfg: PeerConfig, security) -> grpc.aio.Server:
 
 def listen(server: grpc.aio.Server, address: str, security) -> int:
     """Listen on `address`: mutual TLS with this peer's credential, or plaintext without `security`."""
-    if security is None:
-        port = server.add_insecure_port(address)
+    try:
+        if security is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, security.server_credentials())
+    except RuntimeError as e:  # grpcio's "Failed to bind": the port is taken, or the address is not ours
+        port, reason = 0, f" ({e})"
     else:
-        port = server.add_secure_port(address, security.server_credentials())
+        reason = ""
     if port == 0:
-        raise OSError(f"could not listen on {address}")
+        raise ConfigError(
+            f"network.port: cannot listen on {address}{reason}: in use, or not an address of this machine"
+        )
     return port
 
 

@@ -7,6 +7,7 @@ its members expects (hivemind's key manager fails such a member mid-round).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,6 +17,7 @@ from dht.identity import Identity
 from dht.node import SwarmDHT
 from peer.averaging import GradientAverager, group_bits, whole_group_missing
 from peer.config import RunSpec
+from peer.replica import MATCHMAKING_STAGGER
 
 SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
 
@@ -39,12 +41,21 @@ def replicas():
             dht.shutdown()
 
 
+def _staggered(rank: int, fn, *args):
+    """As replicas do (peer.replica.MATCHMAKING_STAGGER): entering matchmaking at one instant, two can
+    each take the other for its leader."""
+    time.sleep(MATCHMAKING_STAGGER * rank)
+    return fn(*args)
+
+
 def _rounds(replicas, epoch: int, expectations: list[list[int]]):
     """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once."""
     ids = [pid for pid, _ in replicas]
     with ThreadPoolExecutor(len(replicas)) as pool:
         futures = [
             pool.submit(
+                _staggered,
+                i,
                 averager.average,
                 [torch.full((64,), float(i)), torch.full((8, 8), float(i))],
                 i + 1,  # samples: the mean is weighted by them

@@ -47,12 +47,9 @@ def test_help_answers_at_once_and_imports_no_torch_or_hivemind(tmp_path):
     assert subprocess.check_output([sys.executable, "-c", probe], text=True).split() == ["False", "False"]
 
 
-def test_version_everywhere(tmp_path):
+def test_version(tmp_path):
     result = peer("--version", cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == f"peer (swarmtrain) {software_version()}"
-    from dht.records import ServerRecord
-
-    assert ServerRecord(stage=0, endpoint="x:1", throughput=1.0).software == software_version() != ""
 
 
 def test_keygen_refuses_to_overwrite_without_force_and_checks_the_path(tmp_path):

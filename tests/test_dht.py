@@ -18,6 +18,7 @@ from dht.node import SwarmDHT
 from dht.records import RunSpecRecord, ServerRecord
 from peer.config import RunSpec
 from peer.swarm import RunNotFound, fetch_spec
+from protocols.version import software_version
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -41,6 +42,8 @@ def test_signed_records_roundtrip_and_forgeries_are_refused(two_nodes):
     assert b.store(key, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=5.0), ttl=30)
     records = a.get(key, ServerRecord)
     assert list(records) == [b.peer_id] and records[b.peer_id].throughput == 5.0
+    assert records[b.peer_id].software == software_version() != ""  # every stored record names its release
+    assert ServerRecord.model_validate_json('{"stage": 0, "endpoint": "x:1", "throughput": 1}').software == ""
 
     # b signs a record but files it under a's subkey: refused by the validators of both nodes
     forged = ServerRecord(stage=0, endpoint="evil:1", throughput=1e9)

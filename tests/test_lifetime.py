@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, alive, descendants
+from conftest import ROOT, alive, descendants, runtime_dirs
 
 from peer.lifetime import die_with_parent
 
@@ -85,6 +85,7 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
     workdir = tmp_path / "demo"
     log = tmp_path / "demo.log"
     before = {p.name for p in Path("/tmp").glob("hivemind-*.sock")}
+    dirs = runtime_dirs(Path("/tmp"), tmp_path)
     proc = _start(
         [sys.executable, "-m", "peer.cli", "demo", "--workdir", str(workdir), "--steps", "100000"], tmp_path, log
     )
@@ -112,7 +113,10 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
         print(f"everything the demo started ({len(pids)} processes) was gone {time.monotonic() - killed:.1f} s after")
         leftovers = {p.name for p in Path("/tmp").glob("hivemind-*.sock")} - before
         assert not leftovers, f"p2p sockets left: {leftovers}"
-        assert not list(workdir.glob("swarmtrain-peer-*")), "runtime directories left"
+        deadline = time.monotonic() + GONE_WITHIN  # (the reapers remove them last)
+        while runtime_dirs(Path("/tmp"), workdir) - dirs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not runtime_dirs(Path("/tmp"), workdir) - dirs, "runtime directories (with key copies) left"
     finally:
         _kill_everything(proc, pids)
 
@@ -130,7 +134,8 @@ def test_a_terminated_benchmark_stops_its_swarm(tmp_path):
             time.sleep(0.2)
         assert sum("p2pd" in n for n in _names(pids)) >= 2, _names(pids)
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(GONE_WITHIN) is not None
+        assert proc.wait(GONE_WITHIN) == 130  # interrupted, and said so in its last line
+        assert log.read_text().strip().splitlines()[-1].endswith("status=interrupted")
         left = _all_gone(pids, GONE_WITHIN)
         assert not left, f"alive {GONE_WITHIN:.0f} s after the benchmark's SIGTERM: {_names(left)}"
     finally:

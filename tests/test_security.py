@@ -87,8 +87,14 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
         [*PEER, "status", swarm.maddr], cwd=swarm.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     rogue.wait(90)
-    rounds = re.findall(r"ROUND epoch=\d+ size=\d+ members=(\S+)", rogue.output())
-    assert rounds and all(r == "none" for r in rounds), rounds
+    rounds = re.findall(r"ROUND epoch=\d+ replicas=2 members=(\S+)", rogue.output())
+    assert rounds and all(r == "none" for r in rounds), rogue.output()[-3000:]
+    # and it was the replicas' admission that kept it out: a leader refused its join request, or a
+    # replica that met it as a leader refused to average with a group that lists it
+    refusal = (
+        rf"refused an averaging join request from {ids['intruder']}|not admitted replicas: \[[^]]*{ids['intruder']}"
+    )
+    assert any(re.search(refusal, servers[n].output()) for n in ("s0a", "s0b")), rogue.output()[-3000:]
     assert not any(c.get("endpoint") == "127.0.0.1:9" for c in swarm.log("trainer") if c["type"] == "call")
     out, err = status.communicate(timeout=120)
     assert status.returncode == 0, err

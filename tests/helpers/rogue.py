@@ -2,7 +2,8 @@
 
 It joins the run's DHT with its own key, announces a stage server that does not exist (its record
 is signed by its identity key but carries no credential), and keeps asking to average huge values
-with the replicas of stage 0 through hivemind's averager, printing what each round gave it.
+with the replicas of stage 0 through hivemind's averager, at their next step and group size,
+printing what each round gave it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import time
 import torch
 
 from dht import keys
+from dht.address import coordinator_peer_id
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.averaging import GradientAverager
 from peer.model import StageModel
-from peer.swarm import coordinator_peer_id, fetch_spec
+from peer.swarm import fetch_spec
 
 
 def main(maddr: str, identity_path: str, seconds: float) -> None:
@@ -39,14 +41,15 @@ def main(maddr: str, identity_path: str, seconds: float) -> None:
             fake.updated = time.time()
             dht.store(keys.servers_key(spec.name, 1), fake, ttl=10.0)
             huge = [torch.full_like(p, 1e6) for p in params]
-            for epoch in range(0, 8):
-                # the group key carries the expected group size: claim the size the two replicas of
-                # stage 0 expect (2: it meets them), and one more
-                size = 2 + epoch % 2
-                expected = [identity.peer_id, *(Identity.generate().peer_id for _ in range(size - 1))]
-                result = averager.average(huge, 1000, epoch, expected)
+            for _ in range(8):
+                # aim at the replicas of stage 0: their next step, a group of two (what they expect), with one
+                # of them expected; admission must make them refuse it (the group verdict alone would too)
+                records = dht.get(keys.servers_key(spec.name, 0), ServerRecord)
+                replicas = sorted(pid for pid, r in records.items() if r.state == "serving")
+                epoch = 1 + max((r.epoch for r in records.values()), default=0)
+                result = averager.average(huge, 1000, epoch, [identity.peer_id, *replicas[:1]])
                 members = "none" if result is None else ",".join(result.members)
-                print(f"ROUND epoch={epoch} size={size} members={members}", flush=True)
+                print(f"ROUND epoch={epoch} replicas={len(replicas)} members={members}", flush=True)
                 if time.monotonic() > deadline:
                     break
     finally:
