@@ -138,6 +138,9 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+REAPER_GRACE = 6.0  # s for the processes left in a closing lab's namespaces (the peers' reapers) to end
+
+
 def _netns_pids(netns: str) -> list[int]:
     result = _cmd(["ip", "netns", "pids", netns], check=False, timeout=5.0)
     return [int(p) for p in result.stdout.split() if p.isdigit()]
@@ -251,18 +254,6 @@ def _signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _chain(first, then):
-    """A preexec_fn that runs `first`, then `then` (the caller's own, if any)."""
-    if then is None:
-        return first
-
-    def preexec() -> None:
-        first()
-        then()
-
-    return preexec
-
-
 @dataclass(eq=False)
 class Host:
     """One machine of the lab: a network namespace whose eth0 has `ip` on the lab's bridge."""
@@ -285,13 +276,12 @@ class Host:
         The process also dies with ours (PR_SET_PDEATHSIG, kept across `ip netns exec`): a lab whose owner was
         SIGKILLed leaves namespaces for `cleanup_stale`, but no peers still running in them.
         """
-        from peer.lifetime import die_with_parent  # here: `python benchmarks/lab.py` puts the root on sys.path late
+        from peer.lifetime import tied_to_me  # here: `python benchmarks/lab.py` puts the root on sys.path late
 
         if self.lab._closed:
             raise LabError(f"the lab of host {self.name} is closed")
         kwargs.setdefault("start_new_session", True)
-        kwargs["preexec_fn"] = _chain(die_with_parent(), kwargs.get("preexec_fn"))
-        proc = subprocess.Popen(self._argv(argv), **kwargs)
+        proc = subprocess.Popen(tied_to_me(self._argv(argv)), **kwargs)
         self.lab._procs.append(proc)
         return proc
 
@@ -462,12 +452,20 @@ class Lab:
         with _signals_deferred():
             try:
                 self._stop_procs(grace)
+                self._await_reapers()
                 for ns in reversed(self._namespaces):  # hosts first, the hub last
                     with contextlib.suppress(Exception):
                         _empty_netns(ns)
                         _cmd(["ip", "netns", "del", ns], check=False)
             finally:
                 _unregister(self)
+
+    def _await_reapers(self) -> None:
+        """Give the peers' reapers (peer.lifetime), left in the namespaces, time to end their peers'
+        helpers and remove their files before what is still there gets SIGKILL."""
+        deadline = time.monotonic() + REAPER_GRACE
+        while any(_netns_pids(ns) for ns in self._namespaces) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _stop_procs(self, grace: float) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):

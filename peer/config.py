@@ -307,7 +307,7 @@ class NetworkConfig:
     dht_startup_timeout: float = 20.0  # s to start the DHT node and reach the initial peers
     connect_timeout: float = 3.0  # s for the address given to join or status to answer at all (a TCP connect)
     spec_timeout: float = 5.0  # s to find the run spec the coordinator signed, once in the DHT
-    dht_request_timeout: float = 5.0  # s for one DHT store or get
+    dht_request_timeout: float = 3.0  # s for one DHT store or get (a call waits at most twice this)
     announce_period: float = 2.0  # s between refreshes of this peer's DHT record
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
     progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
@@ -521,6 +521,13 @@ class PeerConfig:
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             _positive(f"relay.{name}", getattr(self.relay, name))
         port_range(self.relay.ports)  # ConfigError names a malformed range
+        net = self.network
+        if net.record_ttl < 2 * net.dht_request_timeout + net.announce_period:
+            raise ConfigError(
+                f"network.record_ttl: must be at least 2 x network.dht_request_timeout + network.announce_period "
+                f"({2 * net.dht_request_timeout + net.announce_period:g} s), got {net.record_ttl:g}: an announcement "
+                "held up by a frozen DHT node must not let a live peer's record expire"
+            )
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PeerConfig:

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from peer.config import RunSpec
 from peer.corpus import load_corpus, unigram_entropy
-from peer.lifetime import die_with_parent, interrupt_on_signals, user_tempdir
+from peer.lifetime import interrupt_on_signals, tied_to_me, user_tempdir
 
 DEMO_SPEC = Path(__file__).with_name("demo.toml")
 STAGES, REPLICAS, TRAINERS = 2, 2, 2
@@ -57,7 +57,7 @@ def loopback_coordinator(spec_file: str, info_file: str, *extra: str) -> list[st
 class Processes:
     """Peers started as `peer` subprocesses, each in its own process group (with its p2p daemons).
 
-    Each dies with the process that started it (peer.lifetime.die_with_parent), and its own reaper
+    Each dies with the process that started it (peer.lifetime.tied_to_me), and its own reaper
     then ends what it started: nothing outlives the command, however it ends.
     """
 
@@ -69,12 +69,11 @@ class Processes:
         # TMPDIR: the peer's temporary files (its runtime dir, removed with it) go in the run's dir
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.workdir))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *args],
+            tied_to_me([sys.executable, "-m", "peer.cli", *args]),  # it dies with us whatever happens, SIGKILL too
             cwd=self.workdir,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # our Ctrl+C reaches it through stop(), after the summary
-            preexec_fn=die_with_parent(),  # and it dies with us whatever happens, SIGKILL included
             env=env,
         )
         self.procs[name] = (proc, log)

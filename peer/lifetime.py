@@ -2,9 +2,13 @@
 
 All Linux:
 
-- `die_with_parent`, a `preexec_fn` for spawners (the demo, test fixtures, benchmarks): the child
-  gets SIGKILL the moment the process that started it dies, however it dies (prctl's
-  PR_SET_PDEATHSIG). It is kept across exec, so `ip netns exec ... peer join` is covered too.
+- `tied_to_me`, for spawners (the demo, tensor-parallel ranks, test fixtures, benchmarks): the
+  command line it returns gets SIGKILL the moment the process that started it dies, however it
+  dies (prctl's PR_SET_PDEATHSIG, set by a tiny launcher that then execs the command). It is kept
+  across exec, so `ip netns exec ... peer join` is covered too. No `preexec_fn`: Python code
+  between fork and exec in a process with gRPC threads can abort the child (gRPC's fork handlers
+  start pollers whose descriptors `close_fds` then closes: "epoll_wait error: Bad file descriptor").
+- `die_with_parent`, the same for a child forked by multiprocessing (called first thing in it).
 - `start_reaper`, called once by every long-running `peer` command: it forks the reaper
   (peer.reaper), which ends the peer's descendants (hivemind's DHT and averager processes, their
   p2p daemons, tensor-parallel ranks) once the peer has exited in any way, its own SIGKILL
@@ -27,6 +31,7 @@ import fcntl
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -49,8 +54,28 @@ def _set_parent_death_signal(sig: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
+# the launcher of tied_to_me: argv is [signal, parent pid, niceness, command...]; stdlib only, no site
+_LAUNCHER = (
+    "import ctypes, os, sys\n"
+    "sig, parent, niceness = map(int, sys.argv[1:4])\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) != 0: sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+    "if os.getppid() != parent: os.kill(os.getpid(), sig)\n"
+    "if niceness: os.nice(niceness)\n"
+    "os.execvp(sys.argv[4], sys.argv[4:])\n"
+)
+
+
+def tied_to_me(argv: list[str], sig: int = signal.SIGKILL, niceness: int = 0) -> list[str]:
+    """`argv` as a command line that gets `sig` when the thread spawning it (use the main thread) dies.
+
+    Spawn it without a `preexec_fn` (see the module's notes); `niceness` is added to the child's.
+    """
+    return [sys.executable, "-S", "-c", _LAUNCHER, str(int(sig)), str(os.getpid()), str(niceness), *map(str, argv)]
+
+
 def die_with_parent(sig: int = signal.SIGKILL):
-    """A `preexec_fn`: the child gets `sig` when the thread that spawned it (use the main thread) dies."""
+    """For a child forked by multiprocessing: call the returned function first thing in the child;
+    it then gets `sig` when the thread that forked it dies. (A spawned program: `tied_to_me`.)"""
     parent = os.getpid()
 
     def preexec() -> None:

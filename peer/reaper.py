@@ -4,7 +4,9 @@ It follows the peer's descendants while the peer lives: their pids with their st
 reused pid is never taken for one of them) and the unix sockets they bind under /tmp (hivemind
 puts its p2p daemons' and clients' sockets there). When the peer exits, however it exits, the
 reaper sends SIGTERM to those still alive, SIGKILL after a grace, through pidfds (a pid that was
-reused meanwhile gets no signal), removes the sockets and the peer's runtime directory, and exits.
+reused meanwhile gets no signal), removes the sockets (those it saw, and those made during the
+peer's life that nobody listens on any more: a helper that died with the peer before a look saw
+it bind one) and the peer's runtime directory, and exits.
 
 It runs in a session of its own: a signal to the peer's process group (a terminal's Ctrl+C, a
 supervisor's `kill -9 -PGID`) does not end it before its work.
@@ -13,10 +15,12 @@ supervisor's `kill -9 -PGID`) does not end it before its work.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import select
 import shutil
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +28,8 @@ SOCKET_FLAG = "-listen=/unix"  # how hivemind names a p2p daemon's unix socket o
 SOCKET_DIR = "/tmp/hivemind-"  # where hivemind puts its unix sockets, whatever TMPDIR says
 SOCKET_LOOKS = 4  # the sockets the peer's processes hold are noted every this many looks
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
+SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
+SOCKET_PROBE = 0.2  # s a probe's connect may take
 
 
 # ---- reading /proc ------------------------------------------------------------------------------
@@ -72,12 +78,54 @@ def _bound_sockets(pids: list[int], prefix: str = SOCKET_DIR) -> set[str]:
             continue
     if not inodes:
         return set()
+    table = _unix_sockets(str(pids[0]))  # the processes' own network namespace
+    return {path for inode, path in table.items() if inode in inodes and path.startswith(prefix)}
+
+
+def _unix_sockets(proc: str = "self") -> dict[str, str]:
+    """inode -> path of the unix sockets bound to a path in the network namespace of /proc/`proc`."""
     try:
-        with open(f"/proc/{pids[0]}/net/unix") as f:  # the processes' own network namespace
+        with open(f"/proc/{proc}/net/unix") as f:
             rows = [line.split() for line in f.read().splitlines()[1:]]
     except OSError:
-        return set()
-    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith(prefix)}
+        return {}
+    return {row[6]: row[7] for row in rows if len(row) >= 8}
+
+
+def _listening(path: str) -> bool:
+    """Whether some process listens on the unix socket at `path` (in any network namespace)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(SOCKET_PROBE)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # a full backlog, a slow listener: someone is there
+    finally:
+        probe.close()
+    return True
+
+
+def stale_sockets(since: float, prefix: str = SOCKET_DIR) -> list[str]:
+    """hivemind's unix sockets made since `since` (wall clock) that nobody listens on any more.
+
+    A process that died with the peer before the reaper saw it bind (an averager started in the
+    last look's period) leaves a socket file no list names. Bound sockets of this network namespace
+    are skipped unprobed; others (a peer in another namespace, a file without a listener) get a
+    connect, once the file is old enough that its maker has surely called listen().
+    """
+    candidates = {}
+    for path in glob.glob(prefix + "*.sock"):
+        with contextlib.suppress(OSError):
+            made = os.lstat(path).st_ctime
+            if made >= since:
+                candidates[path] = made
+    bound = set(_unix_sockets().values())
+    candidates = {p: made for p, made in candidates.items() if p not in bound}
+    if candidates:
+        time.sleep(max(0.0, max(candidates.values()) + SOCKET_SETTLE - time.time()))
+    return [p for p in candidates if not _listening(p)]
 
 
 def _sockets_of(pid: int) -> list[str]:
@@ -104,6 +152,7 @@ class Watch:
     me: int
     group: int  # the peer's process group
     born: int  # the peer's start time (clock ticks)
+    started: float  # wall clock when the reaper began to watch (before the peer started anything)
     # where the kernel puts the peer's orphans: its ancestors (a subreaper among them) and init, but
     # not its parent, whose other children (`peer join | tee`) are not the peer's
     adopters: set[int]
@@ -188,7 +237,7 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float) -> None:
         leftovers = watch.leftovers()
         if leftovers:
             _end(_handles(leftovers, watch), grace)
-    for path in watch.sockets:
+    for path in watch.sockets | set(stale_sockets(watch.started)):
         with contextlib.suppress(OSError):
             os.unlink(path)
     shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -205,7 +254,7 @@ def watch_parent(peer: int) -> Watch | None:
         adopters.add(pid)
         pid = up[0]
     adopters.discard(parent)
-    return Watch(peer, os.getpid(), group, born, adopters)
+    return Watch(peer, os.getpid(), group, born, time.time() - 1.0, adopters)
 
 
 def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:

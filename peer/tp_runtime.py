@@ -30,7 +30,7 @@ import time
 import torch
 
 from peer.config import ParallelConfig, RunSpec
-from peer.lifetime import die_with_parent, exit_now, exit_within
+from peer.lifetime import exit_now, exit_within, tied_to_me
 from peer.part import Fingerprint, StateError, shards_by_bytes
 from peer.runtime import InputError, Late, RankDied, StageRuntime
 from peer.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
@@ -87,10 +87,9 @@ class Ranks:
         devices = tp_devices(self.cfg)
         for rank in range(1, self.cfg.tp):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "peer.rank"],
+                tied_to_me([sys.executable, "-m", "peer.rank"]),  # never outlives rank 0, even its SIGKILL
                 stdin=subprocess.PIPE,
                 start_new_session=True,  # a terminal's Ctrl+C goes to rank 0, which stops the others
-                preexec_fn=die_with_parent(),  # and they never outlive it, even a SIGKILL of it
             )
             self.procs.append(proc)
             message = {

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+from peer.lifetime import tied_to_me
+
 
 def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
@@ -39,19 +41,22 @@ class Browser:
         profile.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "chromium.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                binary,
-                "--headless",
-                "--no-sandbox",  # tests run as root in a container
-                "--disable-gpu",
-                "--disable-dev-shm-usage",
-                "--no-first-run",
-                "--remote-debugging-port=0",
-                "--remote-debugging-address=127.0.0.1",
-                f"--user-data-dir={profile}",
-                f"--window-size={width},{height}",
-                "about:blank",
-            ],
+            tied_to_me(  # a killed test run takes its browser along
+                [
+                    binary,
+                    "--headless",
+                    "--no-sandbox",  # tests run as root in a container
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    "--no-first-run",
+                    "--remote-debugging-port=0",
+                    "--remote-debugging-address=127.0.0.1",
+                    f"--user-data-dir={profile}",
+                    f"--window-size={width},{height}",
+                    "about:blank",
+                ],
+                signal.SIGTERM,
+            ),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from peer.demo import dict_to_toml, loopback_coordinator, loopback_join
-from peer.lifetime import die_with_parent
+from peer.lifetime import tied_to_me
 
 # endpoint -> (test workdir, identity file of the peer serving it): what a test's own TLS client pins
 _SERVERS: dict[str, tuple[Path, Path]] = {}
@@ -65,18 +65,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def _preexec(niceness: int):
-    """In a started peer, before exec: its niceness, and death with this test process (SIGKILL included)."""
-    dies = die_with_parent()
-
-    def preexec() -> None:
-        if niceness:
-            os.nice(niceness)
-        dies()
-
-    return preexec
-
-
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(dict_to_toml(spec))
     return path
@@ -99,13 +87,13 @@ class Peer:
             env.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, *args] if python else [*PEER, *args],
+                # with its niceness, and dying with this test process (SIGKILL included)
+                tied_to_me([sys.executable, *args] if python else [*PEER, *args], niceness=niceness),
                 cwd=workdir,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
-                preexec_fn=_preexec(niceness),
             )
         except BaseException:
             if tty:
@@ -291,6 +279,43 @@ def remove_stale_sockets(before: set[str]) -> None:
 def runtime_dirs(*places: Path) -> set[Path]:
     """The peers' runtime directories (peer.lifetime) in these places: each reaper removes its own."""
     return {d for place in places for d in place.glob("swarmtrain-peer-*")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    """Whatever a test module started has ended with it (its peers' reapers done): no process of ours,
+    no peer's runtime directory, no p2p socket. Polled for a few seconds: a reaper ends its peer's
+    helpers first."""
+    dirs, before, sockets = runtime_dirs(Path("/tmp")), set(descendants(os.getpid())), hivemind_sockets()
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        procs = [p for p in descendants(os.getpid()) if p not in before and alive(p) and not _torch_helper(p)]
+        left = runtime_dirs(Path("/tmp")) - dirs
+        stale = hivemind_sockets() - sockets
+        if not (procs or left or stale) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    commands = {p: _command(p) for p in procs}
+    for pid in procs:  # reported below; ended so that nothing outlives the test run all the same
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    assert not commands, f"processes left behind by this module: {commands}"
+    assert not left, f"runtime directories left behind by this module: {sorted(map(str, left))}"
+    assert not stale, f"p2p sockets left behind by this module: {sorted(stale)}"
+
+
+def _torch_helper(pid: int) -> bool:
+    """torch's shared-memory manager, which the test process itself starts and keeps until it exits."""
+    return os.path.basename(_command(pid).split(" ", 1)[0]) == "torch_shm_manager"
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import hivemind_sockets, remove_stale_sockets
 
 from dht.identity import Identity
 from dht.node import SwarmDHT
@@ -26,7 +27,7 @@ SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "aver
 def replicas():
     """Three replicas of one part: (peer id, averager) each, on three DHT nodes."""
     spec = RunSpec.from_dict(SPEC)
-    dhts, averagers = [], []
+    dhts, averagers, sockets = [], [], hivemind_sockets()
     try:
         for _ in range(3):
             initial = dhts[0].visible_maddrs()[:1] if dhts else []
@@ -39,6 +40,7 @@ def replicas():
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+        remove_stale_sockets(sockets)  # hivemind's averagers leave their client sockets in /tmp
 
 
 def _staggered(rank: int, fn, *args):

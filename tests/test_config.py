@@ -67,6 +67,9 @@ def test_flags_and_set_override_peer_settings(tmp_path):
         _peer_config(build_parser().parse_args(["join", "x", "--set", "network.nope=1"]))
     with pytest.raises(ConfigError, match="network.port: expected an integer"):
         _peer_config(build_parser().parse_args(["join", "x", "--set", "network.port='a'"]))
+    # a record must outlive one announcement held up by a frozen DHT node (2 x 3 s + 2 s here)
+    with pytest.raises(ConfigError, match=r"network.record_ttl: must be at least .* \(8 s\), got 5"):
+        _peer_config(build_parser().parse_args(["join", "x", "--set", "network.record_ttl=5"]))
 
 
 def test_stages_compose_to_the_whole_model():

@@ -78,7 +78,8 @@ def check_same_parameters(infos: list, stage: int) -> None:
 
 def test_sigstop_moves_on_within_deadline_then_forgiven(swarm):
     swarm.coordinator(SPEC)
-    short = ["--set", "network.record_ttl=5"]  # a frozen peer is taken for gone after 5 s instead of 10
+    # a frozen peer is taken for gone after 5 s instead of 10 (DHT calls short enough for that TTL)
+    short = ["--set", "network.record_ttl=5", "--set", "network.dht_request_timeout=1"]
     hung, spare = swarm.server("s0a", 0, short), swarm.server("s0b", 0, short)
     last = swarm.server("s1", 1, short)
     ends = {"hung": swarm.endpoint(hung), "spare": swarm.endpoint(spare), "last": swarm.endpoint(last)}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from conftest import ROOT, alive, descendants, runtime_dirs
 
-from peer.lifetime import die_with_parent
+from peer.lifetime import tied_to_me
 
 GONE_WITHIN = 10.0  # s
 
@@ -26,13 +26,12 @@ def _start(argv: list[str], workdir: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
     with open(log, "wb") as out:
         return subprocess.Popen(
-            argv,
+            tied_to_me(argv),
             cwd=workdir,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
         )
 
 
@@ -140,3 +139,28 @@ def test_a_terminated_benchmark_stops_its_swarm(tmp_path):
         assert not left, f"alive {GONE_WITHIN:.0f} s after the benchmark's SIGTERM: {_names(left)}"
     finally:
         _kill_everything(proc, pids)
+
+
+def test_the_reaper_finds_sockets_nobody_listens_on_any_more(tmp_path):
+    """A helper that died with its peer before the reaper saw it bind leaves a socket file: it is
+    found by age and by a refused connect; a socket still listened on, or older than the peer, is not."""
+    import socket
+
+    from peer.reaper import stale_sockets
+
+    prefix = str(tmp_path / "hivemind-")
+    old = socket.socket(socket.AF_UNIX)
+    old.bind(prefix + "old.sock")
+    old.close()
+    time.sleep(0.1)  # not a wait for anything: file times lag the clock by up to a tick; keep them apart
+    since = time.time()
+    time.sleep(0.1)
+    dead, live = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    dead.bind(prefix + "dead.sock")
+    dead.close()
+    live.bind(prefix + "live.sock")
+    live.listen()
+    try:
+        assert stale_sockets(since, prefix) == [prefix + "dead.sock"]
+    finally:
+        live.close()
