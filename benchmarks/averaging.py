@@ -102,7 +102,9 @@ def worker(args: argparse.Namespace) -> int:
     from dht.identity import Identity
     from dht.node import SwarmDHT
     from peer.averaging import GradientAverager
+    from peer.lifetime import start_reaper
 
+    start_reaper()  # before hivemind's processes: they, their p2p daemons and sockets end with this worker
     torch.set_num_threads(1)
     if args.verbose:  # why a part failed is logged at debug level only
         logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)

@@ -31,6 +31,7 @@ _SERVERS: dict[str, tuple[Path, Path]] = {}
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = [sys.executable, "-m", "peer.cli"]
+REAPED = [sys.executable, str(ROOT / "tests" / "helpers" / "reaped.py")]  # a helper program, under a reaper
 
 
 def _children(pid: int) -> list[int]:
@@ -74,7 +75,7 @@ class Peer:
     def __init__(
         self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False, python: bool = False
     ):
-        """Start `peer ARGS` (with `python`: `python ARGS`); with `tty` its output is a pseudo-terminal."""
+        """Start `peer ARGS` (with `python`: `python ARGS` under a reaper, tests/helpers/reaped.py); with `tty` its output is a pseudo-terminal."""
         self.name, self.python = name, python
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
@@ -88,7 +89,7 @@ class Peer:
         try:
             self.proc = subprocess.Popen(
                 # with its niceness, and dying with this test process (SIGKILL included)
-                tied_to_me([sys.executable, *args] if python else [*PEER, *args], niceness=niceness),
+                tied_to_me([*REAPED, *args] if python else [*PEER, *args], niceness=niceness),
                 cwd=workdir,
                 stdout=out,
                 stderr=subprocess.STDOUT,
