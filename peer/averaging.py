@@ -61,6 +61,18 @@ def whole_group_missing(infos: list[dict], members: list[str], max_group_size: i
     return sorted(expected - set(members))
 
 
+def round_loss(runner) -> str | None:
+    """What a finished hivemind all-reduce runner lost, if anything: results a reducer never returned,
+    or senders whose tensors our own reducer went on without (banned mid-stream)."""
+    if runner is None:
+        return None
+    if runner.tensor_part_container.failed_size:
+        return "all-reduce returned only part of the averaged tensors"
+    if runner.banned_senders:
+        return f"all-reduce reduced our part without the tensors of {sorted(_name(p) for p in runner.banned_senders)}"
+    return None
+
+
 class _StageAverager(DecentralizedAverager):
     """hivemind's averager plus a way to change the target group size between rounds, and admission.
 
@@ -103,8 +115,10 @@ class _StageAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind's all-reduce, made strict: a round that lost any part of the result fails.
 
-        hivemind keeps the local values of parts a failed peer never returned and reports success;
-        replicas would then step from different gradients. A failed round instead steps nobody.
+        hivemind keeps the local values of parts a failed peer never returned, and averages the
+        parts it reduces without a sender that failed mid-stream, and reports success either way;
+        replicas would then step from different gradients (one side fails, the other steps). A
+        round that lost anything instead fails on every side that saw the loss.
         """
         strangers = [p.to_base58() for p in group_info.peer_ids if self._refused(p)]
         if strangers:
@@ -112,8 +126,9 @@ class _StageAverager(DecentralizedAverager):
         await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
         future = self._running_groups.get(group_info.group_id if group_id is None else group_id)
         runner = future.result() if future is not None and future.done() else None
-        if runner is not None and runner.tensor_part_container.failed_size:
-            raise AllreduceException("all-reduce returned only part of the averaged tensors")
+        loss = round_loss(runner)
+        if loss:
+            raise AllreduceException(loss)
 
     async def _set_target_group_size(self, size: int, future: MPFuture) -> None:
         matchmaking = self._matchmaking

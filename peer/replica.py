@@ -250,7 +250,8 @@ class Replica:
             # it stepped may have counted our gradients); behind, it catches up from us.
             self.stepping, self.averaging_epoch = False, -1
             self._retry_after = time.monotonic() + self.cfg.network.progress_period
-            ahead = [partners[pid] for pid, a in alive.items() if a.epoch > epoch]
+            # their answers are fresher than their DHT records
+            ahead = [partners[pid].model_copy(update={"epoch": a.epoch}) for pid, a in alive.items() if a.epoch > epoch]
             if ahead:
                 await self._resync(ahead)
             await self.publish(force=True)

@@ -16,7 +16,7 @@ from conftest import hivemind_sockets, remove_stale_sockets
 
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from peer.averaging import GradientAverager, group_bits, whole_group_missing
+from peer.averaging import GradientAverager, group_bits, round_loss, whole_group_missing
 from peer.config import RunSpec
 from peer.replica import MATCHMAKING_STAGGER
 
@@ -108,3 +108,19 @@ def test_group_keys_and_the_verdict():
     assert whole_group_missing(infos, ["a", "b"], 32) == ["c"]
     assert whole_group_missing(infos, ["a", "b", "c"], 32) == []
     assert whole_group_missing(infos, ["a", "b"], 2) == []  # beyond max_group_size groups split by design
+
+
+def test_a_round_that_lost_anything_is_a_failed_round():
+    """hivemind reports success for a round whose results came back in part, or whose parts this peer
+    reduced without a sender that failed mid-stream; both are failures here (the other side fails too)."""
+    from types import SimpleNamespace
+
+    def runner(failed_size=0, banned=()):
+        return SimpleNamespace(
+            tensor_part_container=SimpleNamespace(failed_size=failed_size), banned_senders=set(banned)
+        )
+
+    assert round_loss(None) is None
+    assert round_loss(runner()) is None
+    assert "only part" in round_loss(runner(failed_size=128))
+    assert "without the tensors of ['QmPeer']" in round_loss(runner(banned=["QmPeer"]))
