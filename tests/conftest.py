@@ -265,14 +265,10 @@ def hivemind_sockets() -> set[str]:
 
 
 def remove_stale_sockets(before: set[str]) -> None:
-    """Remove the unix sockets that killed p2p daemons left in /tmp since `before`, unless still bound."""
-    found = hivemind_sockets() - before  # first: a socket file exists only once its daemon has bound it
-    try:
-        with open("/proc/net/unix") as f:
-            bound = {line.split()[-1] for line in f.read().splitlines()[1:] if len(line.split()) >= 8}
-    except OSError:
-        return
-    for path in found - bound:
+    """Remove the unix sockets that killed p2p daemons left in /tmp since `before` (nobody listens there)."""
+    from peer.reaper import stale_sockets
+
+    for path in set(stale_sockets(0.0)) - before:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
