@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
+from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 # worst expected error of the mean, as a fraction of the inputs' largest magnitude (two roundings per value)
@@ -328,11 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120; quick 60)"
     )
     parser.add_argument("--verbose", action="store_true", help="workers log hivemind's all-reduce at debug level")
-    parser.add_argument(
-        "--workdir",
-        default="",
-        help="keep the workers' logs here (default: a temporary directory, kept only if the run fails)",
-    )
+    add_workdir(parser, "the workers' logs")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: run worker i
     parser.add_argument("--ip", default="", help=argparse.SUPPRESS)
     add_quick(parser, "2 rounds of 4 MB, one every 4 s")

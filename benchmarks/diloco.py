@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lab import Lab, LabError, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
+from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -238,9 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--start-timeout", type=float, default=180.0, help="s for the coordinator and servers (180; quick 90)"
     )
-    parser.add_argument(
-        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
-    )
+    add_workdir(parser)
     add_quick(parser, "32 micro-batches a run, H=2, 2 validation micro-batches")
     return parser
 

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
+from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -173,9 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2, help="turns per side (direct, relayed, alternating; quick 1)")
     parser.add_argument("--width", type=int, default=256, help="hidden size of the model")
     parser.add_argument("--inflight", type=int, default=4, help="trainer: micro-batches in flight")
-    parser.add_argument(
-        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
-    )
+    add_workdir(parser)
     add_quick(parser, "one turn a side, 5 s windows after 2 micro-batches")
     return parser
 

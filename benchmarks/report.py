@@ -53,6 +53,13 @@ def add_quick(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--quick", action="store_true", help=f"a few-second version of the same comparison: {what}")
 
 
+def add_workdir(parser: argparse.ArgumentParser, what: str = "logs") -> None:
+    """The `--workdir` flag: where the benchmark keeps its `what`, or a temporary directory kept only on failure."""
+    parser.add_argument(
+        "--workdir", default="", help=f"keep {what} here (default: a temporary directory, kept only if the run fails)"
+    )
+
+
 @contextlib.contextmanager
 def workdir(given: str | None, prefix: str) -> Iterator[Path]:
     """The benchmark's directory for its logs: `given` (kept), or a temporary one, kept only if the run fails."""

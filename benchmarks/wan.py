@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
-from benchmarks.report import Figures, add_quick, run, workdir  # noqa: E402
+from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.demo import spec_to_toml  # noqa: E402
 
@@ -260,9 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation (first width): micro-batches; 0: skip it (default 48; quick 24)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="s for a validation to finish (300; quick 120)")
-    parser.add_argument(
-        "--workdir", default="", help="keep logs here (default: a temporary directory, kept only if the run fails)"
-    )
+    add_workdir(parser)
     add_quick(parser, "codecs none and int8 at width 192, 5 s windows, 24 validation micro-batches")
     return parser
 
