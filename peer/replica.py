@@ -224,19 +224,15 @@ class Replica:
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
         asked = time.monotonic()
-        answers = dict(
-            zip(
-                partners,
-                await asyncio.gather(
-                    *(
-                        self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
-                        for r in partners.values()
-                    ),
-                    return_exceptions=True,
-                ),
-                strict=True,
-            )
-        )
+        answers = await self._invite(partners, epoch, timeout)
+        took = time.monotonic() - asked
+        if partners and not any(not isinstance(a, BaseException) and a.joining for a in answers.values()):
+            # nobody joined: before stepping alone, ask those who did not answer once more. A deadline
+            # that passed while this process was stopped or starved looks like a hung partner, and a
+            # partner that went on alone meanwhile must be seen (we resync from it) rather than
+            # matched by a second lone step at the same epoch (two replicas apart for good)
+            silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
+            answers.update(await self._invite(silent, epoch, timeout))
         joiners = sorted(pid for pid, a in answers.items() if not isinstance(a, BaseException) and a.joining)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         for pid, a in answers.items():
@@ -256,7 +252,7 @@ class Replica:
                 await self._resync(ahead)
             await self.publish(force=True)
             return
-        late = not joiners and partners and time.monotonic() - asked > 2 * timeout + 1.0
+        late = not joiners and partners and took > 2 * timeout + 1.0
         if late and self._late_rounds < MAX_LATE_ROUNDS:
             # the invitations took far past their deadline: this process was stopped or starved, and
             # the partners went on without it (maybe to this very step, alone). Stepping alone now
@@ -282,6 +278,17 @@ class Replica:
         stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
         expected = sorted([self.dht.peer_id, *joiners])
         await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
+
+    async def _invite(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> dict:
+        """Each partner's answer to the invitation to the round for `epoch` (or the exception its call raised)."""
+        answers = await asyncio.gather(
+            *(
+                self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
+                for r in partners.values()
+            ),
+            return_exceptions=True,
+        )
+        return dict(zip(partners, answers, strict=True))
 
     async def _averaged_step(self, expected: list[str], epoch: int, stagger: float):
         """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
