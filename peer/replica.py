@@ -75,6 +75,11 @@ class Part:
         return record.stage == self.stage and record.expert == self.expert
 
 
+def _joiners(answers: dict) -> list[str]:
+    """The partners (peer ids) whose answer to an invitation says they join the round."""
+    return sorted(pid for pid, a in answers.items() if not isinstance(a, BaseException) and a.joining)
+
+
 class Replica:
     """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
 
@@ -226,14 +231,14 @@ class Replica:
         asked = time.monotonic()
         answers = await self._invite(partners, epoch, timeout)
         took = time.monotonic() - asked
-        if partners and not any(not isinstance(a, BaseException) and a.joining for a in answers.values()):
+        silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
+        if silent and not _joiners(answers):
             # nobody joined: before stepping alone, ask those who did not answer once more. A deadline
             # that passed while this process was stopped or starved looks like a hung partner, and a
             # partner that went on alone meanwhile must be seen (we resync from it) rather than
             # matched by a second lone step at the same epoch (two replicas apart for good)
-            silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
             answers.update(await self._invite(silent, epoch, timeout))
-        joiners = sorted(pid for pid, a in answers.items() if not isinstance(a, BaseException) and a.joining)
+        joiners = _joiners(answers)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         for pid, a in answers.items():
             if isinstance(a, BaseException):
