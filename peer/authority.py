@@ -11,12 +11,9 @@ Trainers' spot-check reports count toward revoking a server (`admission.revoke_a
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hmac
-import json
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -30,59 +27,10 @@ from dht.credential import CredentialError, RunAuthority, invite_mac, ownership_
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport
+from peer.admission_files import PEER_ROLES, locked_update, read_json, revoke
 from peer.config import PeerConfig, RunSpec
 
 logger = logging.getLogger(__name__)
-PEER_ROLES = ("server", "experts", "trainer", "relay")  # what a joining peer may ask for (not coordinator)
-
-
-# ---- the files `peer coordinator invite` and `revoke` write -----------------------------------
-def _locked_update(path: Path, change) -> dict:
-    """Read-modify-write a JSON file under a lock (the CLI and the coordinator both write it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = read_json(path)
-        change(data)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-        return data
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def create_invite(path: Path, roles: list[str], valid_hours: float) -> str:
-    """A new single-use invite code `ID.SECRET`, stored in `path`."""
-    bad = [r for r in roles if r not in PEER_ROLES]
-    if not roles or bad:
-        raise ValueError(f"--roles: must be some of {', '.join(PEER_ROLES)}, got {roles}")
-    invite_id, secret = secrets.token_hex(4), secrets.token_urlsafe(18)
-    entry = {"secret": secret, "roles": roles, "created": time.time(), "expires": time.time() + valid_hours * 3600}
-    _locked_update(path, lambda data: data.setdefault("invites", {}).__setitem__(invite_id, entry))
-    return f"{invite_id}.{secret}"
-
-
-def revoke(path: Path, peer_id: str, reason: str) -> bool:
-    """Add `peer_id` to the revocation file; False if it was there already."""
-    added = []
-
-    def change(data):
-        revoked = data.setdefault("revoked", {})
-        if peer_id not in revoked:
-            revoked[peer_id] = {"reason": reason, "time": time.time()}
-            added.append(peer_id)
-
-    _locked_update(path, change)
-    return bool(added)
 
 
 # ---- the running authority ----------------------------------------------------------------
@@ -157,7 +105,7 @@ class Authority:
                 return f"invite {request.invite} expired"  # (a peer it admitted keeps renewing)
             allowed = set(entry.get("roles", []))
             if entry.get("used_by") is None:
-                _locked_update(self.invites_path, lambda data: data["invites"][request.invite].update(used_by=peer_id))
+                locked_update(self.invites_path, lambda data: data["invites"][request.invite].update(used_by=peer_id))
         extra = [r for r in roles if r not in allowed]
         return f"the invite admits roles {sorted(allowed)}, not {extra}" if extra else ""
 

@@ -368,8 +368,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _admission(args: argparse.Namespace) -> int:
     from dht.identity import public_key_from_peer_id
-    from peer.authority import create_invite, revoke
-    from peer.coordinator import invites_file, revoked_file
+    from peer.admission_files import create_invite, invites_file, revoke, revoked_file
 
     spec = RunSpec.from_toml(args.spec)
     identity = Identity.load(args.identity or default_identity_path())  # the running coordinator's key

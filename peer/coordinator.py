@@ -21,6 +21,7 @@ from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
 from dht.records import TrainerRecord
 from peer import checkpoint
+from peer.admission_files import beside_key, invites_file, revoked_file
 from peer.authority import Authority
 from peer.checkpointer import Checkpointer
 from peer.config import ConfigError, PeerConfig, RunSpec
@@ -115,27 +116,12 @@ def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
     return archive
 
 
-def beside_key(configured: str, identity: Identity, spec: RunSpec, suffix: str) -> Path:
-    """A coordinator's file: `configured`, or RUN.SUFFIX beside its identity key."""
-    if configured:
-        return Path(configured)
-    return Path(identity.path or ".").resolve().parent / f"{spec.name}.{suffix}"
-
-
 def peers_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
     return beside_key(cfg.coordinator.peers_file, identity, spec, "peers.json")
 
 
 def timeline_file(cfg: PeerConfig, identity: Identity, spec: RunSpec) -> Path:
     return beside_key(cfg.coordinator.timeline_file, identity, spec, "timeline.json")
-
-
-def invites_file(identity: Identity, spec: RunSpec) -> Path:
-    return beside_key("", identity, spec, "invites.json")
-
-
-def revoked_file(identity: Identity, spec: RunSpec) -> Path:
-    return beside_key("", identity, spec, "revoked.json")
 
 
 def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: SwarmDHT) -> Authority | None:

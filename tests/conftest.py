@@ -217,9 +217,9 @@ class Swarm:
         self.maddr = json.loads(info.read_text())["join"].split()[-1]
         return self.maddr
 
-    def server(self, name: str, stage: int | None = None, extra: list[str] = ()) -> Peer:
+    def server(self, name: str, stage: int | None = None, extra: list[str] = (), niceness: int = 0) -> Peer:
         stage_args = ["--stage", str(stage)] if stage is not None else []
-        return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args))
+        return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args), niceness)
 
     def trainer(self, name: str, extra: list[str] = (), niceness: int = 0, tty: bool = False) -> Peer:
         return self.start(

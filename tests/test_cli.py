@@ -45,6 +45,9 @@ def test_help_answers_at_once_and_imports_no_torch_or_hivemind(tmp_path):
     assert time.monotonic() - started < 4 * 2.0  # each well under a second on a quiet machine; 2 s under load
     probe = "import sys, peer.cli; print('torch' in sys.modules, 'hivemind' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", probe], text=True).split() == ["False", "False"]
+    # nor do the commands that only write the coordinator's admission files (invite, revoke)
+    probe = "import sys, peer.admission_files; print('torch' in sys.modules, 'hivemind' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", probe], text=True).split() == ["False", "False"]
 
 
 def test_version(tmp_path):
