@@ -408,7 +408,7 @@ def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
             return infos
         if time.monotonic() > deadline:
             raise AssertionError(f"replicas never agreed: {[(i.epoch, i.samples_stepped) for i in infos]}")
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 def check_books(infos: list, samples: int, stage: int) -> None:
