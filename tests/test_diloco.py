@@ -118,7 +118,14 @@ SWARM_SPEC = {
     "seed": 1,
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64},
     "stages": {"num_stages": 2},
-    "training": {"micro_batch_size": 4, "seq_len": 64, "target_batch_size": 16, "total_steps": 48, "warmup_steps": 2},
+    # the test stops the trainers (a whole run of 48 steps can end within the seconds a replica is stopped)
+    "training": {
+        "micro_batch_size": 4,
+        "seq_len": 64,
+        "target_batch_size": 16,
+        "total_steps": 100000,
+        "warmup_steps": 2,
+    },
     "compression": {"activations": "int8", "averaging": "int8", "block_size": 64},
     "averaging": {
         "mode": "local",
@@ -141,20 +148,27 @@ def test_local_updates_in_a_real_swarm(swarm):
     endpoints = {key: swarm.endpoint(s) for key, s in servers.items()}
     trainers = [swarm.trainer(f"t{i}", ["--seed", str(i)]) for i in range(2)]
     # a replica that misses rounds (stopped for a while) catches up from the others, who never wait for it.
-    # It stops right after its first outer step, between rounds (the next one is min_matchmaking_time away)
+    # It stops right after its first outer step (early: the whole run takes seconds)
     servers[(0, 1)].wait_for(r"stage 0 step 1:|Loaded the state of stage 0 \(step [1-9]", 120)
     servers[(0, 1)].signal(signal.SIGSTOP)
     stopped_at = info(endpoints[(0, 0)]).epoch
-    # a round it had joined fails after averaging.group_timeout (5 s); the next one goes without it
+    # the round in flight may still end with it: its averager is a process of its own, which SIGSTOP does not
+    # stop (a failed CI run: stopped 0.7 s, it had missed nothing). The round after goes without it
     deadline = time.monotonic() + 60
-    while info(endpoints[(0, 0)]).epoch <= stopped_at and time.monotonic() < deadline:
+    while info(endpoints[(0, 0)]).epoch < stopped_at + 2 and time.monotonic() < deadline:
         time.sleep(0.3)
     epoch = info(endpoints[(0, 0)]).epoch  # read while the other one is still stopped
     servers[(0, 1)].signal(signal.SIGCONT)
-    assert epoch > stopped_at, f"the running replica waited for the stopped one (still at step {epoch})"
-    for t in trainers:
-        assert t.wait(300) == 0, t.output()[-3000:]
+    assert epoch >= stopped_at + 2, f"the running replica waited for the stopped one (still at step {epoch})"
     servers[(0, 1)].wait_for("loading its state", 30)
+    deadline = time.monotonic() + 60  # and it steps with the others again
+    while info(endpoints[(0, 1)]).epoch <= epoch:
+        assert time.monotonic() < deadline, "the resumed replica never stepped again"
+        time.sleep(0.3)
+    for t in trainers:
+        t.signal(signal.SIGTERM)  # a graceful stop: exits 0 if no micro-batch was given up
+    for t in trainers:
+        assert t.wait(120) == 0, t.output()[-3000:]
     deadline = time.monotonic() + 20
     while info(endpoints[(0, 0)]).epoch != info(endpoints[(0, 1)]).epoch and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -168,7 +182,7 @@ def test_local_updates_in_a_real_swarm(swarm):
     compared_steps = 0
     for stage in range(2):
         a, b = info(endpoints[(stage, 0)]), info(endpoints[(stage, 1)])
-        # 48 training steps of 4 inner steps each: up to 12 outer steps (fewer on the stage held up by the stop)
+        # outer steps of 4 inner steps each, until the trainers were stopped
         assert a.epoch == b.epoch >= 2, (a.epoch, b.epoch)
         steps_a = {f.epoch: f for f in a.history}
         steps_b = {f.epoch: f for f in b.history}
