@@ -269,3 +269,5 @@ def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
     watch = watch_parent(peer)
     if watch is not None:
         reap(watch, runtime_dir, period, grace)
+    else:  # the peer died before we looked (SIGKILLed as it started): nothing to follow, its dir to remove
+        shutil.rmtree(runtime_dir, ignore_errors=True)

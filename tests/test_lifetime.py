@@ -164,3 +164,24 @@ def test_the_reaper_finds_sockets_nobody_listens_on_any_more(tmp_path):
         assert stale_sockets(since, prefix) == [prefix + "dead.sock"]
     finally:
         live.close()
+
+
+def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
+    """The peer dies before its reaper has looked at it (a peer SIGKILLed as it starts, as when its
+    demo dies): the reaper finds no peer to follow and still removes the peer's runtime directory."""
+    program = (
+        "import os, signal, sys\n"
+        "from peer.lifetime import start_reaper\n"
+        "print(start_reaper(), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        runtime_dir = Path(out.stdout.strip())
+        assert runtime_dir.name.startswith("swarmtrain-peer-"), out.stdout
+        deadline = time.monotonic() + GONE_WITHIN
+        while runtime_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not runtime_dir.exists(), f"{runtime_dir} left behind"
