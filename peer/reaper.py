@@ -224,10 +224,19 @@ def _end(handles: dict[int, int], grace: float) -> None:
 
 def _follow(watch: Watch, period: float) -> None:
     """Look at the peer's descendants every `period` until the peer exits."""
-    poller = select.poll()
-    poller.register(os.pidfd_open(watch.peer), select.POLLIN)  # readable once the peer has exited
-    while not poller.poll(period * 1000):
-        watch.look()
+    try:
+        pidfd = os.pidfd_open(watch.peer)
+    except ProcessLookupError:
+        return  # it exited, and was reaped, since we first looked
+    try:
+        if (found := stat(watch.peer)) is not None and found[2] != watch.born:
+            return  # that pid is another process's now: the peer has exited
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the peer has exited
+        while not poller.poll(period * 1000):
+            watch.look()
+    finally:
+        os.close(pidfd)
 
 
 def reap(watch: Watch, runtime_dir: str, period: float, grace: float) -> None:
@@ -266,8 +275,9 @@ def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-    watch = watch_parent(peer)
-    if watch is not None:
-        reap(watch, runtime_dir, period, grace)
-    else:  # the peer died before we looked (SIGKILLed as it started): nothing to follow, its dir to remove
+    try:
+        watch = watch_parent(peer)  # None: the peer died before we looked (SIGKILLed as it started)
+        if watch is not None:
+            reap(watch, runtime_dir, period, grace)
+    finally:  # whatever happened, the peer's runtime dir goes
         shutil.rmtree(runtime_dir, ignore_errors=True)
