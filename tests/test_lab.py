@@ -151,8 +151,13 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_hold_cleans_up_on_signal(sig):
+    # as from a terminal: SIGINT delivered (a background job of a script, as CI may run this, inherits
+    # it ignored, and lab.py then keeps ignoring it, as nohup wants)
     proc = subprocess.Popen(
-        [*LAB, "hold", "--hosts", "2", "--rate", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*LAB, "hold", "--hosts", "2", "--rate", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         text = _read_until(proc, "holding", 20)
