@@ -444,15 +444,16 @@ class Lab:
                 _cmd(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate_mbit)])
         host.rate_mbit = rate_mbit
 
-    def close(self, grace: float = 3.0) -> None:
-        """Stop every process of the lab (SIGTERM, `grace` s, SIGKILL) and delete its namespaces. Idempotent."""
+    def close(self, grace: float = 3.0, reaper_grace: float = REAPER_GRACE) -> None:
+        """Stop every process of the lab (SIGTERM, `grace` s, SIGKILL), give what is left in its namespaces
+        `reaper_grace` s to end, and delete them. Idempotent."""
         if self._closed or os.getpid() != self._owner:  # a forked child must not tear down its parent's lab
             return
         self._closed = True
         with _signals_deferred():
             try:
                 self._stop_procs(grace)
-                self._await_reapers()
+                self._await_reapers(reaper_grace)
                 for ns in reversed(self._namespaces):  # hosts first, the hub last
                     with contextlib.suppress(Exception):
                         _empty_netns(ns)
@@ -460,10 +461,10 @@ class Lab:
             finally:
                 _unregister(self)
 
-    def _await_reapers(self) -> None:
-        """Give the peers' reapers (peer.lifetime), left in the namespaces, time to end their peers'
+    def _await_reapers(self, grace: float) -> None:
+        """Give the peers' reapers (peer.lifetime), left in the namespaces, `grace` s to end their peers'
         helpers and remove their files before what is still there gets SIGKILL."""
-        deadline = time.monotonic() + REAPER_GRACE
+        deadline = time.monotonic() + grace
         while any(_netns_pids(ns) for ns in self._namespaces) and time.monotonic() < deadline:
             time.sleep(0.1)
 

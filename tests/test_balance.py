@@ -87,7 +87,9 @@ FREE = [
     "--set",
     "server.balance_cooldown=2",
     "--set",
-    "server.balance_period=2",
+    "server.balance_period=1",
+    "--set",
+    "server.balance_settle=1",
 ]
 
 
@@ -107,7 +109,7 @@ def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
     mover = next(s for s in free if "Moving from stage 0 to stage 1" in s.output())
     endpoint = swarm.known(mover.wait_for(r"Serving stage 1 at (\S+) from step", 90).group(1), mover.name)
     assert info(endpoint).stage == 1
-    time.sleep(8)  # four balance periods: nobody moves again (an absence is watched for a while, not polled)
+    time.sleep(5)  # five balance periods: nobody moves again (an absence is watched for a while, not polled)
     moves = sum(len(re.findall(r"Moving from stage", s.output())) for s in free)
     assert moves == 1, [s.output()[-2000:] for s in free]
     assert "Loaded the state of stage 1" in mover.output()  # from the stage's existing server, not from scratch
