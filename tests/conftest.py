@@ -1,6 +1,8 @@
 """Fixtures that start real peers (coordinator, stage servers, trainers) as OS processes on loopback.
 
-Every peer runs in its own process group and dies with the test process (PR_SET_PDEATHSIG). When
+Peers are forked from one template process that has done the imports (peer.forkserver): each is
+still a process of its own, in its own process group, running `peer.cli.main` with its own command
+line. It dies with the template, which dies with the test process (PR_SET_PDEATHSIG). When
 the test ends, pass or fail, the fixture SIGKILLs each peer; the peer's reaper (peer.lifetime)
 ends what it started (the DHT and averager processes, the p2p daemons), and the fixture checks
 that none of them is left.
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from peer.demo import dict_to_toml, loopback_coordinator, loopback_join
+from peer.forkserver import Forkserver
 from peer.lifetime import tied_to_me
 
 # endpoint -> (test workdir, identity file of the peer serving it): what a test's own TLS client pins
@@ -73,9 +76,18 @@ def write_spec(path: Path, spec: dict) -> Path:
 
 class Peer:
     def __init__(
-        self, name: str, args: list[str], workdir: Path, niceness: int = 0, tty: bool = False, python: bool = False
+        self,
+        name: str,
+        args: list[str],
+        workdir: Path,
+        niceness: int = 0,
+        tty: bool = False,
+        python: bool = False,
+        forkserver: Forkserver | None = None,
     ):
-        """Start `peer ARGS` (with `python`: `python ARGS` under a reaper, tests/helpers/reaped.py); with `tty` its output is a pseudo-terminal."""
+        """Start `peer ARGS` (with `python`: `python ARGS` under a reaper, tests/helpers/reaped.py); with `tty` its
+        output is a pseudo-terminal. With a `forkserver`, a peer is forked from its template (peer.forkserver):
+        the same process, without the seconds of imports."""
         self.name, self.python = name, python
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
@@ -87,15 +99,19 @@ class Peer:
             master, out = pty.openpty()
             env.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
         try:
-            self.proc = subprocess.Popen(
-                # with its niceness, and dying with this test process (SIGKILL included)
-                tied_to_me([*REAPED, *args] if python else [*PEER, *args], niceness=niceness),
-                cwd=workdir,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
+            if forkserver is not None and not python:
+                output = out if isinstance(out, int) else out.fileno()
+                self.proc = forkserver.start(args, str(workdir), env, output, niceness)
+            else:
+                self.proc = subprocess.Popen(
+                    # with its niceness, and dying with this test process (SIGKILL included)
+                    tied_to_me([*REAPED, *args] if python else [*PEER, *args], niceness=niceness),
+                    cwd=workdir,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=env,
+                )
         except BaseException:
             if tty:
                 os.close(master)
@@ -192,13 +208,13 @@ class Peer:
 class Swarm:
     """Starts the peers of one test run in `workdir` and remembers them for cleanup."""
 
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
+    def __init__(self, workdir: Path, forkserver: Forkserver | None = None):
+        self.workdir, self.forkserver = workdir, forkserver
         self.peers: list[Peer] = []
         self.maddr = ""
 
     def start(self, name: str, args: list[str], niceness: int = 0, tty: bool = False, python: bool = False) -> Peer:
-        peer = Peer(name, args, self.workdir, niceness, tty, python)
+        peer = Peer(name, args, self.workdir, niceness, tty, python, self.forkserver)
         self.peers.append(peer)
         return peer
 
@@ -278,6 +294,14 @@ def runtime_dirs(*places: Path) -> set[Path]:
     return {d for place in places for d in place.glob("swarmtrain-peer-*")}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forkserver():
+    """The template the fixtures fork their peers from (peer.forkserver): started before any module, so
+    that each module's check below counts it as already there."""
+    with Forkserver(env=dict(os.environ, PYTHONUNBUFFERED="1")) as server:
+        yield server
+
+
 @pytest.fixture(scope="module", autouse=True)
 def nothing_left_behind():
     """Whatever a test module started has ended with it (its peers' reapers done): no process of ours,
@@ -316,8 +340,8 @@ def _command(pid: int) -> str:
 
 
 @pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
+def swarm(tmp_path, forkserver):
+    s = Swarm(tmp_path, forkserver)
     sockets, dirs = hivemind_sockets(), runtime_dirs(Path("/tmp"), tmp_path)
     try:
         yield s

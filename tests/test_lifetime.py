@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, alive, descendants, runtime_dirs
+from conftest import ROOT, alive, descendants, runtime_dirs, write_spec
 
+from peer.demo import loopback_coordinator
+from peer.forkserver import Forkserver
 from peer.lifetime import tied_to_me
 
 GONE_WITHIN = 10.0  # s
@@ -186,3 +188,61 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
         while runtime_dir.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not runtime_dir.exists(), f"{runtime_dir} left behind"
+
+
+def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
+    """peer.forkserver, which the fixtures start their peers with: each child runs its own command line,
+    directory, environment and output, with its own exit code; when the template ends, a running
+    child and all it started (its reaper's work) end with it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    with Forkserver(env=env) as server:
+        log = tmp_path / "version.log"
+        with open(log, "wb") as out:
+            assert server.start(["--version"], str(tmp_path), env, out.fileno()).wait(30) == 0
+        assert log.read_text().startswith("peer (swarmtrain) ")
+        with open(tmp_path / "keygen.log", "wb") as out:  # its environment: the key goes to XDG_CONFIG_HOME
+            own = dict(env, XDG_CONFIG_HOME=str(tmp_path / "config"))
+            assert server.start(["keygen"], str(tmp_path), own, out.fileno()).wait(30) == 0
+        assert (tmp_path / "config" / "swarmtrain" / "identity.pem").exists()
+        with open(tmp_path / "bad.log", "wb") as out:
+            bad = server.start(["generate", "no-such-checkpoint"], str(tmp_path), env, out.fileno())
+            assert bad.wait(30) == 2
+        assert "peer generate: no-such-checkpoint: no complete checkpoint" in (tmp_path / "bad.log").read_text()
+
+        spec = write_spec(tmp_path / "run.toml", {"name": "forked", "stages": {"num_stages": 1}})
+        info = tmp_path / "coordinator.json"
+        with open(tmp_path / "coordinator.log", "wb") as out:
+            argv = loopback_coordinator(str(spec), str(info))
+            coordinator = server.start(argv, str(tmp_path), env, out.fileno())
+        pids = _follow_coordinator(coordinator, info, tmp_path / "coordinator.log")
+        assert os.getsid(coordinator.pid) == coordinator.pid  # a session (and process group) of its own
+        assert any("p2pd" in _cmdline(pid) for pid in pids), "the coordinator's DHT daemon was not seen"
+        assert os.getcwd() != str(tmp_path) and os.readlink(f"/proc/{coordinator.pid}/cwd") == str(tmp_path)
+    deadline = time.monotonic() + GONE_WITHIN
+    while [p for p in pids if alive(p)] or runtime_dirs(Path("/tmp"), tmp_path):
+        assert time.monotonic() < deadline, (
+            f"left after the template ended: {[(p, _cmdline(p)) for p in pids if alive(p)]}, "
+            f"{runtime_dirs(Path('/tmp'), tmp_path)}"
+        )
+        time.sleep(0.1)
+    assert coordinator.poll() == -signal.SIGKILL
+
+
+def _follow_coordinator(coordinator, info: Path, log: Path) -> set[int]:
+    """The coordinator's process and its descendants, once it has written its join line."""
+    deadline = time.monotonic() + 60
+    while not info.exists():
+        assert coordinator.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    pids = {coordinator.pid, *descendants(coordinator.pid)}
+    while not any("p2pd" in _cmdline(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids.update(descendants(coordinator.pid))
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

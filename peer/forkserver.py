@@ -1,0 +1,302 @@
+"""`peer` commands started fast: forked from a template process that has done the imports already.
+
+A fresh `python -m peer.cli join ...` spends most of its start importing: torch (about 1 s of CPU),
+hivemind with scipy (0.5 s), and torch._dynamo, which torch's optimizers import on their first
+call (about 1-2 s). On a 2-core machine that starts many peers (a test suite, a demo) this is the
+larger part of the work. A `Forkserver` starts one template process that imports all of it once
+and then forks a child for each command it is asked to run.
+
+Each child is a whole peer process of its own: its own session and process group, its command
+line (`sys.argv`), working directory, environment, niceness and output, and `peer.cli.main` runs
+there as `python -m peer.cli` would run it (it forks its reaper, its hivemind processes, and may
+exec itself to move to another stage). What differs from a fresh interpreter is only what was
+imported before it started. Random generators are seeded afresh in each child.
+
+Lifetime: the template is spawned through `peer.lifetime.tied_to_me`, so it dies with the
+process that started it, and it exits when that process closes its end of the control socket.
+Each child gets SIGKILL when the template dies (PR_SET_PDEATHSIG), and its reaper ends the rest.
+
+The control socket carries JSON messages (no pickles): a request names the command, its
+directory, environment and niceness, with the output's file descriptor attached; the template
+answers `{"started": pid}` and, later, `{"exited": pid, "code": returncode}` (a negative code is
+the signal that ended it, as with subprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from peer.lifetime import tied_to_me
+
+# what the template imports before it forks: everything a stage server, trainer or coordinator imports
+PRELOAD = ("peer.cli", "peer.join", "peer.coordinator", "peer.status", "torch._dynamo")
+MAX_MESSAGE = 1 << 20  # bytes: one request (its environment included) or answer
+START_TIMEOUT = 120.0  # s: the template's imports, on a loaded 2-core machine
+PR_SET_PDEATHSIG = 1
+
+
+class Forkserver:
+    """A template process, tied to this one, that forks `peer` commands on request.
+
+    Use it from one thread; `start` returns a `ForkedPeer`, which answers as a `subprocess.Popen`.
+    """
+
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, env: dict[str, str] | None = None):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "peer.forkserver", str(theirs.fileno()), *preload]
+        self._proc = subprocess.Popen(
+            tied_to_me(argv),
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl+C is for the process that started it
+            env=env,
+        )
+        theirs.close()
+        self._sock, self._lock, self._closed = ours, threading.Lock(), False
+        self._exited: dict[int, int] = {}
+        self._answer(START_TIMEOUT, "ready")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def start(self, argv: list[str], cwd: str, env: dict[str, str], output: int, niceness: int = 0) -> ForkedPeer:
+        """Run `peer ARGV` in a forked child, with `output` (a file descriptor) as its stdout and stderr."""
+        request = json.dumps({"argv": list(argv), "cwd": str(cwd), "env": dict(env), "niceness": niceness})
+        with self._lock:
+            socket.send_fds(self._sock, [request.encode()], [output])
+            return ForkedPeer(self, self._answer(30.0, "started"))
+
+    def _answer(self, timeout: float, kind: str) -> int:
+        """Read answers until one of `kind`, noting exits on the way (call with the lock held)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._receive(max(0.0, deadline - time.monotonic()))
+            if message is None:
+                raise RuntimeError(f"the peer forkserver gave no {kind!r} answer within {timeout} s")
+            if "error" in message:
+                raise RuntimeError(f"the peer forkserver: {message['error']}")
+            if kind in message:
+                return message[kind]
+
+    def _receive(self, timeout: float) -> dict | None:
+        """One message (exits are noted), or None after `timeout`; raises if the template is gone."""
+        self._sock.settimeout(timeout)
+        try:
+            data = self._sock.recv(MAX_MESSAGE)
+        except (TimeoutError, BlockingIOError):
+            return None
+        if not data:
+            raise RuntimeError(f"the peer forkserver exited ({self._proc.poll()})")
+        message = json.loads(data)
+        if "exited" in message:
+            self._exited[message["exited"]] = message["code"]
+        return message
+
+    def exit_code(self, pid: int) -> int | None:
+        """The return code of child `pid`, once it has exited (as the template saw it)."""
+        with self._lock:
+            if self._closed:  # the kernel ended what was left when the template went (SIGKILL)
+                return self._exited.get(pid, None if _exists(pid) else -signal.SIGKILL)
+            while pid not in self._exited and self._receive(0.0) is not None:
+                pass
+            return self._exited.get(pid)
+
+    def close(self) -> None:
+        """End the template; children still running get SIGKILL from the kernel (their reapers end the rest)."""
+        with self._lock:
+            self._closed = True
+            self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(5)
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> Forkserver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ForkedPeer:
+    """A forked `peer` command, as much of a `subprocess.Popen` as the test fixtures use."""
+
+    def __init__(self, server: Forkserver, pid: int):
+        self._server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"peer[{self.pid}]", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is still a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---- the template -----------------------------------------------------------------------------
+def _serve(sock: socket.socket) -> None:
+    """The template's loop: fork a child per request, report each child's exit; end with the socket."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _report_exits(sock)
+                continue
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 1)
+            if not data:
+                return  # the process that started us has gone: our children die with us
+            template = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                selector.close()
+                _child(json.loads(data), fds[0], sock, template)
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"started": pid}).encode())
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _child(request: dict, output: int, sock: socket.socket, template: int) -> None:
+    """In a forked child: become `peer ARGV`, then exit with its code. Never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        _become(request, output, template)
+        code = _run(request["argv"])
+    except BaseException:  # whatever happened is printed, and the child exits
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _become(request: dict, output: int, template: int) -> None:
+    """The child's own process: dies with the template; its session, output, directory, environment."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != template:  # the template died before the line above
+        os._exit(1)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    for fd in (null, output):
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["niceness"]:
+        os.nice(request["niceness"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stdout.reconfigure(write_through=unbuffered)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.argv = ["peer", *request["argv"]]
+    _fresh_state()
+
+
+def _fresh_state() -> None:
+    """What a fresh interpreter would not share with its siblings: random state, the temporary directory."""
+    import tempfile
+
+    import numpy
+    import torch
+
+    tempfile.tempdir = None  # read TMPDIR of the new environment
+    numpy.random.seed()  # Python's random reseeds itself at fork
+    torch.seed()
+
+
+def _run(argv: list[str]) -> int:
+    """`peer.cli.main(argv)` with the exit code Python would give it; waits for non-daemon threads."""
+    from peer.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    return code
+
+
+def _main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for name in sys.argv[2:]:
+        __import__(name)
+    _serve(sock)
+
+
+if __name__ == "__main__":
+    _main()
