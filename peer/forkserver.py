@@ -9,24 +9,31 @@ and then forks a child for each command it is asked to run.
 Each child is a whole peer process of its own: its own session and process group, its command
 line (`sys.argv`), working directory, environment, niceness and output, and `peer.cli.main` runs
 there as `python -m peer.cli` would run it (it forks its reaper, its hivemind processes, and may
-exec itself to move to another stage). What differs from a fresh interpreter is only what was
-imported before it started. Random generators are seeded afresh in each child.
+exec itself to move to another stage), and it ends as the interpreter would: non-daemon threads
+joined, atexit functions run. Random generators are seeded afresh in each child. What it shares
+with its siblings is what the template fixed when it started: the modules imported, the hash seed,
+multiprocessing's authkey, `sys.path` and `__main__` (peer uses none of these across processes).
 
 Lifetime: the template is spawned through `peer.lifetime.tied_to_me`, so it dies with the
 process that started it, and it exits when that process closes its end of the control socket.
 Each child gets SIGKILL when the template dies (PR_SET_PDEATHSIG), and its reaper ends the rest.
 
-The control socket carries JSON messages (no pickles): a request names the command, its
-directory, environment and niceness, with the output's file descriptor attached; the template
-answers `{"started": pid}` and, later, `{"exited": pid, "code": returncode}` (a negative code is
-the signal that ended it, as with subprocess).
+The control socket carries JSON messages (no pickles): a request has an id and names the command,
+its directory, environment and niceness, with the output's file descriptor attached. The template
+answers `{"id": id, "started": pid}` once the child has its own session (or `{"id": id, "error":
+...}`, and goes on serving), and later `{"id": id, "exited": returncode}` (a negative code is the
+signal that ended it, as with subprocess). Answers name the request, not the pid, which the
+kernel reuses.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -40,8 +47,9 @@ from peer.lifetime import tied_to_me
 
 # what the template imports before it forks: everything a stage server, trainer or coordinator imports
 PRELOAD = ("peer.cli", "peer.join", "peer.coordinator", "peer.status", "torch._dynamo")
-MAX_MESSAGE = 1 << 20  # bytes: one request (its environment included) or answer
+MAX_MESSAGE = 1 << 17  # bytes: one request (its environment included); under the socket's send buffer
 START_TIMEOUT = 120.0  # s: the template's imports, on a loaded 2-core machine
+READY_TIMEOUT = 10.0  # s: a child's setup (its own session, output, directory) before "started" is said
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,39 +59,53 @@ class Forkserver:
     Use it from one thread; `start` returns a `ForkedPeer`, which answers as a `subprocess.Popen`.
     """
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, env: dict[str, str] | None = None):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, env: dict[str, str] | None = None, log: str | None = None):
+        """Start the template (with `env`; its own output, a traceback if it fails, to the file `log`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-m", "peer.forkserver", str(theirs.fileno()), *preload]
-        self._proc = subprocess.Popen(
-            tied_to_me(argv),
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl+C is for the process that started it
-            env=env,
-        )
+        with open(log or os.devnull, "ab") as out:
+            self._proc = subprocess.Popen(
+                tied_to_me(argv),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl+C is for the process that started it
+                env=env,
+            )
         theirs.close()
         self._sock, self._lock, self._closed = ours, threading.Lock(), False
-        self._exited: dict[int, int] = {}
-        self._answer(START_TIMEOUT, "ready")
+        self._exited: dict[int, int] = {}  # request id -> return code
+        self._requests = itertools.count(1)
+        try:
+            self._answer(START_TIMEOUT, "ready", 0)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
     def start(self, argv: list[str], cwd: str, env: dict[str, str], output: int, niceness: int = 0) -> ForkedPeer:
-        """Run `peer ARGV` in a forked child, with `output` (a file descriptor) as its stdout and stderr."""
-        request = json.dumps({"argv": list(argv), "cwd": str(cwd), "env": dict(env), "niceness": niceness})
-        with self._lock:
-            socket.send_fds(self._sock, [request.encode()], [output])
-            return ForkedPeer(self, self._answer(30.0, "started"))
+        """Run `peer ARGV` in a forked child, with `output` (a file descriptor) as its stdout and stderr.
 
-    def _answer(self, timeout: float, kind: str) -> int:
-        """Read answers until one of `kind`, noting exits on the way (call with the lock held)."""
+        Returns once the child has its own session (a signal to its process group reaches it)."""
+        with self._lock:
+            request = next(self._requests)
+            message = {"id": request, "argv": list(argv), "cwd": str(cwd), "env": dict(env), "niceness": niceness}
+            socket.send_fds(self._sock, [json.dumps(message).encode()], [output])
+            return ForkedPeer(self, request, self._answer(30.0, "started", request))
+
+    def _answer(self, timeout: float, kind: str, request: int) -> int:
+        """Read answers until the one of `kind` for `request`, noting exits on the way (call with the lock held)."""
         deadline = time.monotonic() + timeout
         while True:
             message = self._receive(max(0.0, deadline - time.monotonic()))
             if message is None:
                 raise RuntimeError(f"the peer forkserver gave no {kind!r} answer within {timeout} s")
+            if message.get("id") != request:
+                continue
             if "error" in message:
                 raise RuntimeError(f"the peer forkserver: {message['error']}")
             if kind in message:
@@ -100,17 +122,18 @@ class Forkserver:
             raise RuntimeError(f"the peer forkserver exited ({self._proc.poll()})")
         message = json.loads(data)
         if "exited" in message:
-            self._exited[message["exited"]] = message["code"]
+            self._exited[message["id"]] = message["exited"]
         return message
 
-    def exit_code(self, pid: int) -> int | None:
-        """The return code of child `pid`, once it has exited (as the template saw it)."""
+    def exit_code(self, request: int, pid: int) -> int | None:
+        """The return code of the child started for `request` (process `pid`), once it has exited."""
         with self._lock:
-            if self._closed:  # the kernel ended what was left when the template went (SIGKILL)
-                return self._exited.get(pid, None if _exists(pid) else -signal.SIGKILL)
-            while pid not in self._exited and self._receive(0.0) is not None:
+            if self._closed or self._proc.poll() is not None:
+                # the template is gone: the kernel ended what was left (SIGKILL, PR_SET_PDEATHSIG)
+                return self._exited.get(request, None if _exists(pid) else -signal.SIGKILL)
+            while request not in self._exited and self._receive(0.0) is not None:
                 pass
-            return self._exited.get(pid)
+            return self._exited.get(request)
 
     def close(self) -> None:
         """End the template; children still running get SIGKILL from the kernel (their reapers end the rest)."""
@@ -133,12 +156,12 @@ class Forkserver:
 class ForkedPeer:
     """A forked `peer` command, as much of a `subprocess.Popen` as the test fixtures use."""
 
-    def __init__(self, server: Forkserver, pid: int):
-        self._server, self.pid, self.returncode = server, pid, None
+    def __init__(self, server: Forkserver, request: int, pid: int):
+        self._server, self._request, self.pid, self.returncode = server, request, pid, None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid)
+            self.returncode = self._server.exit_code(self._request, self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -181,30 +204,51 @@ def _serve(sock: socket.socket) -> None:
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    children: dict[int, int] = {}  # pid -> request id
+    sock.send(json.dumps({"id": 0, "ready": os.getpid()}).encode())
     while True:
         for key, _ in selector.select():
             if key.fileobj is wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-                _report_exits(sock)
+                _report_exits(sock, children)
                 continue
             data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 1)
             if not data:
                 return  # the process that started us has gone: our children die with us
-            template = os.getpid()
-            pid = os.fork()
-            if pid == 0:
-                for fd in (wake_r, wake_w):
+            request = json.loads(data)
+            try:
+                pid = _fork(request, fds, sock, (wake_r, wake_w), selector)
+            except Exception as e:  # a failed fork (EAGAIN, ENOMEM) or request: said, and we go on serving
+                sock.send(json.dumps({"id": request.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
+                continue
+            finally:
+                for fd in fds:
                     os.close(fd)
-                selector.close()
-                _child(json.loads(data), fds[0], sock, template)
-            for fd in fds:
-                os.close(fd)
-            sock.send(json.dumps({"started": pid}).encode())
+            children[pid] = request["id"]
+            sock.send(json.dumps({"id": request["id"], "started": pid}).encode())
 
 
-def _report_exits(sock: socket.socket) -> None:
+def _fork(request: dict, fds: list[int], sock: socket.socket, wake: tuple[int, int], selector) -> int:
+    """Fork the child for `request`; returns once it has its own session (or has died trying)."""
+    if len(fds) != 1:
+        raise ValueError(f"a request carries one file descriptor (its output), not {len(fds)}")
+    template = os.getpid()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        for fd in wake:
+            os.close(fd)
+        selector.close()
+        _child(request, fds[0], sock, template, ready_w)
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        select.select([ready], [], [], READY_TIMEOUT)  # EOF: the child closed its end (or exited)
+    return pid
+
+
+def _report_exits(sock: socket.socket, children: dict[int, int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -212,25 +256,35 @@ def _report_exits(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        code = os.waitstatus_to_exitcode(status)
+        sock.send(json.dumps({"id": children.pop(pid, None), "exited": code}).encode())
 
 
-def _child(request: dict, output: int, sock: socket.socket, template: int) -> None:
-    """In a forked child: become `peer ARGV`, then exit with its code. Never returns."""
+def _child(request: dict, output: int, sock: socket.socket, template: int, ready: int) -> None:
+    """In a forked child: become `peer ARGV`, then exit as Python would. Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
         _become(request, output, template)
+        os.close(ready)  # the template may now say "started"
         code = _run(request["argv"])
+    except KeyboardInterrupt:  # as Python does: end by the signal itself
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # whatever happened is printed, and the child exits
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush()
         os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _become(request: dict, output: int, template: int) -> None:
@@ -274,7 +328,8 @@ def _fresh_state() -> None:
 
 
 def _run(argv: list[str]) -> int:
-    """`peer.cli.main(argv)` with the exit code Python would give it; waits for non-daemon threads."""
+    """`peer.cli.main(argv)` with the exit code Python would give it, then the interpreter's own shutdown
+    steps: non-daemon threads are joined, then the atexit functions run (logging, multiprocessing)."""
     from peer.cli import main
 
     try:
@@ -285,9 +340,8 @@ def _run(argv: list[str]) -> int:
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what Py_FinalizeEx does first (multiprocessing's children do the same)
+    atexit._run_exitfuncs()
     return code
 
 

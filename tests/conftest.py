@@ -295,10 +295,11 @@ def runtime_dirs(*places: Path) -> set[Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def forkserver():
+def forkserver(tmp_path_factory):
     """The template the fixtures fork their peers from (peer.forkserver): started before any module, so
-    that each module's check below counts it as already there."""
-    with Forkserver(env=dict(os.environ, PYTHONUNBUFFERED="1")) as server:
+    that each module's check below counts it as already there. Its own output goes to template.log."""
+    log = tmp_path_factory.mktemp("forkserver") / "template.log"
+    with Forkserver(env=dict(os.environ, PYTHONUNBUFFERED="1"), log=str(log)) as server:
         yield server
 
 

@@ -208,6 +208,9 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
             bad = server.start(["generate", "no-such-checkpoint"], str(tmp_path), env, out.fileno())
             assert bad.wait(30) == 2
         assert "peer generate: no-such-checkpoint: no complete checkpoint" in (tmp_path / "bad.log").read_text()
+        with open(tmp_path / "nowhere.log", "wb") as out:  # a child that cannot start says why; the template serves on
+            assert server.start(["--version"], str(tmp_path / "gone"), env, out.fileno()).wait(30) == 1
+        assert "FileNotFoundError" in (tmp_path / "nowhere.log").read_text()
 
         spec = write_spec(tmp_path / "run.toml", {"name": "forked", "stages": {"num_stages": 1}})
         info = tmp_path / "coordinator.json"

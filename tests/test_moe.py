@@ -7,6 +7,7 @@ loopback; this process only talks gRPC to them (no hivemind here).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import signal
@@ -297,12 +298,19 @@ def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(
     # the stage's calls reached the newcomer's expert: it counted their tokens, stepped or still accumulating
     assert info.samples_stepped + info.samples_accumulated > 0, info
 
-    # peer status shows the coverage: every expert of layer 1 hosted again, 1.0 by the newcomer alone
-    status = swarm.start("status", ["status", swarm.maddr])
-    assert status.wait(90) == 0, status.output()
-    row = re.search(r"│ 1 +│ (\d)/4 +│ ([0-9: ]+?) +│ (\S+) ", status.output())
-    assert row is not None, status.output()
-    assert row.group(1) == "4" and row.group(2).startswith("0:1 ") and row.group(3) == "none", status.output()
+    # peer status shows the coverage once the killed host's records have expired (network.record_ttl, 10 s):
+    # every expert of layer 1 hosted again, 1.0 by the newcomer alone
+    deadline = time.monotonic() + 30
+    for attempt in itertools.count():
+        status = swarm.start(f"status{attempt}", ["status", swarm.maddr])
+        assert status.wait(90) == 0, status.output()
+        row = re.search(r"│ 1 +│ (\d)/4 +│ ([0-9: ]+?) +│ (\S+) ", status.output())
+        assert row is not None, status.output()
+        covered = row.group(1) == "4" and row.group(2).startswith("0:1 ") and row.group(3) == "none"
+        if covered or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert covered, status.output()
 
     # the coordinator's dashboard shows the same coverage, and the killed host's experts going away
     url = swarm.peers[0].wait_for(r"Dashboard at (http://\S+/)", 10).group(1)
