@@ -192,11 +192,15 @@ def test_local_updates_in_a_real_swarm(swarm):
         compared = [e for e in averaged if steps_a[e].values and steps_b[e].values]
         compared_steps += len(compared)
         for epoch in compared:
-            # both replicas' anchors after an outer step agree, up to the int8 codec's error on the averaged delta
-            # (values are per parameter: sum, then sum of squares; a sum adds up many elements' errors)
+            # both replicas' anchors after an outer step agree, up to the int8 codec's error on the averaged deltas
+            # (values are per parameter: sum, then sum of squares; a sum adds up many elements' errors). That error
+            # adds up over outer steps as a random walk (known limits: a part's reducer keeps its exact average,
+            # the others get it through the codec), so the bound on sums grows with the square root of the step
             va, vb = steps_a[epoch].values, steps_b[epoch].values
+            walk = max(1.0, epoch / 4) ** 0.5
             for i in range(0, len(va), 2):
                 sa, sb, qa, qb = va[i], vb[i], va[i + 1], vb[i + 1]
                 assert abs(qa - qb) <= 2e-3 * qa + 1e-6, f"stage {stage} outer step {epoch}: |w|^2 {qa} != {qb}"
-                assert abs(sa - sb) <= 1e-2 * (1 + qa**0.5), f"stage {stage} outer step {epoch}: sum {sa} != {sb}"
+                bound = 1e-2 * (1 + qa**0.5) * walk
+                assert abs(sa - sb) <= bound, f"stage {stage} outer step {epoch}: sum {sa} != {sb}"
     assert compared_steps, "no outer step both replicas of a stage made to compare"
