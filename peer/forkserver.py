@@ -45,8 +45,13 @@ import traceback
 
 from peer.lifetime import tied_to_me
 
-# what the template imports before it forks: everything a stage server, trainer or coordinator imports
-PRELOAD = ("peer.cli", "peer.join", "peer.coordinator", "peer.status", "torch._dynamo")
+# what the template imports before it forks: the heavy libraries a peer imports, none that makes state shared
+# between processes at import. Not hivemind (so none of peer's runtime modules, which import it): its classes
+# create multiprocessing locks at import, which every child of the template would share, so a peer SIGKILLed
+# holding one (MPFuture's, SharedBytes') would hang every later peer's DHT start. Each child imports it anew
+# (about 0.8 CPU-s with the peer modules), and so has locks of its own, as a fresh process does.
+PRELOAD = ("torch", "torch._dynamo", "scipy.optimize", "grpc", "pydantic", "rich.console")
+NEVER_PRELOADED = ("hivemind",)  # the template refuses to start with these imported
 MAX_MESSAGE = 1 << 17  # bytes: one request (its environment included); under the socket's send buffer
 START_TIMEOUT = 120.0  # s: the template's imports, on a loaded 2-core machine
 READY_TIMEOUT = 10.0  # s: a child's setup (its own session, output, directory) before "started" is said
@@ -349,6 +354,12 @@ def _main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     for name in sys.argv[2:]:
         __import__(name)
+    shared = [name for name in NEVER_PRELOADED if name in sys.modules]
+    if shared:
+        sock.send(
+            json.dumps({"id": 0, "error": f"the template must not import {shared} (state shared at import)"}).encode()
+        )
+        sys.exit(2)
     _serve(sock)
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, alive, descendants, runtime_dirs, write_spec
 
 from peer.demo import loopback_coordinator
@@ -221,6 +222,10 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
         assert os.getsid(coordinator.pid) == coordinator.pid  # a session (and process group) of its own
         assert any("p2pd" in _cmdline(pid) for pid in pids), "the coordinator's DHT daemon was not seen"
         assert os.getcwd() != str(tmp_path) and os.readlink(f"/proc/{coordinator.pid}/cwd") == str(tmp_path)
+    # hivemind makes multiprocessing locks at import: a template that held them would share them among all its
+    # children, and one SIGKILLed holding one would hang the others (failed one clean-clone run)
+    with pytest.raises(RuntimeError, match="must not import"):
+        Forkserver(preload=("hivemind",), env=env)
     deadline = time.monotonic() + GONE_WITHIN
     while [p for p in pids if alive(p)] or runtime_dirs(Path("/tmp"), tmp_path):
         assert time.monotonic() < deadline, (
