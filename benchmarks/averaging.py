@@ -1,6 +1,6 @@
 """Averaging time of 4 replicas behind 100 Mbit/s links, against the butterfly all-reduce's bound.
 
-What is measured: the wall time of one averaging round of `peer.averaging.GradientAverager` (hivemind's
+What is measured: the wall time of one averaging round of `peer.server.averaging.GradientAverager` (hivemind's
 DecentralizedAverager under our matchmaking, with the run's averaging codec) among `--peers` peers, each
 in its own network namespace of the WAN lab (benchmarks/lab.py, needs root) capped at `--rate` Mbit/s
 both ways. The bound is the butterfly all-reduce's: each peer sends (and receives) 2(n-1)/n of the
@@ -96,19 +96,19 @@ def make_spec(compression: str, timeout: float):
 def worker(args: argparse.Namespace) -> int:
     import multiprocessing as mp
 
-    mp.set_start_method("fork", force=True)  # hivemind forks (as peer/cli.py sets it)
+    mp.set_start_method("fork", force=True)  # hivemind forks (as peer/cli/main.py sets it)
     import torch
 
     from dht.identity import Identity
     from dht.node import SwarmDHT
-    from peer.averaging import GradientAverager
-    from peer.lifetime import start_reaper
+    from peer.process.lifetime import start_reaper
+    from peer.server.averaging import GradientAverager
 
     start_reaper()  # before hivemind's processes: they, their p2p daemons and sockets end with this worker
     torch.set_num_threads(1)
     if args.verbose:  # why a part failed is logged at debug level only
         logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
-    work, me, n = Path(args.workdir), args.worker, args.peers
+    work, me = Path(args.workdir), args.worker
     initial = [] if me == 0 else [_wait_json(work / "dht0.json", args.start_timeout)["maddr"]]
     dht = SwarmDHT(Identity.generate(), initial, [f"/ip4/{args.ip}/tcp/0"], [], 60.0, 10.0)
     averager = None
@@ -127,25 +127,7 @@ def worker(args: argparse.Namespace) -> int:
         go = _wait_json(work / "go.json", args.start_timeout)
         rounds = []
         for r in range(args.rounds):
-            inputs = [b + (me + r) for b in base]  # made before the start, so its time is not counted
-            start = go["start"] + r * go["period"]
-            late = time.time() - start
-            if late < 0:
-                time.sleep(-late)
-            began = time.time()
-            result = averager.average(inputs, samples=1, epoch=r, expected=go["peers"])
-            finished = time.time()
-            entry = {"round": r, "seconds": finished - start, "own_seconds": finished - began, "late": max(0, late)}
-            if result is None:
-                entry.update(ok=False, error="no group or the round failed")
-            else:
-                mean = (n - 1) / 2 + r
-                err = max(float((a - b - mean).abs().max()) for a, b in zip(result.gradients, base, strict=True))
-                tol = TOLERANCE[args.compression] * (0.6 + n - 1 + r)  # 0.6 bounds |base| (0.1 * randn, 12M draws)
-                entry.update(group=result.group_size, max_err=err, tolerance=tol)
-                entry["ok"] = result.group_size == n and err <= tol
-                if not entry["ok"]:
-                    entry["error"] = f"group of {result.group_size}, max error {err:.3g} (tolerance {tol:.3g})"
+            entry = _round(averager, base, r, go, args)
             rounds.append(entry)
             print(json.dumps(entry), flush=True)
             _write_json(work / f"result{me}.json", rounds)
@@ -157,6 +139,31 @@ def worker(args: argparse.Namespace) -> int:
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+
+
+def _round(averager, base: list, r: int, go: dict, args: argparse.Namespace) -> dict:
+    """Round `r` at its agreed start: its times, and whether every peer's average came out right."""
+    me, n = args.worker, args.peers
+    inputs = [b + (me + r) for b in base]  # made before the start, so its time is not counted
+    start = go["start"] + r * go["period"]
+    late = time.time() - start
+    if late < 0:
+        time.sleep(-late)
+    began = time.time()
+    result = averager.average(inputs, samples=1, epoch=r, expected=go["peers"])
+    finished = time.time()
+    entry = {"round": r, "seconds": finished - start, "own_seconds": finished - began, "late": max(0, late)}
+    if result is None:
+        entry.update(ok=False, error="no group or the round failed")
+        return entry
+    mean = (n - 1) / 2 + r
+    err = max(float((a - b - mean).abs().max()) for a, b in zip(result.gradients, base, strict=True))
+    tol = TOLERANCE[args.compression] * (0.6 + n - 1 + r)  # 0.6 bounds |base| (0.1 * randn, 12M draws)
+    entry.update(group=result.group_size, max_err=err, tolerance=tol)
+    entry["ok"] = result.group_size == n and err <= tol
+    if not entry["ok"]:
+        entry["error"] = f"group of {result.group_size}, max error {err:.3g} (tolerance {tol:.3g})"
+    return entry
 
 
 # --- parent: builds the lab, starts the workers, reports ---

@@ -4,7 +4,7 @@ Both sides write the same state, a real stage's parameters and AdamW moments
 (`PartRuntime.state_tensors`), to the same disk in one run:
 - plain: `safetensors.torch.save_file` of each part, then `load_file`; and the same save with
   each file fsynced (what durability alone costs);
-- ours: `peer.checkpoint.write` (a hidden tmp directory, each file fsynced, SHA-256 per file, the
+- ours: `peer.coordinator.checkpoint.write` (a hidden tmp directory, each file fsynced, SHA-256 per file, the
   manifest last, a rename into place, pruning to `keep`), then `read_manifest(verify=True)` (every
   checksum) and `load_part`, as `--resume` and `peer export` read it.
 Reported: the median seconds and MB/s of each, and the ratios. A plain save leaves its data in
@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer import checkpoint  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.runtime import StageRuntime  # noqa: E402
+from peer.coordinator import checkpoint  # noqa: E402
+from peer.model.runtime import StageRuntime  # noqa: E402
 
 # the sizes of a run, and of a --quick one; a flag given on the command line overrides both
 FULL = {"hidden": 512, "layers": 8, "repeats": 7}

@@ -33,7 +33,7 @@ from hivemind.compression import (
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer.averaging_codec import averaging_codec  # noqa: E402
+from peer.server.averaging_codec import averaging_codec  # noqa: E402
 from protocols import codec, tensor_pb2  # noqa: E402
 
 # the last line: key -> (codec, tensor, figure); ms is encode + decode

@@ -44,10 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.lab import Lab, LabError, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
+from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
+from benchmarks.rehearsal import join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
+from peer.cli.demo import spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.demo import spec_to_toml  # noqa: E402
 
 MICRO_BATCH = 16
 TARGET_BATCH = 64
@@ -134,18 +135,7 @@ def train(mode: str, args: argparse.Namespace, work: Path) -> dict:
                     trainer += ["--eval-every", "1000000", "--set", f"trainer.eval_batches={args.eval_batches}"]
                 procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), *trainer])
             print(f"  {mode}: servers up, trainers started (logs in {work})", flush=True)
-            deadline, last = time.monotonic() + args.timeout, time.monotonic()
-            while any(procs[n].poll() is None for n in TRAINERS):
-                for name in ("coordinator", *SERVERS):
-                    if procs[name].poll() is not None:
-                        raise LabError(f"{name} exited during training:\n{peer_log(work, name)[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise LabError(f"the trainers did not finish within {args.timeout:.0f} s; logs in {work}")
-                if time.monotonic() - last > 30:
-                    last = time.monotonic()
-                    done = sum(e["samples"] for n in TRAINERS for e in entries(work, n) if e["type"] == "micro_batch")
-                    print(f"  {mode}: {time.time() - started:.0f} s, {done} samples", flush=True)
-                time.sleep(0.5)
+            _wait_for_trainers(mode, procs, work, args, started)
             wall = time.time() - started
             end = {n: h.counters() for n, h in hosts.items()}
             failed = [n for n in TRAINERS if procs[n].returncode != 0]
@@ -155,6 +145,27 @@ def train(mode: str, args: argparse.Namespace, work: Path) -> dict:
                 )
         finally:
             lab.close(grace=STOP_GRACE)
+    return _outcome(mode, work, hosts, base, end, started, wall)
+
+
+def _wait_for_trainers(mode: str, procs: dict, work: Path, args: argparse.Namespace, started: float) -> None:
+    """Until every trainer has exited; LabError if a server or the coordinator exits first, or on timeout."""
+    deadline, last = time.monotonic() + args.timeout, time.monotonic()
+    while any(procs[n].poll() is None for n in TRAINERS):
+        for name in ("coordinator", *SERVERS):
+            if procs[name].poll() is not None:
+                raise LabError(f"{name} exited during training:\n{peer_log(work, name)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise LabError(f"the trainers did not finish within {args.timeout:.0f} s; logs in {work}")
+        if time.monotonic() - last > 30:
+            last = time.monotonic()
+            done = sum(e["samples"] for n in TRAINERS for e in entries(work, n) if e["type"] == "micro_batch")
+            print(f"  {mode}: {time.time() - started:.0f} s, {done} samples", flush=True)
+        time.sleep(0.5)
+
+
+def _outcome(mode: str, work: Path, hosts: dict, base: dict, end: dict, started: float, wall: float) -> dict:
+    """A run's figures from its hosts' byte counters, the trainers' JSON lines and the servers' logs."""
     traffic = {n: (end[n][0] - base[n][0]) + (end[n][1] - base[n][1]) for n in hosts}
     batches = [e for n in TRAINERS for e in entries(work, n) if e["type"] == "micro_batch"]
     samples = sum(e["samples"] for e in batches)

@@ -39,9 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer.demo import Processes, dict_to_toml, loopback_join  # noqa: E402
-from peer.lifetime import die_with_parent, start_reaper  # noqa: E402
-from peer.moe import SwiGLU  # noqa: E402
+from peer.cli.demo import Processes, dict_to_toml, loopback_join  # noqa: E402
+from peer.model.moe import SwiGLU  # noqa: E402
+from peer.process.lifetime import die_with_parent, start_reaper  # noqa: E402
 
 BATCH = 256
 # the sizes of a run, and of a --quick one; a flag given on the command line overrides both
@@ -185,7 +185,7 @@ async def call_expert(client, endpoint: str, uid: str, x: torch.Tensor, g: torch
 
     The backward leaves the inputs out (the host kept them); a host that no longer holds them (its
     batch's graph was dropped) answers "send the inputs", and the caller resends them, as
-    peer/dispatch.py does.
+    peer/server/dispatch.py does.
     """
     import grpc
 
@@ -216,7 +216,7 @@ async def call_expert(client, endpoint: str, uid: str, x: torch.Tensor, g: torch
 
 async def time_ours(endpoint: str, hidden: int, repeats: int) -> tuple[float, float]:
     """(remote, local) median seconds, a remote and a local forward+backward alternating, so both see the same load."""
-    from peer.client import StageClient
+    from peer.net.client import StageClient
 
     client = StageClient(2 * 2**20, 2**30, stream_bytes=2 * 2**20)
     x, g = torch.randn(BATCH, hidden), torch.randn(BATCH, hidden)
@@ -237,7 +237,7 @@ async def concurrent_throughput(
     endpoint: str, hidden: int, tokens: int, callers: int, seconds: float
 ) -> tuple[float, int]:
     """(tokens/s of forward+backward with `callers` callers each sending `tokens` tokens at a time, inputs resent)."""
-    from peer.client import StageClient
+    from peer.net.client import StageClient
 
     client = StageClient(2 * 2**20, 2**30, stream_bytes=2 * 2**20)
     done = resent = 0

@@ -22,161 +22,57 @@ leftovers of a lab whose process died (SIGKILL) are found and removed by `cleanu
 Rehearse a run before lending it real machines (needs root)::
 
     sudo .venv/bin/python benchmarks/lab.py check
-    sudo .venv/bin/python benchmarks/lab.py rehearse peer/demo.toml --servers 2 --trainers 1 --rate 100 --duration 90
+    sudo .venv/bin/python benchmarks/lab.py rehearse peer/cli/demo.toml --servers 2 --trainers 1 --rate 100 --duration 90
 
-A coordinator, the stage servers and the trainers start as `python -m peer.cli` processes, each in
+A coordinator, the stage servers and the trainers start as `python -m peer.cli.main` processes, each in
 its own namespace behind the cap; the lab prints the swarm's samples/s and each host's traffic every
 few seconds, then a summary, and removes everything. `hold --hosts N` builds N hosts and waits, to
 poke at by hand (`ip netns exec stlab<pid>-h0 bash`).
 
 From Python: `with Lab() as lab: a = lab.add_host("a", rate_mbit=100)`, then `a.popen([...])` runs a
-process on that host (`a.ip`), `a.counters()` gives its (tx, rx) bytes, `lab.set_rate(a, 10)` changes its cap.
-"""
+process on that host (`a.ip`), `a.counters()` gives its (tx, rx) bytes, `lab.set_rate(a, 10)` changes its cap."""
 
 from __future__ import annotations
 
 import argparse
 import atexit
 import contextlib
-import functools
 import ipaddress
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TAG_PREFIX = "stlab"
-STALE_RE = re.compile(rf"^{TAG_PREFIX}(\d+)\D")  # namespace names of labs: stlab<pid>..., the pid owns them
-SUBNET = "10.213.{}.0/24"  # the lab's network; {} is the subnet index (labs are isolated, so any index works)
-DEFAULT_SUBNET_INDEX = 0
-CMD_TIMEOUT = 20.0  # s for one ip/tc command
-TBF_LATENCY_MS = 50  # longest a packet may wait in the tbf queue: room for a few TCP windows
-TBF_BURST_S = 0.005  # burst: 5 ms of traffic at the cap...
-TBF_MIN_BURST = 32 * 1024  # ...but at least 32 KiB, so TCP segmentation offload packets pass whole
-NOT_ROOT = "the WAN lab needs root: network namespaces and tc need CAP_NET_ADMIN; run it with sudo"
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/lab.py` puts benchmarks/ first; the packages live at the root
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks import netns as _netns_module  # noqa: E402
+from benchmarks.netns import (  # noqa: E402
+    DEFAULT_SUBNET_INDEX,
+    NOT_ROOT,
+    REAPER_GRACE,
+    SUBNET,
+    TAG_PREFIX,
+    LabError,
+    _cmd,
+    _empty_netns,
+    _netns_pids,
+    _tool,
+    check_available,
+    cleanup_stale,
+    namespaces,
+    tbf_args,
+)
 
-class LabError(RuntimeError):
-    """The lab cannot run here (or an ip/tc command failed); the message says why and what to do."""
-
-
-@functools.cache
-def _tool(name: str, package: str = "iproute2 (apt-get install iproute2)") -> str:
-    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
-    if not path:
-        raise LabError(f"`{name}` not found: install {package}")
-    return path
-
-
-def _cmd(argv: list[str], check: bool = True, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run an ip/tc command; LabError (with its stderr) when it fails and `check`."""
-    argv = [_tool(argv[0]), *argv[1:]]
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise LabError(f"`{' '.join(argv)}` did not finish within {timeout:.0f} s") from e
-    if check and result.returncode != 0:
-        raise LabError(f"`{' '.join(argv)}` failed: {result.stderr.strip() or result.returncode}")
-    return result
-
-
-def check_available() -> None:
-    """Raise LabError unless this process can build a lab: root, ip and tc, namespaces, veth, bridge, tbf."""
-    if os.geteuid() != 0:
-        raise LabError(NOT_ROOT)
-    _tool("ip"), _tool("tc")
-    probe = f"{TAG_PREFIX}{os.getpid()}p-probe"
-    try:
-        result = _cmd(["ip", "netns", "add", probe], check=False)
-        if result.returncode != 0:
-            raise LabError(
-                f"cannot create network namespaces here (`ip netns add` said: {result.stderr.strip()}); "
-                "in a container, run it with --privileged (CAP_SYS_ADMIN and CAP_NET_ADMIN)"
-            )
-        steps = [
-            (["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"], "veth pairs (veth)"),
-            (["ip", "-n", probe, "link", "add", "pbr", "type", "bridge"], "bridges (bridge)"),
-            (["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", *tbf_args(10)], "the tbf qdisc (sch_tbf)"),
-        ]
-        for argv, what in steps:
-            result = _cmd(argv, check=False)
-            if result.returncode != 0:
-                raise LabError(f"this kernel lacks {what}: `{' '.join(argv)}` said {result.stderr.strip()}")
-    finally:
-        with contextlib.suppress(LabError):
-            _cmd(["ip", "netns", "del", probe], check=False)
-
-
-def tbf_args(rate_mbit: float) -> list[str]:
-    """`tc qdisc ... root` arguments of a token bucket capping a link at `rate_mbit` Mbit/s."""
-    burst = max(int(rate_mbit * 1e6 / 8 * TBF_BURST_S), TBF_MIN_BURST)
-    return ["tbf", "rate", f"{round(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
-
-
-def nat_available() -> str:
-    """Why NAT hosts (Lab.add_nat_host) cannot be made here, or "" when they can."""
-    try:
-        check_available()
-        _tool("iptables", "iptables (apt-get install iptables)")
-    except LabError as e:
-        return str(e)
-    return ""
-
-
-def namespaces() -> list[str]:
-    """Every named network namespace on this machine (`ip netns list`)."""
-    out = _cmd(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-REAPER_GRACE = 6.0  # s for the processes left in a closing lab's namespaces (the peers' reapers) to end
-
-
-def _netns_pids(netns: str) -> list[int]:
-    result = _cmd(["ip", "netns", "pids", netns], check=False, timeout=5.0)
-    return [int(p) for p in result.stdout.split() if p.isdigit()]
-
-
-def _empty_netns(netns: str, timeout: float = 3.0) -> None:
-    """SIGKILL every process left in `netns` until none is."""
-    deadline = time.monotonic() + timeout
-    while (pids := _netns_pids(netns)) and time.monotonic() < deadline:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def cleanup_stale() -> list[str]:
-    """Remove the namespaces (and processes in them) of labs whose owning process is gone; their names."""
-    if os.geteuid() != 0:
-        raise LabError(NOT_ROOT)
-    stale = [ns for ns in namespaces() if (m := STALE_RE.match(ns)) and not _alive(int(m.group(1)))]
-    stale.sort(key=lambda ns: ns.endswith("-hub"))  # hosts before their hub
-    removed = []
-    for ns in stale:
-        _empty_netns(ns)
-        if _cmd(["ip", "netns", "del", ns], check=False).returncode == 0:
-            removed.append(ns)
-    return removed
+# the lab's users (tests, benchmarks) find these here too
+STALE_RE, nat_available, _alive = _netns_module.STALE_RE, _netns_module.nat_available, _netns_module._alive
 
 
 def open_benchmark(prog: str, figures: dict, nat: bool = False) -> None:
@@ -194,12 +90,18 @@ def open_benchmark(prog: str, figures: dict, nat: bool = False) -> None:
         print(f"removed leftovers of dead labs: {', '.join(removed)}", flush=True)
 
 
-# --- cleanup on signals and at exit: the only process-wide state, bookkeeping for open labs ---
-
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 _open_labs: list[Lab] = []
+
+
 _saved_handlers: dict[int, object] = {}
+
+
 _handler_pid = [0]  # the process that installed the handlers (a forked child inherits them)
+
+
 _atexit_registered = [False]
 
 
@@ -276,7 +178,7 @@ class Host:
         The process also dies with ours (PR_SET_PDEATHSIG, kept across `ip netns exec`): a lab whose owner was
         SIGKILLed leaves namespaces for `cleanup_stale`, but no peers still running in them.
         """
-        from peer.lifetime import tied_to_me  # here: `python benchmarks/lab.py` puts the root on sys.path late
+        from peer.process.lifetime import tied_to_me  # here: `python benchmarks/lab.py` puts the root on sys.path late
 
         if self.lab._closed:
             raise LabError(f"the lab of host {self.name} is closed")
@@ -462,7 +364,7 @@ class Lab:
                 _unregister(self)
 
     def _await_reapers(self, grace: float) -> None:
-        """Give the peers' reapers (peer.lifetime), left in the namespaces, `grace` s to end their peers'
+        """Give the peers' reapers (peer.process.lifetime), left in the namespaces, `grace` s to end their peers'
         helpers and remove their files before what is still there gets SIGKILL."""
         deadline = time.monotonic() + grace
         while any(_netns_pids(ns) for ns in self._namespaces) and time.monotonic() < deadline:
@@ -486,217 +388,6 @@ class Lab:
         self.close()
 
 
-# --- rehearse: a whole swarm in the lab ---
-
-
-class Tail:
-    """The JSON lines a peer writes to a growing file (a trainer's --log-file); `read()` gives all so far."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.entries = path, 0, []
-
-    def read(self) -> list[dict]:
-        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-            end = data.rfind(b"\n") + 1  # leave a line being written for next time
-            self.offset += end
-            for line in data[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    self.entries.append(json.loads(line))
-        return self.entries
-
-
-def start_peer(host: Host, work: Path, args: list[str], settings: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `python -m peer.cli args` on `host`, in its own directory with its own TMPDIR (p2p daemon sockets)."""
-    home = work / host.name
-    (home / "tmp").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(home / "tmp"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    with open(home / "peer.log", "wb") as log:
-        return host.popen(
-            [sys.executable, "-m", "peer.cli", *args, *(f"--set={item}" for item in settings)],
-            cwd=home,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-
-def _log(work: Path, host: Host) -> str:
-    with contextlib.suppress(OSError):
-        return (work / host.name / "peer.log").read_text(errors="replace")
-    return ""
-
-
-def join_args(maddr: str, host: Host) -> list[str]:
-    """`peer join` arguments for a peer on `host`: its own key, the host's address, one torch thread."""
-    return ["join", maddr, "--identity", f"{host.name}.pem", "--host", host.ip, "--threads", "1"]
-
-
-def wait_for(what: str, ready, procs: dict[str, subprocess.Popen], work: Path, hosts: dict, timeout: float) -> None:
-    """Poll `ready()`; LabError (with the log's tail) when one of `procs` exits first or `timeout` s pass."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                raise LabError(f"{name} exited early (status {proc.returncode}):\n{_log(work, hosts[name])[-3000:]}")
-        if time.monotonic() > deadline:
-            raise LabError(f"waited {timeout:.0f} s for {what}; logs in {work}")
-        time.sleep(0.3)
-
-
-def rehearse(
-    spec_path: str,
-    servers: int,
-    trainers: int,
-    rate_mbit: float | None,
-    duration: float | None = None,
-    workdir: str = "",
-    overrides: tuple[str, ...] = (),
-    peer_settings: tuple[str, ...] = (),
-    interval: float = 5.0,
-    console=None,
-    start_timeout: float = 180.0,
-) -> dict:
-    """Run a coordinator, `servers` stage servers and `trainers` trainers, each on its own capped lab host.
-
-    `overrides` (FIELD=VALUE) change the run spec, `peer_settings` every peer's settings (their `--set`).
-    Prints progress every `interval` s and a summary; returns the summary (samples, samples_per_s, per-host bytes).
-    `duration` bounds the training time (from the trainers' start; None: until they finish).
-    """
-
-    from rich.console import Console
-
-    from peer.config import RunSpec, apply_override
-    from peer.demo import spec_to_toml
-
-    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    spec = RunSpec.from_toml(spec_path)
-    for item in overrides:
-        apply_override(spec, item)
-    work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-lab-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "run.toml").write_text(spec_to_toml(spec))
-    cap = f"{rate_mbit:g} Mbit/s" if rate_mbit else "no cap"
-    stages, t0 = spec.stages.num_stages, time.time()
-    summary: dict = {"workdir": str(work), "samples": 0, "samples_per_s": 0.0, "hosts": {}}
-    with Lab() as lab:
-        roles = {"coordinator": "coordinator"}
-        roles |= {
-            f"server{i}": f"server (stage {i % stages})" if servers >= stages else "server" for i in range(servers)
-        }
-        roles |= {f"trainer{i}": "trainer" for i in range(trainers)}
-        hosts = {name: lab.add_host(name, rate_mbit) for name in roles}
-        console.print(
-            f"[bold]WAN lab {lab.tag}[/bold]: {len(hosts)} hosts on {lab.subnet}, each capped at {cap} "
-            f"both ways; logs in {work}"
-        )
-        procs: dict[str, subprocess.Popen] = {}
-        tails: dict[str, Tail] = {}
-        base, started, stopped = {}, time.time(), set()
-        try:
-            coord = hosts["coordinator"]
-            info = work / "coordinator.json"
-            argv = ["coordinator", str(work / "run.toml"), "--identity", "coordinator.pem", "--host", coord.ip]
-            procs["coordinator"] = start_peer(coord, work, [*argv, "--info-file", str(info)], peer_settings)
-            wait_for("the coordinator", info.exists, procs, work, hosts, start_timeout)
-            maddr = json.loads(info.read_text())["join"].split()[-1]
-            if f"/ip4/{coord.ip}/" not in maddr:
-                raise LabError(f"the coordinator announces {maddr}, not its lab address {coord.ip}")
-            console.print(f"coordinator up at {maddr}")
-            names = [f"server{i}" for i in range(servers)]
-            for i, name in enumerate(names):
-                stage = ["--stage", str(i % stages)] if servers >= stages else []
-                procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), *stage], peer_settings)
-            servers_up = lambda: all(re.search(r"Serving stage \d+ at ", _log(work, hosts[n])) for n in names)  # noqa: E731
-            wait_for("the stage servers", servers_up, procs, work, hosts, start_timeout)
-            base, started = {name: host.counters() for name, host in hosts.items()}, time.time()
-            for i in range(trainers):
-                name = f"trainer{i}"
-                trainer = ["--role", "trainer", "--seed", str(i), "--log-file", "trainer.jsonl", "--max-inflight", "1"]
-                procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), *trainer], peer_settings)
-                tails[name] = Tail(work / name / "trainer.jsonl")
-            console.print(f"{servers} server(s) serving after {time.time() - t0:.0f} s; {trainers} trainer(s) started")
-            _follow(console, hosts, procs, tails, started, duration, interval)
-        except KeyboardInterrupt:
-            console.print("interrupted; stopping the swarm (Ctrl+C again to kill it)")
-            summary["interrupted"] = True
-        finally:
-            live = [n for n in sorted(procs, key=lambda n: not n.startswith("trainer")) if procs[n].poll() is None]
-            for name in live:  # every peer leaves at once (trainers told first): Ctrl+C should not take long
-                stopped.add(name)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(procs[name].pid, signal.SIGTERM)
-            deadline = time.monotonic() + 6.0
-            for name in live:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    procs[name].wait(max(0.01, deadline - time.monotonic()))
-            if tails:
-                summary.update(_summary(console, hosts, roles, base, tails, started, work, cap))
-            lab.close(grace=0.5)  # what did not leave in time is killed now
-        failed = [n for n in tails if n not in stopped and procs[n].returncode != 0]
-        for name in failed:
-            console.print(f"[red]{name} failed[/red]:\n{_log(work, hosts[name])[-2000:]}")
-        summary["failed"] = failed
-    console.print(f"lab {lab.tag} removed")
-    return summary
-
-
-def _follow(console, hosts, procs, tails, started, duration, interval) -> None:
-    trainers = [p for n, p in procs.items() if n.startswith("trainer")]
-    last, counts = time.time(), {name: host.counters() for name, host in hosts.items()}
-    seen = dict.fromkeys(tails, 0)
-    while any(p.poll() is None for p in trainers):
-        if duration is not None and time.time() - started >= duration:
-            console.print(f"{duration:g} s of training done")
-            return
-        time.sleep(min(interval, 0.5))
-        now = time.time()
-        if now - last < interval:
-            continue
-        samples = 0
-        for name, tail in tails.items():
-            new, seen[name] = tail.read()[seen[name] :], len(tail.entries)
-            samples += sum(e["samples"] for e in new if e.get("type") == "micro_batch")
-        fresh = {name: host.counters() for name, host in hosts.items()}
-        traffic = " ".join(
-            f"{name} {(fresh[name][0] - counts[name][0]) * 8e-6 / (now - last):.1f}/"
-            f"{(fresh[name][1] - counts[name][1]) * 8e-6 / (now - last):.1f}"
-            for name in hosts
-        )
-        console.print(f"{now - started:5.0f} s | {samples / (now - last):6.1f} samples/s | tx/rx Mbit/s: {traffic}")
-        last, counts = now, fresh
-
-
-def _summary(console, hosts, roles, base, tails, started, work, cap) -> dict:
-    from rich.table import Table
-
-    batches = [e for tail in tails.values() for e in tail.read() if e.get("type") == "micro_batch"]
-    samples = sum(e["samples"] for e in batches)
-    elapsed = max((e["time"] for e in batches), default=time.time()) - started
-    table = Table(
-        title=f"WAN lab rehearsal: {samples} samples in {elapsed:.0f} s of training, "
-        f"{samples / max(elapsed, 1e-9):.1f} samples/s, every host capped at {cap}"
-    )
-    for col in ("host", "role", "address", "tx MB", "rx MB", "tx Mbit/s", "rx Mbit/s"):
-        table.add_column(col, justify="left" if col in ("host", "role", "address") else "right")
-    result = dict(workdir=str(work), samples=samples, seconds=elapsed, samples_per_s=samples / max(elapsed, 1e-9))
-    result["hosts"] = {}
-    for name, host in hosts.items():
-        tx, rx = (now - then for now, then in zip(host.counters(), base[name], strict=True))
-        result["hosts"][name] = {"ip": host.ip, "tx_bytes": tx, "rx_bytes": rx}
-        rate = 8e-6 / max(elapsed, 1e-9)
-        table.add_row(
-            name, roles[name], host.ip, f"{tx / 1e6:.1f}", f"{rx / 1e6:.1f}", f"{tx * rate:.1f}", f"{rx * rate:.1f}"
-        )
-    console.print(table)
-    return result
-
-
-# --- command line ---
-
-
 def _hold(hosts: int, rate_mbit: float | None) -> int:
     with Lab() as lab:
         for i in range(hosts):
@@ -716,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The WAN lab: run each peer of a swarm in its own network namespace behind a bandwidth cap "
         "(tc tbf). Needs root; removes everything it creates, also on Ctrl+C.",
         epilog="examples:\n  sudo .venv/bin/python benchmarks/lab.py check\n"
-        "  sudo .venv/bin/python benchmarks/lab.py rehearse peer/demo.toml --servers 2 --trainers 1 --rate 100\n"
+        "  sudo .venv/bin/python benchmarks/lab.py rehearse peer/cli/demo.toml --servers 2 --trainers 1 --rate 100\n"
         "  sudo .venv/bin/python benchmarks/lab.py hold --hosts 3 --rate 20   # then: ip netns exec stlab<pid>-h0 bash\n"
         "First calls' deadlines allow their bytes to cross a link of trainer.min_link_mbit (10 Mbit/s);\n"
         "to rehearse thinner links, lower it too, e.g. --rate 5 --peer-set trainer.min_link_mbit=5",
@@ -726,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="say whether the lab can run here, and why not (exit 2 when it cannot)")
     sub.add_parser("cleanup", help="remove the namespaces of labs whose process died")
     p = sub.add_parser("rehearse", help="rehearse a run: coordinator, N servers, M trainers, each on a capped host")
-    p.add_argument("spec", help="the run spec (TOML), e.g. peer/demo.toml")
+    p.add_argument("spec", help="the run spec (TOML), e.g. peer/cli/demo.toml")
     p.add_argument("--servers", type=int, default=2, help="stage servers (>= the spec's stages: pinned round-robin)")
     p.add_argument("--trainers", type=int, default=1, help="trainers")
     p.add_argument("--rate", type=float, default=None, help="every host's cap in Mbit/s, up and down (default: none)")
@@ -764,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("need at least one server and one trainer")
             run = dict(duration=args.duration, workdir=args.workdir, overrides=tuple(args.set), interval=args.interval)
             run["peer_settings"] = tuple(args.peer_set)
+            from benchmarks.rehearsal import rehearse  # lazy: rehearsal builds on this module
+
             summary = rehearse(args.spec, args.servers, args.trainers, args.rate, **run)
             return 130 if summary.get("interrupted") else 1 if summary["failed"] else 0
         return 0
@@ -776,5 +469,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # `python benchmarks/lab.py` puts benchmarks/ first; peer lives at the root
-    sys.exit(main())
+    from benchmarks.lab import main as lab_main  # the module itself, not this __main__ copy: one registry of labs
+
+    sys.exit(lab_main())

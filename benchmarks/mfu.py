@@ -1,13 +1,13 @@
 """Model FLOPs utilisation of a stage server's torch work, against a plain matmul on the same device.
 
 The stage: a middle stage of `--blocks` Llama-style blocks (no vocabulary), held by the very
-runtime a stage server runs (peer.runtime.StageRuntime, TP=1, `server.compute_dtype`), on one
+runtime a stage server runs (peer.model.runtime.StageRuntime, TP=1, `server.compute_dtype`), on one
 device. Each micro-batch is what the server does for a trainer: a training forward (graph kept),
 then the backward into the accumulator, and every `--accumulate` micro-batches an optimizer step,
 as a replica alone steps. gRPC is left out: its cost is benchmarks/transport.py's.
 
 Model FLOPs per sample are 6 x parameters x tokens plus the causal attention, 6 x blocks x seq^2 x
-hidden (peer.model.flops_per_sample's formula); MFU is those FLOPs per second over the device's
+hidden (peer.model.llama.flops_per_sample's formula); MFU is those FLOPs per second over the device's
 peak (`--peak-tflops`; H100/H200 SXM dense bf16: 989). In the same run, a square bf16 matmul gives
 the device's reachable rate, so the stage's share of it is printed too.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.runtime import StageRuntime  # noqa: E402
+from peer.model.runtime import StageRuntime  # noqa: E402
 
 PEAKS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16 TFLOP/s of the SXM parts
 # sizes by device, full and --quick; a flag given on the command line overrides them

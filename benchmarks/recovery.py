@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.cli.demo import Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.demo import Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
 
 
 @dataclass(frozen=True)

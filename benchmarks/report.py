@@ -9,7 +9,7 @@
         run(parser, body)
 
 `run` parses the arguments, makes SIGTERM and SIGHUP stop the benchmark as Ctrl+C does (so its
-`finally` blocks stop what it started; peer.lifetime.interrupt_on_signals), runs `body`, and
+`finally` blocks stop what it started; peer.process.lifetime.interrupt_on_signals), runs `body`, and
 prints the figures gathered so far as the last line with `status=ok`, `status=failed` (an
 exception: its traceback goes to stderr first; exit status 1) or `status=interrupted` (exit 130).
 A benchmark that is off its goal still ends with `status=ok`: its figures say how far off.
@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from peer.lifetime import interrupt_on_signals
+from peer.process.lifetime import interrupt_on_signals
 
 STATUS_KEY = "status"
 

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from dht.identity import Identity  # noqa: E402
+from peer.cli.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
 
 START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
 STOP_GRACE = 6.0  # s the peers get to leave before they are killed (a server takes server.shutdown_grace)

@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from peer.cli.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.corpus import load_corpus  # noqa: E402
-from peer.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml  # noqa: E402
-from peer.local import train_local  # noqa: E402
+from peer.data.corpus import load_corpus  # noqa: E402
+from peer.trainer.local import train_local  # noqa: E402
 
 
 def local_rate(spec: RunSpec, steps: int, threads: int) -> float:

@@ -1,7 +1,7 @@
 """A stage split over tensor-parallel ranks against the same stage whole, same machine, same total threads.
 
 Whole: the stage's runtime in this process with `--tp` torch threads. Split: the same stage over
-`--tp` ranks as `peer join --tp` runs it (rank 0 here, ranks 1.. as `peer.rank` processes; gloo on
+`--tp` ranks as `peer join --tp` runs it (rank 0 here, ranks 1.. as `peer.model.rank` processes; gloo on
 CPU, NCCL with `--device cuda`), one thread each. Both serve the stage server's own sequence per
 micro-batch (a training forward, then its backward into the accumulator), then the take of the
 full gradients a round averages. Reported: samples/s of each, parameter bytes per rank, the
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import ParallelConfig, RunSpec  # noqa: E402
-from peer.runtime import StageRuntime  # noqa: E402
-from peer.tp import TPGroup  # noqa: E402
-from peer.tp_runtime import Ranks, ShardedStageRuntime  # noqa: E402
+from peer.model.runtime import StageRuntime  # noqa: E402
+from peer.model.tp import TPGroup  # noqa: E402
+from peer.model.tp_runtime import Ranks, ShardedStageRuntime  # noqa: E402
 
 # the sizes of a run, and of a --quick one; a flag given on the command line overrides both
 FULL = {"hidden": 512, "heads": 8, "layers": 4, "seq": 128, "batch": 4, "steps": 10}

@@ -1,8 +1,8 @@
 """Our gRPC tensor round trip (encode and decode included) against raw TCP on loopback, 1-64 MB.
 
 gRPC side: the project's own wire path. The server is the real stage servicer plumbing
-(`peer.servicer.add_to_server`, `protocols.framing`, `protocols.codec`) whose forward echoes the
-decoded input tensor back; the client is `peer.client.StageClient` called as the trainer calls it
+(`peer.server.servicer.add_to_server`, `protocols.framing`, `protocols.codec`) whose forward echoes the
+decoded input tensor back; the client is `peer.net.client.StageClient` called as the trainer calls it
 (unary up to the chunk size, framed streams above). Raw TCP side: an echo server that reads an
 8-byte length and the tensor's bytes and sends them back; the client rebuilds a tensor. Each
 server runs in its own process; round trips of the two transports alternate so both see the same
@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer.client import StageClient, server_options  # noqa: E402
 from peer.config import PeerConfig, RunSpec  # noqa: E402
-from peer.lifetime import die_with_parent  # noqa: E402
-from peer.servicer import StageServicer, add_to_server  # noqa: E402
+from peer.net.client import StageClient, server_options  # noqa: E402
+from peer.process.lifetime import die_with_parent  # noqa: E402
+from peer.server.servicer import StageServicer, add_to_server  # noqa: E402
 from protocols import codec, stage_pb2  # noqa: E402
 
 MIB = 1024 * 1024

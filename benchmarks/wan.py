@@ -40,10 +40,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.lab import Lab, LabError, Tail, join_args, open_benchmark, start_peer, wait_for  # noqa: E402
+from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
+from benchmarks.rehearsal import Tail, join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
+from peer.cli.demo import spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
-from peer.demo import spec_to_toml  # noqa: E402
 
 CODECS = ("none", "fp16", "int8")
 QUICK = {"widths": "192", "codecs": "none,int8", "window": 5.0, "warmup": 2, "micro_batches": 24, "timeout": 120.0}

@@ -38,6 +38,10 @@ class CredentialError(ValueError):
     """A certificate or request that does not make its holder an admitted peer of this run."""
 
 
+class RevokedError(CredentialError):
+    """A valid credential of a peer the run's coordinator revoked."""
+
+
 def dns_name(public_bytes: bytes) -> str:
     """The TLS name of a peer, from its raw Ed25519 public key (DNS names are case-blind; peer ids are not)."""
     return f"p-{hashlib.sha256(public_bytes).hexdigest()[:32]}.swarmtrain"

@@ -59,7 +59,7 @@ def open_sealed(
     """(payload, certificate DER or None) if `value` is an envelope signed by `owner_peer_id`, else None."""
     try:
         envelope = msgpack.unpackb(value, raw=False)
-    except Exception:
+    except Exception:  # untrusted bytes from the DHT: whatever msgpack raises, they are not an envelope of ours
         return None
     if not isinstance(envelope, dict) or envelope.get("v") != 1:
         return None

@@ -12,7 +12,7 @@ import hashlib
 import time
 from collections import OrderedDict
 
-from dht.credential import Credential, CredentialError, read_credential
+from dht.credential import Credential, CredentialError, RevokedError, read_credential
 
 
 class Gate:
@@ -49,7 +49,7 @@ class Gate:
         if owner is not None and found.peer_id != owner:
             raise CredentialError(f"the credential names {found.peer_id}, not {owner}")
         if found.peer_id in self.revoked:
-            raise CredentialError(f"peer {found.peer_id} was revoked by the run's coordinator")
+            raise RevokedError(f"peer {found.peer_id} was revoked by the run's coordinator")
         return found
 
     def admits(self, owner: str, certificate: bytes | None) -> bool:

@@ -7,8 +7,8 @@ public key that signs that peer's records (for a coordinator: the run spec).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +18,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dht.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 # libp2p protobuf framing of Ed25519 keys: field 1 (KeyType) = 1 (Ed25519), field 2 = key bytes
 _PUBLIC_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])
@@ -53,10 +55,7 @@ def _private_to_owner(path: Path) -> None:
         raise IdentityError(
             f"identity file {path} is readable by others (mode {mode:o}) and cannot be made private: {e.strerror}"
         ) from None
-    print(
-        f"warning: identity file {path} was readable by others (mode {mode:o}); made it private (600)",
-        file=sys.stderr,
-    )
+    logger.warning("identity file %s was readable by others (mode %o); made it private (600)", path, mode)
 
 
 def peer_id_from_public_bytes(public: bytes) -> str:

@@ -47,7 +47,7 @@ def expert_averaging_prefix(run_id: str, expert: str) -> str:
 
 
 def relays_key(run_id: str) -> str:
-    """Offers of peers that relay for unreachable ones (peer.relay), a subkey per relay."""
+    """Offers of peers that relay for unreachable ones (peer.net.relay), a subkey per relay."""
     return f"swarmtrain/run/{run_id}/relays"
 
 

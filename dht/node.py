@@ -54,11 +54,11 @@ class SwarmDHT:
         """`client_mode`: a node others cannot dial (behind NAT): it asks the DHT, it is never asked."""
         self.identity = identity
         self.request_timeout = request_timeout
-        # set once this peer holds a credential (peer.security): records it stores carry the credential,
+        # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
         # and records it reads count only from admitted peers (dht.gate)
         self.gate: Gate | None = None
         self.certificate: bytes | None = None  # DER of this peer's credential
-        self.security = None  # the peer's peer.security.Security once admitted (TLS for its gRPC); opaque here
+        self.security = None  # the peer's peer.net.security.Security once admitted (TLS for its gRPC); opaque here
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
@@ -78,7 +78,7 @@ class SwarmDHT:
         started = time.monotonic()
         try:
             self.dht.run_in_background(await_ready=True, timeout=startup_timeout)
-        except Exception as e:
+        except Exception as e:  # hivemind's start fails in many ways: clean up what was made, then say why below
             self._cleanup_key()
             with contextlib.suppress(Exception):
                 self.dht.shutdown()

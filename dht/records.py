@@ -82,7 +82,7 @@ class TrainerRecord(Record):
 
 
 class RelayRecord(Record):
-    """A reachable peer's offer to relay for peers that cannot be dialled (peer.relay), with its load."""
+    """A reachable peer's offer to relay for peers that cannot be dialled (peer.net.relay), with its load."""
 
     endpoint: str  # host:port of its gRPC server with the Relay service
     relayed: int = 0  # peers it carries now

@@ -19,14 +19,14 @@ class SignedRecordValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         try:
             subkey = msgpack.unpackb(record.subkey, raw=False)
-        except Exception:
+        except Exception:  # untrusted bytes: whatever msgpack raises, the subkey is not ours
             return True  # not a subkey of ours: leave it to hivemind
         owner = keys.owner_of_subkey(subkey)
         if owner is None:
             return True
         try:
             value = msgpack.unpackb(record.value, raw=False)  # hivemind serializes the stored value once more
-        except Exception:
+        except Exception:  # untrusted bytes: whatever msgpack raises, the record is refused
             return False
         if not isinstance(value, bytes):
             return False

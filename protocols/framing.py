@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterator
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from protocols import codec, tensor_pb2
 
@@ -121,7 +121,7 @@ async def read(
         raise StreamTooLarge(f"streamed message exceeds the limit of {max_bytes} bytes")
     try:
         message = message_type.FromString(header_bytes)
-    except Exception as e:
+    except DecodeError as e:
         raise FramingError(f"stream header is not a valid {message_type.__name__}: {e}") from None
     plan = []
     total = len(header_bytes)

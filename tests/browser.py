@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from peer.lifetime import tied_to_me
+from peer.process.lifetime import tied_to_me
 
 
 def find_chromium() -> str | None:

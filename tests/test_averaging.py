@@ -12,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import hivemind_sockets, remove_stale_sockets
+from helpers.processes import hivemind_sockets, remove_stale_sockets
 
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from peer.averaging import GradientAverager, group_bits, round_loss, whole_group_missing
 from peer.config import RunSpec
-from peer.replica import MATCHMAKING_STAGGER
+from peer.server.averaging import GradientAverager, group_bits, whole_group_missing
+from peer.server.hivemind_averager import round_loss
+from peer.server.replica_round import MATCHMAKING_STAGGER
 
 SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
 
@@ -44,7 +45,7 @@ def replicas():
 
 
 def _staggered(rank: int, fn, *args):
-    """As replicas do (peer.replica.MATCHMAKING_STAGGER): entering matchmaking at one instant, two can
+    """As replicas do (peer.server.replica_round.MATCHMAKING_STAGGER): entering matchmaking at one instant, two can
     each take the other for its leader."""
     time.sleep(MATCHMAKING_STAGGER * rank)
     return fn(*args)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from conftest import channel, info
+from helpers.calls import channel, info
 
 from protocols import codec, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols.failures import Reason, reason_of
 
 SPEC = {
     "name": "badinput",
@@ -33,9 +34,15 @@ def _forward(stub, inputs: tensor_pb2.Tensor, **fields):
     return stub.Forward(request, timeout=10)
 
 
-def _status(call) -> tuple[grpc.StatusCode, str]:
+def _status(call, ours: bool = True) -> tuple[grpc.StatusCode, str]:
+    """The refusal's code and message; its machine-readable reason (protocols.failures) is checked too:
+    each refusal of the server's handlers here is the caller's fault (BAD_INPUT) but for the wrong stage
+    (WRONG_PART). One that gRPC itself makes (not `ours`) carries none."""
     with pytest.raises(grpc.RpcError) as e:
         call()
+    wanted = Reason.WRONG_PART if e.value.code() == grpc.StatusCode.FAILED_PRECONDITION else Reason.BAD_INPUT
+    wanted = wanted if ours else None
+    assert reason_of(e.value) == wanted, (e.value.code(), e.value.details(), e.value.trailing_metadata())
     return e.value.code(), e.value.details()
 
 
@@ -87,13 +94,14 @@ def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the limit of 4096" in message
     # streamed: a message over max_message_bytes
     oversized = stage_pb2.ForwardRequest(run_id="badinput", stage=1, uid="x" * 150_000).SerializeToString()
-    code, message = _status(lambda: list(stub.ForwardStream(iter([stage_pb2_pb_chunk(oversized)]), timeout=10)))
+    streamed = lambda: list(stub.ForwardStream(iter([stage_pb2_pb_chunk(oversized)]), timeout=10))  # noqa: E731
+    code, message = _status(streamed, ours=False)  # gRPC's own limit on one message
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     # a message above the chunk size travels as a framed stream and gives the same answer
     import asyncio
 
-    from conftest import client as admitted_client
+    from helpers.calls import client as admitted_client
 
     async def both():
         client = admitted_client(endpoint, chunk_bytes=1024, max_message_bytes=10**6)

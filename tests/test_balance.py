@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 import time
 
-from conftest import info
+from helpers.calls import info
 
 from dht.records import ServerRecord
-from peer.balance import plan_move, stage_totals, weakest_stage
+from peer.swarm.balance import plan_move, stage_totals, weakest_stage
 
 
 def test_moves_only_when_the_bottleneck_rises_by_the_margin():

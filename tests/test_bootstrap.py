@@ -11,10 +11,10 @@ import json
 import signal
 import subprocess
 
-from conftest import PEER
+from helpers.swarm import PEER
 
 from dht.identity import Identity
-from peer.demo import loopback_join
+from peer.cli.demo import loopback_join
 
 SPEC = {
     "name": "anywhere",

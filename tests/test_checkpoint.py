@@ -12,12 +12,14 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ROOT, descendants, info
+from helpers.calls import info
+from helpers.processes import descendants
+from helpers.swarm import ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer import checkpoint
 from peer.config import RunSpec
-from peer.runtime import StageRuntime
+from peer.coordinator import checkpoint
+from peer.model.runtime import StageRuntime
 from protocols.version import software_version
 
 SPEC = RunSpec.from_dict(
@@ -67,7 +69,10 @@ def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
     # exported weights in the plain model give the swarm's loss on a fixed batch
     out = tmp_path / "model.safetensors"
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "export", str(tmp_path), str(out)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "peer.cli.main", "export", str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     model = checkpoint.load_exported(out)
@@ -80,7 +85,7 @@ def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
 
 
 def test_generate_samples_from_a_checkpoint_and_an_export(tmp_path):
-    from peer.generate import load_model, sample
+    from peer.cli.generate import load_model, sample
 
     checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
     model = load_model(tmp_path)
@@ -93,7 +98,7 @@ def test_generate_samples_from_a_checkpoint_and_an_export(tmp_path):
         [
             sys.executable,
             "-m",
-            "peer.cli",
+            "peer.cli.main",
             "generate",
             str(tmp_path),
             "--prompt",
@@ -117,7 +122,7 @@ def test_a_checkpoint_cut_off_mid_write_is_never_taken_for_whole(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, torch; from peer import checkpoint; "
+            "import sys, torch; from peer.coordinator import checkpoint; "
             "big = {f'param/w{i}': torch.randn(1024, 1024) for i in range(64)}; "
             "checkpoint.write(sys.argv[1], {'name': 'ckpt'}, 'x', 2, [checkpoint.Part('stage 0', {}, big)])",
             str(tmp_path),
@@ -250,8 +255,8 @@ def _resume(swarm, root) -> None:
 
 
 def test_resume_refuses_a_checkpoint_of_another_spec(tmp_path):
-    from peer.archive import Archive
     from peer.config import PeerConfig
+    from peer.coordinator.archive import Archive
 
     path = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
     other = RunSpec.from_dict({**SPEC.to_dict(), "seed": 99})

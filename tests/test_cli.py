@@ -5,6 +5,7 @@ Real `peer` processes for what a user types; unit checks for the settings they b
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from dht.identity import Identity
-from peer.cli import _peer_config, build_parser, split_overrides
+from peer.cli.options import peer_config, split_overrides
+from peer.cli.parser import build_parser
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override
-from peer.corpus import load_corpus
+from peer.data.corpus import load_corpus
 from protocols.version import software_version
 
-PEER = [sys.executable, "-m", "peer.cli"]
+PEER = [sys.executable, "-m", "peer.cli.main"]
 
 
 def peer(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -43,10 +45,10 @@ def test_help_answers_at_once_and_imports_no_torch_or_hivemind(tmp_path):
         result = peer(*command, "--help", cwd=tmp_path)
         assert result.returncode == 0 and "usage: peer" in result.stdout
     assert time.monotonic() - started < 4 * 2.0  # each well under a second on a quiet machine; 2 s under load
-    probe = "import sys, peer.cli; print('torch' in sys.modules, 'hivemind' in sys.modules)"
+    probe = "import sys, peer.cli.main; print('torch' in sys.modules, 'hivemind' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", probe], text=True).split() == ["False", "False"]
     # nor do the commands that only write the coordinator's admission files (invite, revoke)
-    probe = "import sys, peer.admission_files; print('torch' in sys.modules, 'hivemind' in sys.modules)"
+    probe = "import sys, peer.coordinator.admission_files; print('torch' in sys.modules, 'hivemind' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", probe], text=True).split() == ["False", "False"]
 
 
@@ -68,13 +70,14 @@ def test_keygen_refuses_to_overwrite_without_force_and_checks_the_path(tmp_path)
     refused(peer("keygen", "--identity", "keys", cwd=tmp_path), "keys is a directory")
 
 
-def test_an_identity_others_can_read_is_made_private(tmp_path, capfd):
+def test_an_identity_others_can_read_is_made_private(tmp_path, caplog):
     path = tmp_path / "open.pem"
     Identity.generate().save(path)
     os.chmod(path, 0o644)
-    Identity.load(path)
+    with caplog.at_level(logging.WARNING, logger="dht.identity"):
+        Identity.load(path)
     assert path.stat().st_mode & 0o777 == 0o600
-    assert "readable by others (mode 644); made it private" in capfd.readouterr().err
+    assert "readable by others (mode 644); made it private" in caplog.text
 
 
 def test_generate_and_export_name_a_file_that_is_not_ours(tmp_path):
@@ -99,25 +102,25 @@ def test_join_and_status_refuse_what_cannot_work_in_one_line(tmp_path):
 
 
 def test_device_places_a_whole_stage_server():
-    from peer.cli import _place_device
+    from peer.cli.options import place_device
 
     args = build_parser().parse_args(["join", "x", "--device", "cuda:1"])
-    cfg = _peer_config(args)
-    _place_device(args, cfg)
+    cfg = peer_config(args)
+    place_device(args, cfg)
     assert cfg.parallel.devices == ["cuda:1"]
     args = build_parser().parse_args(["join", "x", "--experts", "2", "--device", "cuda:1"])
-    cfg = _peer_config(args)
-    _place_device(args, cfg)
+    cfg = peer_config(args)
+    place_device(args, cfg)
     assert cfg.experts.device == "cuda:1" and cfg.parallel.devices == []
 
 
 def test_announce_host_without_dht_port_announces_a_real_port():
     args = build_parser().parse_args(["join", "x", "--port", "40000", "--announce-host", "203.0.113.7"])
-    cfg = _peer_config(args)
+    cfg = peer_config(args)
     assert cfg.network.dht_announce_maddrs == ["/ip4/203.0.113.7/tcp/40001"]
     assert cfg.network.dht_host_maddrs == ["/ip4/0.0.0.0/tcp/40001"]
     args = build_parser().parse_args(["coordinator", "run.toml", "--announce-host", "203.0.113.7"])
-    port = int(_peer_config(args).network.dht_announce_maddrs[0].rsplit("/", 1)[1])
+    port = int(peer_config(args).network.dht_announce_maddrs[0].rsplit("/", 1)[1])
     assert port > 0
 
 
@@ -163,7 +166,7 @@ def test_data_dir_skips_hidden_directories_and_binary_files(tmp_path):
 
 def test_relative_demo_workdir_is_made_absolute(tmp_path, monkeypatch):
     """`peer demo --workdir rel` passes paths to peers that run in that directory: they must be absolute."""
-    import peer.demo as demo
+    import peer.cli.demo as demo
 
     monkeypatch.chdir(tmp_path)
     seen = {}

@@ -124,7 +124,7 @@ def test_int8_bad_headers_name_the_problem():
 def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
-    from peer.averaging_codec import averaging_codec
+    from peer.server.averaging_codec import averaging_codec
 
     chosen = averaging_codec(name, block_size=64)
     t = torch.randn(1000, 3)

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from peer.cli import _peer_config, build_parser
+from peer.cli.options import peer_config
+from peer.cli.parser import build_parser
 from peer.config import ConfigError, RunSpec
-from peer.model import StageModel
+from peer.model.llama import StageModel
 
 BAD = [
     ({"training": {"micro_batch_size": 0}}, "training.micro_batch_size: must be positive"),
@@ -39,7 +40,7 @@ def test_coordinator_refuses_a_bad_spec_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('name = "x"\n[training]\nlr = -1.0\n')
     result = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "coordinator", str(path), "--identity", str(tmp_path / "id.pem")],
+        [sys.executable, "-m", "peer.cli.main", "coordinator", str(path), "--identity", str(tmp_path / "id.pem")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -61,15 +62,15 @@ def test_flags_and_set_override_peer_settings(tmp_path):
             "trainer.eval_batches=2",
         ]
     )
-    cfg = _peer_config(args)
+    cfg = peer_config(args)
     assert cfg.network.port == 5000 and cfg.network.record_ttl == 30.0 and cfg.trainer.eval_batches == 2
     with pytest.raises(ConfigError, match="network.nope: unknown field"):
-        _peer_config(build_parser().parse_args(["join", "x", "--set", "network.nope=1"]))
+        peer_config(build_parser().parse_args(["join", "x", "--set", "network.nope=1"]))
     with pytest.raises(ConfigError, match="network.port: expected an integer"):
-        _peer_config(build_parser().parse_args(["join", "x", "--set", "network.port='a'"]))
+        peer_config(build_parser().parse_args(["join", "x", "--set", "network.port='a'"]))
     # a record must outlive one announcement held up by a frozen DHT node (2 x 3 s + 2 s here)
     with pytest.raises(ConfigError, match=r"network.record_ttl: must be at least .* \(8 s\), got 5"):
-        _peer_config(build_parser().parse_args(["join", "x", "--set", "network.record_ttl=5"]))
+        peer_config(build_parser().parse_args(["join", "x", "--set", "network.record_ttl=5"]))
 
 
 def test_stages_compose_to_the_whole_model():

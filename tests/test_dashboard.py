@@ -17,8 +17,8 @@ from browser import Browser, find_chromium
 
 from dht.records import ServerRecord, TrainerRecord
 from peer.config import DashboardConfig
-from peer.dashboard import Dashboard
-from peer.timeline import Timeline
+from peer.coordinator.dashboard import Dashboard
+from peer.coordinator.timeline import Timeline
 
 
 def server(stage: int, endpoint: str, state: str = "serving", epoch: int = 0, updated: float = 0.0, **kw):

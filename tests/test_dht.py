@@ -17,7 +17,7 @@ from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import RunSpecRecord, ServerRecord
 from peer.config import RunSpec
-from peer.swarm import RunNotFound, fetch_spec
+from peer.swarm.discovery import RunNotFound, fetch_spec
 from protocols.version import software_version
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -95,7 +95,7 @@ def test_join_where_nothing_answers_fails_quickly_and_clearly(tmp_path):
         [
             sys.executable,
             "-m",
-            "peer.cli",
+            "peer.cli.main",
             "join",
             maddr,
             "--identity",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peer.config import RunSpec
-from peer.part import PartRuntime
+from peer.model.part import PartRuntime
 
 
 def _spec(**averaging) -> RunSpec:
@@ -141,7 +141,7 @@ SWARM_SPEC = {
 
 def test_local_updates_in_a_real_swarm(swarm):
     """2 stages x 2 replicas train in local mode with int8 activations and int8 pseudo-gradients."""
-    from conftest import info
+    from helpers.calls import info
 
     swarm.coordinator(SWARM_SPEC)
     servers = {(stage, i): swarm.server(f"s{stage}r{i}", stage) for stage in range(2) for i in range(2)}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dht.identity import Identity
-from peer.cli import _peer_config, _place_device, build_parser, normalize_argv, split_overrides
+from peer.cli.options import peer_config, place_device, split_overrides
+from peer.cli.parser import build_parser, normalize_argv
 from peer.config import PeerConfig, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,10 +63,10 @@ def test_every_documented_command_line_parses_and_builds_its_settings(where, com
         pytest.fail(f"{where}: `{command}` does not parse (exit {e.code})")
     if args.command in ("coordinator", "join"):
         spec_items, peer_items = split_overrides(args.set)
-        cfg = _peer_config(args, peer_items)
+        cfg = peer_config(args, peer_items)
         if args.command == "join":
             assert not spec_items, f"{where}: a run-spec field set on a join"
-            _place_device(args, cfg)
+            place_device(args, cfg)
         if args.announce_host:
             assert cfg.network.dht_announce_maddrs, f"{where}: an announced host, but no announced DHT address"
             assert "/tcp/0" not in cfg.network.dht_announce_maddrs[0]

@@ -42,7 +42,7 @@ def test_run_trains_and_everything_stops(swarm):
     assert "step " in trainer.output() and "samples/s" in trainer.output()
 
     status = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "status", maddr],
+        [sys.executable, "-m", "peer.cli.main", "status", maddr],
         capture_output=True,
         text=True,
         timeout=120,

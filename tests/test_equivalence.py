@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import info
+from helpers.calls import info
 
 from peer.config import RunSpec
-from peer.corpus import load_corpus
-from peer.local import train_local
+from peer.data.corpus import load_corpus
+from peer.trainer.local import train_local
 
 SPEC = {
     "name": "equal",

@@ -12,7 +12,7 @@ import re
 import signal
 import time
 
-from conftest import check_books, settled_infos
+from helpers.calls import check_books, settled_infos
 
 from dht.identity import Identity
 

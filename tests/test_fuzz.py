@@ -14,8 +14,8 @@ import struct
 import grpc
 import pytest
 import torch
-from conftest import channel, info
-from conftest import client as admitted_client
+from helpers.calls import channel, info
+from helpers.calls import client as admitted_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, alive, descendants, runtime_dirs, write_spec
+from helpers.processes import alive, descendants, runtime_dirs
+from helpers.swarm import ROOT, write_spec
 
-from peer.demo import loopback_coordinator
-from peer.forkserver import Forkserver
-from peer.lifetime import tied_to_me
+from peer.cli.demo import loopback_coordinator
+from peer.process.forkserver import Forkserver
+from peer.process.lifetime import tied_to_me
 
 GONE_WITHIN = 10.0  # s
 
@@ -89,7 +90,7 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
     before = {p.name for p in Path("/tmp").glob("hivemind-*.sock")}
     dirs = runtime_dirs(Path("/tmp"), tmp_path)
     proc = _start(
-        [sys.executable, "-m", "peer.cli", "demo", "--workdir", str(workdir), "--steps", "100000"], tmp_path, log
+        [sys.executable, "-m", "peer.cli.main", "demo", "--workdir", str(workdir), "--steps", "100000"], tmp_path, log
     )
     pids: set[int] = set()
     try:
@@ -149,7 +150,7 @@ def test_the_reaper_finds_sockets_nobody_listens_on_any_more(tmp_path):
     found by age and by a refused connect; a socket still listened on, or older than the peer, is not."""
     import socket
 
-    from peer.reaper import stale_sockets
+    from peer.process.reaper import stale_sockets
 
     prefix = str(tmp_path / "hivemind-")
     old = socket.socket(socket.AF_UNIX)
@@ -175,7 +176,7 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
     peer's runtime directory."""
     program = (
         "import os, signal, sys\n"
-        "from peer.lifetime import start_reaper\n"
+        "from peer.process.lifetime import start_reaper\n"
         "print(start_reaper(), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -192,7 +193,7 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
 
 
 def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
-    """peer.forkserver, which the fixtures start their peers with: each child runs its own command line,
+    """peer.process.forkserver, which the fixtures start their peers with: each child runs its own command line,
     directory, environment and output, with its own exit code; when the template ends, a running
     child and all it started (its reaper's work) end with it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))

@@ -17,15 +17,15 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import client as admitted_client
+from helpers.calls import client as admitted_client
 
-from peer.batcher import Batcher
-from peer.client import StageClient
 from peer.config import RunSpec
-from peer.expert import ExpertRuntime
-from peer.expert_host import choose_experts
-from peer.model import StageModel
-from peer.moe import ExpertsUnavailable, LocalExperts, MoE, make_expert
+from peer.model.expert import ExpertRuntime
+from peer.model.llama import StageModel
+from peer.model.moe import ExpertsUnavailable, LocalExperts, MoE, make_expert
+from peer.net.client import StageClient
+from peer.server.batcher import Batcher
+from peer.server.expert_host import choose_experts
 from protocols import codec, expert_pb2, stage_pb2
 
 SPEC = {
@@ -144,7 +144,7 @@ def _expert_host(swarm, name: str, experts: str, extra: list[str] = ()):
 
 
 def _join(swarm, name, *extra):
-    from peer.demo import loopback_join
+    from peer.cli.demo import loopback_join
 
     return loopback_join(swarm.maddr, name, *extra)
 

@@ -19,9 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from conftest import hivemind_sockets, remove_stale_sockets  # noqa: E402
+from helpers.processes import hivemind_sockets, remove_stale_sockets  # noqa: E402
 
-from benchmarks import lab  # noqa: E402
+from benchmarks import lab, rehearsal  # noqa: E402
 
 WHY_NOT = lab.nat_available()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"NAT hosts cannot be made here: {WHY_NOT}")
@@ -77,11 +77,11 @@ class Swarm:
         self.wan, self.work, self.procs, self.hosts = wan, work, {}, {}
 
     def log(self, name: str) -> str:
-        return lab._log(self.work, self.hosts[name])
+        return rehearsal.host_log(self.work, self.hosts[name])
 
     def start(self, name: str, host: lab.Host, args: list[str]) -> None:
         self.hosts[name] = host
-        self.procs[name] = lab.start_peer(host, self.work, args)
+        self.procs[name] = rehearsal.start_peer(host, self.work, args)
 
     def wait(self, name: str, pattern: str, timeout: float) -> re.Match:
         deadline = time.monotonic() + timeout
@@ -121,13 +121,13 @@ def test_a_server_behind_nat_serves_through_a_relay_and_outlives_it(tmp_path, no
         maddr = json.loads(info.read_text())["join"].split()[-1]
         relay_ids = {}
         for name in ("r1", "r2"):
-            swarm.start(name, public[name], [*lab.join_args(maddr, public[name]), "--role", "relay"])
+            swarm.start(name, public[name], [*rehearsal.join_args(maddr, public[name]), "--role", "relay"])
         for name in ("r1", "r2"):
             relay_ids[swarm.wait(name, r"Relaying for peers that cannot be dialled, at \S+ \(peer (\w+)\)", 60)[1]] = (
                 name
             )
-        swarm.start("s0", public["s0"], [*lab.join_args(maddr, public["s0"]), "--stage", "0"])
-        swarm.start("home", home, [*lab.join_args(maddr, home), "--stage", "1", "--set", "relay.dead_after=3"])
+        swarm.start("s0", public["s0"], [*rehearsal.join_args(maddr, public["s0"]), "--stage", "0"])
+        swarm.start("home", home, [*rehearsal.join_args(maddr, home), "--stage", "1", "--set", "relay.dead_after=3"])
 
         swarm.wait("home", r"Joined run", 90)
         joined = time.monotonic()
@@ -138,7 +138,9 @@ def test_a_server_behind_nat_serves_through_a_relay_and_outlives_it(tmp_path, no
         assert re.search(rf"Reachable at {re.escape(public['s0'].ip)}:\d+", swarm.wait("s0", r"Reachable at .*", 60)[0])
 
         swarm.start(
-            "t0", public["t0"], [*lab.join_args(maddr, public["t0"]), "--role", "trainer", "--log-file", "t0.jsonl"]
+            "t0",
+            public["t0"],
+            [*rehearsal.join_args(maddr, public["t0"]), "--role", "trainer", "--log-file", "t0.jsonl"],
         )
         swarm.wait_micro_batches(6, 150)
 

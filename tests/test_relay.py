@@ -1,5 +1,5 @@
-"""Relays on loopback, real processes: a server that cannot be dialled serves through a relay (peer.relay,
-peer.uplink), moves to another when its relay is killed, and a reachable one never uses a relay.
+"""Relays on loopback, real processes: a server that cannot be dialled serves through a relay (peer.net.relay,
+peer.net.uplink), moves to another when its relay is killed, and a reachable one never uses a relay.
 
 Here "cannot be dialled" is declared (`relay.reachability = private`): on loopback every peer can dial
 every other. tests/test_nat.py puts the server behind a real NAT and lets it find out by itself.
@@ -13,7 +13,8 @@ import subprocess
 import time
 import urllib.request
 
-from conftest import PEER, info
+from helpers.calls import info
+from helpers.swarm import PEER
 
 SPEC = {
     "name": "relayed",
@@ -88,7 +89,7 @@ def _metric(peer, name: str) -> float:
 
 
 def _join(swarm, name: str, *extra: str) -> list[str]:
-    from peer.demo import loopback_join
+    from peer.cli.demo import loopback_join
 
     return loopback_join(swarm.maddr, name, *extra)
 

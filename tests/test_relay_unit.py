@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peer.config import PeerConfig
-from peer.relay import RelayService, add_relay
-from peer.uplink import NoRelay, Uplink
+from peer.net.relay import RelayService, add_relay
+from peer.net.uplink import NoRelay, Uplink
 
 RUN = "unit"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from conftest import check_books, settled_infos
+from helpers.calls import check_books, settled_infos
 
 SPEC = {
     "name": "replicas",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from peer.config import RunSpec
-from peer.runtime import StageRuntime
+from peer.model.runtime import StageRuntime
 
 
 def test_a_retried_backward_is_answered_again_but_counted_once():

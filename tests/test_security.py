@@ -8,7 +8,8 @@ import time
 
 import grpc
 import pytest
-from conftest import PEER, ROOT, TestCredential, channel, info
+from helpers.calls import TestCredential, channel, info
+from helpers.swarm import PEER, ROOT
 
 from dht.identity import Identity
 from protocols import stage_pb2, stage_pb2_grpc
@@ -184,8 +185,8 @@ def test_gradient_contributions_far_above_the_median_are_clipped_and_non_finite_
     import torch
 
     from peer.config import RunSpec
-    from peer.part import BadGradient
-    from peer.runtime import StageRuntime
+    from peer.model.part import BadGradient
+    from peer.model.runtime import StageRuntime
 
     runtime = StageRuntime(RunSpec.from_dict(SPEC), 1)
     runtime.configure_clipping(10.0, 16)

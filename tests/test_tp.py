@@ -12,11 +12,12 @@ import sys
 import time
 
 import pytest
-from conftest import PEER, ROOT, info
+from helpers.calls import info
+from helpers.swarm import PEER, ROOT
 
-from peer.balance import plan_move, weakest_stage
 from peer.config import RunSpec
-from peer.tp import check_degree
+from peer.model.tp import check_degree
+from peer.swarm.balance import plan_move, weakest_stage
 
 SPEC = {
     "name": "split",

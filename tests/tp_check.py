@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel stage, against the same stage unsplit: prints the largest differences as JSON.
 
 Run by tests/test_tp.py as `python tests/tp_check.py STAGE WORLD`: it starts ranks 1.. the way
-`peer join --tp` does (peer.rank processes, gloo), drives the split stage through its public
+`peer join --tp` does (peer.model.rank processes, gloo), drives the split stage through its public
 operations, and compares outputs, input gradients, parameter gradients (gathered to full), the
 optimizer step, and a state handed to an unsplit replica.
 """
@@ -14,9 +14,9 @@ import sys
 import torch
 
 from peer.config import ParallelConfig, RunSpec
-from peer.runtime import StageRuntime
-from peer.tp import TPGroup
-from peer.tp_runtime import Ranks, ShardedStageRuntime
+from peer.model.runtime import StageRuntime
+from peer.model.tp import TPGroup
+from peer.model.tp_runtime import Ranks, ShardedStageRuntime
 
 SPEC = {
     "name": "tp",

@@ -1,4 +1,4 @@
-"""Run a Python program under a reaper (peer.lifetime), as every `peer` command runs.
+"""Run a Python program under a reaper (peer.process.lifetime), as every `peer` command runs.
 
     python tests/helpers/reaped.py -m MODULE ARGS...    (or: SCRIPT ARGS...)
 
@@ -13,9 +13,9 @@ import runpy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root, for peer.lifetime
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root, for peer.process.lifetime
 
-from peer.lifetime import start_reaper  # noqa: E402
+from peer.process.lifetime import start_reaper  # noqa: E402
 
 
 def main() -> None:

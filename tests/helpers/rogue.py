@@ -19,9 +19,9 @@ from dht.address import coordinator_peer_id
 from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from peer.averaging import GradientAverager
-from peer.model import StageModel
-from peer.swarm import fetch_spec
+from peer.model.llama import StageModel
+from peer.server.averaging import GradientAverager
+from peer.swarm.discovery import fetch_spec
 
 
 def main(maddr: str, identity_path: str, seconds: float) -> None:

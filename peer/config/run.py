@@ -1,0 +1,305 @@
+"""The run spec: what the coordinator publishes, signed, and every peer of the run follows."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dht.identity import IdentityError, public_key_from_peer_id
+from peer.config.loading import ConfigError, from_dict, load_toml, require_positive
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # byte-level by default
+    hidden_size: int = 192  # width of the residual stream
+    num_layers: int = 4  # transformer blocks in the whole model
+    num_heads: int = 6  # attention heads; hidden_size must divide evenly
+    intermediate_size: int = 512  # SwiGLU inner width
+    max_seq_len: int = 128  # longest sequence the rotary tables cover
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+
+@dataclass
+class StagesConfig:
+    num_stages: int = 2  # pipeline stages the blocks are split into
+    boundaries: list[int] = field(default_factory=list)  # first block of stages 1..N-1; empty: split evenly
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 16  # sequences per micro-batch a trainer sends
+    seq_len: int = 128  # tokens (bytes) per sequence
+    target_batch_size: int = 64  # samples per global optimizer step, summed over all replicas of a stage
+    total_steps: int = 300  # length of the learning-rate schedule; trainers stop when a stage reaches it
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    warmup_steps: int = 20  # linear warmup, in optimizer steps
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    eps: float = 1e-8  # AdamW epsilon
+
+
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+
+
+BYTE_VOCAB = 256  # tokens of the byte-level tokenizer every run uses today
+
+
+AVERAGING_MODES = ("gradients", "local")
+
+
+@dataclass
+class CompressionConfig:
+    activations: str = "none"  # hidden states and their gradients between stages and experts: none, fp16, bf16, int8
+    averaging: str = "none"  # what replicas average (gradients; local mode: pseudo-gradients): none, fp16, bf16, int8
+    block_size: int = 128  # int8: elements per float32 scale (blockwise absmax quantization)
+
+
+@dataclass
+class AveragingConfig:
+    min_matchmaking_time: float = (
+        5.0  # s a group leader waits at most for missing replicas (a full group starts at once)
+    )
+    request_timeout: float = 3.0  # s for one matchmaking request; short ones break groups on a loaded machine
+    averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
+    # s a round waits for its whole group (the replicas it expects) to assemble before it fails: a group
+    # that is not whole after the matchmaking window seldom becomes whole (at most averaging_timeout)
+    group_timeout: float = 10.0
+    max_group_size: int = 32  # most replicas averaged in one group
+    pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
+    # gradients: average gradients at every global step (exact data parallelism);
+    # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
+    # on the averaged pseudo-gradients every `inner_steps`
+    mode: str = "gradients"
+    inner_steps: int = 100  # local: inner optimizer steps of a replica between outer steps (DiLoCo's H)
+    inner_batch_size: int = 0  # local: samples per inner step of one replica; 0: training.target_batch_size
+    outer_lr: float = 0.7  # local: learning rate of the outer Nesterov step
+    outer_momentum: float = 0.9  # local: momentum of the outer Nesterov step
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0  # experts per mixture-of-experts layer; 0: every MLP is dense
+    top_k: int = 2  # experts each token goes to
+    layers: list[int] = field(default_factory=list)  # blocks whose MLP is a mixture; empty: all of them
+    expert_size: int = 0  # SwiGLU inner width of one expert; 0: model.intermediate_size
+    aux_loss_weight: float = 0.01  # weight of the load-balancing loss (Switch Transformer style)
+    min_answers: int = 1  # of a token's top_k experts, at least this many must answer or the call fails
+
+
+ADMISSION_MODES = ("open", "allowlist", "invite", "off")
+
+
+@dataclass
+class AdmissionConfig:
+    # who may join: open (anyone, with a credential and TLS like everyone), allowlist (the peer ids
+    # below), invite (codes from `peer coordinator invite`); off: no TLS and no credentials at all,
+    # for a lab on a trusted network and for measuring what security costs
+    mode: str = "open"
+    allowlist: list[str] = field(default_factory=list)  # allowlist mode: peer ids that may join
+    credential_ttl: float = (
+        3600.0  # s a credential is valid; renewed at half-life: a coordinator may be away half this long
+    )
+    refresh: float = 5.0  # s between peers' reads of the revocation list: a revocation reaches all within this
+    # distinct trainers whose spot checks must find a server wrong before the coordinator revokes it; 0: never
+    revoke_after_reports: int = 2
+    max_pending: int = 256  # credential requests the coordinator looks at per pass; more wait for the next
+
+
+@dataclass
+class RunSpec:
+    name: str = "swarmtrain"  # the run's id in DHT keys: letters, digits, '-' and '_'
+    seed: int = 0  # initial weights of every stage come from this seed
+    model: ModelConfig = field(default_factory=ModelConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def moe_layers(self) -> list[int]:
+        """The blocks whose MLP is a mixture of experts (none when moe.num_experts is 0)."""
+        if not self.moe.num_experts:
+            return []
+        return sorted(self.moe.layers) if self.moe.layers else list(range(self.model.num_layers))
+
+    @property
+    def local_updates(self) -> bool:
+        """DiLoCo mode: replicas step on their own gradients and average pseudo-gradients now and then."""
+        return self.averaging.mode == "local"
+
+    def inner_batch(self) -> int:
+        """Local mode: samples per inner optimizer step of one replica."""
+        return self.averaging.inner_batch_size or self.training.target_batch_size
+
+    def stage_of_block(self, block: int) -> int:
+        return next(s for s in range(self.stages.num_stages) if block in self.stage_blocks(s))
+
+    def stage_blocks(self, stage: int) -> range:
+        """The transformer blocks held by `stage`."""
+        bounds = [0, *self.block_boundaries(), self.model.num_layers]
+        return range(bounds[stage], bounds[stage + 1])
+
+    def block_boundaries(self) -> list[int]:
+        if self.stages.boundaries:
+            return list(self.stages.boundaries)
+        n, layers = self.stages.num_stages, self.model.num_layers
+        return [round(i * layers / n) for i in range(1, n)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of the spec, to tell two versions apart."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        spec = from_dict(cls, data, "")
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunSpec:
+        return cls.from_dict(load_toml(path))
+
+    def validate(self) -> None:
+        """ConfigError naming the first field that cannot be used."""
+        self._validate_model()
+        self._validate_stages()
+        self._validate_training()
+        self._validate_compression()
+        self._validate_averaging()
+        self._validate_moe()
+        self._validate_admission()
+
+    def _validate_model(self) -> None:
+        m = self.model
+        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
+            raise ConfigError(f"name: must be letters, digits, '-' or '_', got {self.name!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
+            require_positive(f"model.{name}", getattr(m, name))
+        if m.vocab_size < BYTE_VOCAB:
+            raise ConfigError(
+                f"model.vocab_size: {m.vocab_size} cannot hold the byte-level tokenizer's {BYTE_VOCAB} tokens "
+                f"(one per byte value); use at least {BYTE_VOCAB}"
+            )
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+        if (m.hidden_size // m.num_heads) % 2:
+            raise ConfigError("model.num_heads: head size hidden_size/num_heads must be even for rotary embeddings")
+
+    def _validate_stages(self) -> None:
+        m, s = self.model, self.stages
+        require_positive("stages.num_stages", s.num_stages)
+        if s.num_stages > m.num_layers:
+            raise ConfigError(f"stages.num_stages: {s.num_stages} stages cannot split {m.num_layers} blocks")
+        if s.boundaries:
+            if len(s.boundaries) != s.num_stages - 1:
+                raise ConfigError(f"stages.boundaries: needs {s.num_stages - 1} entries, got {len(s.boundaries)}")
+            bounds = [0, *s.boundaries, m.num_layers]
+            if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+                raise ConfigError(
+                    f"stages.boundaries: must rise strictly within 1..{m.num_layers - 1}, got {s.boundaries}"
+                )
+
+    def _validate_training(self) -> None:
+        m, t = self.model, self.training
+        for name in ("micro_batch_size", "seq_len", "target_batch_size", "total_steps"):
+            require_positive(f"training.{name}", getattr(t, name))
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"training.seq_len: {t.seq_len} is longer than model.max_seq_len {m.max_seq_len}")
+        if t.target_batch_size < t.micro_batch_size:
+            raise ConfigError(
+                f"training.target_batch_size: {t.target_batch_size} is smaller than one micro-batch ({t.micro_batch_size})"
+            )
+        if not t.lr > 0:
+            raise ConfigError(f"training.lr: must be positive, got {t.lr}")
+        if t.warmup_steps < 0:
+            raise ConfigError(f"training.warmup_steps: must be >= 0, got {t.warmup_steps}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
+        if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
+
+    def _validate_compression(self) -> None:
+        c = self.compression
+        for name in ("activations", "averaging"):
+            if getattr(c, name) not in COMPRESSIONS:
+                raise ConfigError(
+                    f"compression.{name}: must be one of {', '.join(COMPRESSIONS)}, got {getattr(c, name)!r}"
+                )
+        if not 1 <= c.block_size <= 1 << 20:
+            raise ConfigError(f"compression.block_size: must be within 1..1048576, got {c.block_size}")
+
+    def _validate_averaging(self) -> None:
+        a = self.averaging
+        if a.mode not in AVERAGING_MODES:
+            raise ConfigError(f"averaging.mode: must be one of {', '.join(AVERAGING_MODES)}, got {a.mode!r}")
+        require_positive("averaging.inner_steps", a.inner_steps)
+        if a.inner_batch_size < 0:
+            raise ConfigError(f"averaging.inner_batch_size: must be >= 0, got {a.inner_batch_size}")
+        if not a.outer_lr > 0:
+            raise ConfigError(f"averaging.outer_lr: must be positive, got {a.outer_lr}")
+        if not 0 <= a.outer_momentum < 1:
+            raise ConfigError(f"averaging.outer_momentum: must be within [0, 1), got {a.outer_momentum}")
+        if a.pause_limit < 0:
+            raise ConfigError(f"averaging.pause_limit: must be >= 0, got {a.pause_limit}")
+        for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
+            if not getattr(a, name) > 0:
+                raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
+        if not a.averaging_timeout > a.min_matchmaking_time:
+            raise ConfigError(
+                f"averaging.averaging_timeout: must be longer than averaging.min_matchmaking_time "
+                f"({a.min_matchmaking_time:g} s), got {a.averaging_timeout:g}"
+            )
+        if not a.group_timeout > a.min_matchmaking_time:
+            raise ConfigError(
+                f"averaging.group_timeout: must be longer than averaging.min_matchmaking_time "
+                f"({a.min_matchmaking_time:g} s), got {a.group_timeout:g}"
+            )
+        if not 2 <= a.max_group_size <= 1023:
+            raise ConfigError(f"averaging.max_group_size: must be within 2..1023, got {a.max_group_size}")
+
+    def _validate_moe(self) -> None:
+        m = self.model
+        e = self.moe
+        if e.num_experts < 0:
+            raise ConfigError(f"moe.num_experts: must be >= 0, got {e.num_experts}")
+        if e.num_experts:
+            if not 1 <= e.top_k <= e.num_experts:
+                raise ConfigError(f"moe.top_k: must be within 1..moe.num_experts ({e.num_experts}), got {e.top_k}")
+            if not 1 <= e.min_answers <= e.top_k:
+                raise ConfigError(f"moe.min_answers: must be within 1..moe.top_k ({e.top_k}), got {e.min_answers}")
+            bad = [b for b in e.layers if not 0 <= b < m.num_layers]
+            if bad or len(set(e.layers)) != len(e.layers):
+                raise ConfigError(f"moe.layers: must be distinct blocks within 0..{m.num_layers - 1}, got {e.layers}")
+            if e.expert_size < 0:
+                raise ConfigError(f"moe.expert_size: must be >= 0, got {e.expert_size}")
+            if e.aux_loss_weight < 0:
+                raise ConfigError(f"moe.aux_loss_weight: must be >= 0, got {e.aux_loss_weight}")
+
+    def _validate_admission(self) -> None:
+        d = self.admission
+        if d.mode not in ADMISSION_MODES:
+            raise ConfigError(f"admission.mode: must be one of {', '.join(ADMISSION_MODES)}, got {d.mode!r}")
+        if d.mode == "allowlist" and not d.allowlist:
+            raise ConfigError("admission.allowlist: allowlist mode needs at least one peer id")
+        for i, peer in enumerate(d.allowlist):
+            try:
+                public_key_from_peer_id(peer)
+            except IdentityError as e:
+                raise ConfigError(f"admission.allowlist[{i}]: {e}") from None
+        if not d.credential_ttl >= 10:
+            raise ConfigError(f"admission.credential_ttl: must be at least 10 s, got {d.credential_ttl}")
+        require_positive("admission.refresh", d.refresh)
+        require_positive("admission.max_pending", d.max_pending)
+        if d.revoke_after_reports < 0:
+            raise ConfigError(f"admission.revoke_after_reports: must be >= 0, got {d.revoke_after_reports}")

@@ -1,0 +1,248 @@
+"""A peer's own settings: where it listens, its limits and deadlines (not shared with the run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peer.config.loading import ConfigError, from_dict, load_toml, port_range, require_positive
+
+
+@dataclass
+class NetworkConfig:
+    host: str = "0.0.0.0"  # address the gRPC server listens on
+    port: int = 0  # gRPC port; 0 picks a free one
+    announce_host: str = ""  # address others dial for gRPC; empty: the host, or this machine's name when 0.0.0.0
+    dht_host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # DHT listen multiaddrs
+    dht_announce_maddrs: list[str] = field(default_factory=list)  # DHT multiaddrs to announce (public address)
+    dht_startup_timeout: float = 20.0  # s to start the DHT node and reach the initial peers
+    connect_timeout: float = 3.0  # s for the address given to join or status to answer at all (a TCP connect)
+    probe_timeout: float = 1.0  # s for the TCP connect that tells a gone peer (refused) from a failed call
+    spec_timeout: float = 5.0  # s to find the run spec the coordinator signed, once in the DHT
+    dht_request_timeout: float = 3.0  # s for one DHT store or get (a call waits at most twice this)
+    announce_period: float = 2.0  # s between refreshes of this peer's DHT record
+    record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
+    progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
+
+
+@dataclass
+class ServerConfig:
+    max_tensor_elements: int = 16 * 1024 * 1024  # largest tensor accepted in a request
+    max_message_bytes: int = 256 * 1024 * 1024  # largest (streamed) request accepted
+    chunk_bytes: int = 2 * 1024 * 1024  # largest chunk of a framed stream
+    stream_bytes: int = 2 * 1024 * 1024  # messages above this travel as a framed stream (below, unary calls are faster)
+    max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
+    max_requests_per_peer: int = 16  # of those, the most one caller (peer id) may have; more: RESOURCE_EXHAUSTED
+    max_inflight_bytes: int = 1024 * 1024 * 1024  # decoded request tensors held at once; more: RESOURCE_EXHAUSTED
+    clip_factor: float = 10.0  # a backward's gradient norm above this times the running median is clipped to it
+    clip_window: int = 64  # backwards in that running median (clipping starts once 8 are in)
+    perturb_outputs: float = 0.0  # drills and tests only: add Gaussian noise of this std to forward outputs
+    activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
+    dedup_history: int = 1024  # uids of backwards added, so that a caller's retry of one is not counted twice
+    fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
+    state_load_timeout: float = 60.0  # s to download a stage's state from a peer
+    state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
+    shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
+    # exits regardless of what still runs (a hung averaging round, a stuck DHT call)
+    leave_timeout: float = 10.0
+    compute_dtype: str = "float32"  # the stage's matmuls: float32, or bfloat16 / float16 (autocast; for GPUs)
+    throughput: float = 0.0  # samples/s this server announces; 0: measure it (a benchmark, then the real work)
+    rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
+    balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
+    balance_margin: float = 0.2  # move only if the slowest stage's throughput then rises by this fraction
+    balance_cooldown: float = 30.0  # s after starting before a server first considers moving
+    # s a server waits after announcing that it means to move before it looks again; longer than an
+    # announcement takes to be seen, so two servers that mean to move see each other and only one goes
+    balance_settle: float = 2.0
+
+
+@dataclass
+class TrainerConfig:
+    data: str = ""  # a text file or directory of files to train on; empty: Python's standard library
+    seed: int = -1  # order of this trainer's micro-batches; -1: derived from the peer id, so trainers differ
+    max_inflight: int = 2  # micro-batches in the pipeline at once
+    max_micro_batches: int = 0  # stop after this many micro-batches (0: run until the schedule ends)
+    deadline_floor: float = 1.0  # s: a call's deadline is this plus deadline_margin times its expected time
+    deadline_margin: float = 3.0  # expected time (the server's measured latency for such a call) times this
+    request_timeout: float = 30.0  # s: the longest deadline of one forward or backward call
+    min_link_mbit: float = 10.0  # Mbit/s: a first call's deadline allows its bytes to cross a link this slow
+    max_retries: int = (
+        8  # tries of one forward on replicas before the micro-batch is given up (backwards never give up)
+    )
+    ban_time: float = 2.0  # s a failing server is avoided, doubling on each failure in a row
+    max_ban: float = 60.0  # s: the longest ban
+    no_server_wait: float = (
+        0.0  # s to wait for a stage with no live server before giving up (0: wait as long as it takes)
+    )
+    max_receipt_mb: float = (
+        256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
+    )
+    drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
+    eval_every: int = 0  # steps between validation runs (0: never)
+    eval_batches: int = 4  # micro-batches of held-out data per validation run
+    log_file: str = ""  # JSON lines: one per finished micro-batch, validation, failed call and replay
+    log_calls: bool = False  # also log every successful call (for benchmarks/recovery.py)
+    # print a progress line every few seconds when the output is not a terminal (a terminal always
+    # gets a live progress bar)
+    progress: bool = False
+    refresh_period: float = 1.0  # s between refreshes of the server list (and settling of receipts)
+    spot_check: float = 0.05  # fraction of forwards re-sent to a second replica to compare (0: none)
+    # outputs agree when their largest difference is within this fraction of their largest magnitude
+    # (the activation codec's own error is added to it)
+    spot_check_tolerance: float = 0.02
+
+
+@dataclass
+class ExpertsConfig:
+    max_batch_tokens: int = 8192  # an expert host merges concurrent requests for one expert up to this many rows
+    max_wait: float = 0.001  # s a request waits for others to merge with before its batch runs
+    max_request_tokens: int = 65536  # larger requests get RESOURCE_EXHAUSTED
+    activation_cache_size: int = 64  # forward batches kept per expert for their backward (recompute on a miss)
+    device: str = ""  # torch device of the hosted experts; empty: cuda when there is one, else cpu
+    deadline_floor: float = 1.0  # s: a stage's call to an expert gets this plus deadline_margin x its latency
+    deadline_margin: float = 3.0  # measured latency of such calls to that host, times this
+    request_timeout: float = 30.0  # s: the longest deadline of one expert call
+    min_link_mbit: float = 10.0  # Mbit/s: a first call's deadline allows its bytes to cross a link this slow
+    ban_time: float = 2.0  # s a failing expert host is avoided, doubling on each failure in a row
+    max_ban: float = 60.0  # s: the longest ban
+    max_tries: int = 3  # replicas one expert call tries before the expert is skipped for that call
+    refresh_period: float = 1.0  # s between a stage server's reads of the expert records
+
+
+@dataclass
+class MetricsConfig:
+    port: int = 0  # HTTP port of this peer's Prometheus metrics (/metrics); 0: any free one; -1: none
+    host: str = ""  # address the metrics endpoint listens on; empty: network.host
+
+
+@dataclass
+class DashboardConfig:
+    port: int = 0  # HTTP port of the coordinator's web dashboard; 0: any free one; -1: none
+    host: str = ""  # address the dashboard listens on; empty: network.host
+    period: float = 2.0  # s between the coordinator's looks at the swarm for the dashboard (live updates)
+    history: int = 2000  # points of the training curves kept (one per look)
+    events: int = 500  # recent events kept
+    silent_after: float = 6.0  # s without a new announcement before a server or trainer shows as silent
+    max_clients: int = 16  # browsers streaming live updates at once; more are refused (503)
+    client_queue: int = 4  # updates waiting for one slow browser; older ones are dropped
+    keepalive: float = 15.0  # s of quiet before a comment keeps a browser's stream open
+    write_timeout: float = 10.0  # s one update may take to reach a browser before its stream is closed
+    retry: float = 2.0  # s a browser waits before reconnecting a lost stream
+
+
+@dataclass
+class CoordinatorConfig:
+    report_period: float = 10.0  # s between the coordinator's looks at the run (summary line, checkpoints due)
+    checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
+    checkpoint_every_steps: int = 0  # a checkpoint whenever the run's step crosses a multiple of this; 0: not by steps
+    checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
+    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are removed
+    checkpoint_timeout: float = 120.0  # s to download one part's state from a server
+    # where the coordinator remembers its peers' DHT addresses, to rejoin the swarm after a restart;
+    # empty: RUN.peers.json beside its identity key
+    peers_file: str = ""
+    rejoin_timeout: float = 10.0  # s a restarted coordinator tries its remembered peers before starting afresh
+    # where the coordinator keeps the dashboard's curves and events, so a restart shows the run's past;
+    # empty: RUN.timeline.json beside its identity key
+    timeline_file: str = ""
+    # s the signed run spec lives in the DHT after its last publication (every spec_republish s): newcomers
+    # join through any peer while the coordinator is down for up to this long
+    spec_ttl: float = 3600.0
+    spec_republish: float = 30.0  # s between the coordinator's publications of the run spec
+    relay: bool = True  # the coordinator relays for peers that cannot be dialled (bounded by relay.max_peers)
+    relay_port: int = 0  # port of the coordinator's relay (gRPC); 0: any free one
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel ranks of a stage server in this box (Megatron-style shards); 1: none
+    devices: list[str] = field(
+        default_factory=list
+    )  # one torch device per rank; empty: cuda:0.. when there are enough, else cpu
+    start_timeout: float = 60.0  # s for the other ranks to start and join the group
+    collective_timeout: float = 120.0  # s one collective may wait for the other ranks before it fails
+    watch_period: float = 0.2  # s between checks that every rank is alive
+    exit_grace: float = 15.0  # s a peer whose rank died has to leave cleanly before it exits regardless
+
+
+@dataclass
+class SecurityConfig:
+    invite: str = ""  # an invite code from the run's coordinator (admission.mode = invite)
+    admission_timeout: float = 30.0  # s to wait for the coordinator's answer to a credential request
+    poll: float = 0.2  # s between looks for that answer (peers) or for new requests (coordinator)
+
+
+@dataclass
+class RelayConfig:
+    # whether this peer's gRPC server can be dialled from outside: auto (another peer dials it back
+    # to find out), public (assume so: never relayed), private (never: always served through a relay)
+    reachability: str = "auto"
+    # a stage server or expert host also relays for peers that cannot be dialled (when it can be dialled
+    # itself); the coordinator relays by coordinator.relay, a relay-only peer by `peer join --role relay`
+    offer: bool = False
+    max_peers: int = 8  # peers this relay carries at once; more are refused
+    # TCP ports a relay opens for the peers it carries, "FIRST-LAST" (e.g. "41000-41007", one per peer,
+    # for a firewall); empty: any free ones
+    ports: str = ""
+    max_connections: int = 64  # connections forwarded at once for one relayed peer; more are closed
+    chunk_bytes: int = 256 * 1024  # most bytes one forwarded chunk carries
+    keepalive: float = 2.0  # s between a relay's keepalive signals to each peer it carries
+    dead_after: float = 6.0  # s without a signal before a relayed peer drops its relay and moves to another
+    probe_timeout: float = 3.0  # s for a relay to dial back a peer's endpoint (and for a ping)
+    connect_timeout: float = 5.0  # s to attach to a relay, and for a relay to see a new connection carried
+    candidates: int = 3  # relays pinged (latency) when choosing one; the best by latency and load is taken
+    ban_time: float = 30.0  # s a relay that failed (or refused) is not chosen again, unless no other is left
+    wait: float = 30.0  # s an unreachable peer waits for a relay to appear before it gives up
+
+
+@dataclass
+class PeerConfig:
+    identity: str = ""  # path of this peer's Ed25519 key; empty: the user's config directory
+    threads: int = 0  # torch threads; 0: torch's default
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PeerConfig:
+        cfg = from_dict(cls, data, "")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not self.server.leave_timeout > self.server.shutdown_grace:
+            raise ConfigError(
+                f"server.leave_timeout: must be longer than server.shutdown_grace ({self.server.shutdown_grace:g} s), "
+                f"got {self.server.leave_timeout:g}"
+            )
+        if self.parallel.tp < 1:
+            raise ConfigError(f"parallel.tp: must be at least 1, got {self.parallel.tp}")
+        if self.relay.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"relay.reachability: must be auto, public or private, got {self.relay.reachability!r}")
+        for name in ("max_peers", "max_connections", "chunk_bytes", "candidates"):
+            if getattr(self.relay, name) < 1:
+                raise ConfigError(f"relay.{name}: must be at least 1, got {getattr(self.relay, name)}")
+        for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
+            require_positive(f"relay.{name}", getattr(self.relay, name))
+        port_range(self.relay.ports)  # ConfigError names a malformed range
+        net = self.network
+        require_positive("network.probe_timeout", net.probe_timeout)
+        if net.record_ttl < 2 * net.dht_request_timeout + net.announce_period:
+            raise ConfigError(
+                f"network.record_ttl: must be at least 2 x network.dht_request_timeout + network.announce_period "
+                f"({2 * net.dht_request_timeout + net.announce_period:g} s), got {net.record_ttl:g}: an announcement "
+                "held up by a frozen DHT node must not let a live peer's record expire"
+            )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> PeerConfig:
+        return cls.from_dict(load_toml(path))

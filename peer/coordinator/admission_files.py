@@ -1,0 +1,82 @@
+"""The coordinator's admission files: invite codes and revocations (RUN.invites.json, RUN.revoked.json
+beside its identity key). `peer coordinator invite` / `revoke` write them, the running coordinator
+(peer.coordinator.authority) re-reads them; this module imports nothing heavy, so those commands answer at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from dht.identity import Identity
+from peer.config import RunSpec
+
+PEER_ROLES = ("server", "experts", "trainer", "relay")  # what a joining peer may ask for (not coordinator)
+
+
+def beside_key(configured: str, identity: Identity, spec: RunSpec, suffix: str) -> Path:
+    """A coordinator's file: `configured`, or RUN.SUFFIX beside its identity key."""
+    if configured:
+        return Path(configured)
+    return Path(identity.path or ".").resolve().parent / f"{spec.name}.{suffix}"
+
+
+def invites_file(identity: Identity, spec: RunSpec) -> Path:
+    return beside_key("", identity, spec, "invites.json")
+
+
+def revoked_file(identity: Identity, spec: RunSpec) -> Path:
+    return beside_key("", identity, spec, "revoked.json")
+
+
+# ---- the files `peer coordinator invite` and `revoke` write -----------------------------------
+def locked_update(path: Path, change) -> dict:
+    """Read-modify-write a JSON file under a lock (the CLI and the coordinator both write it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = read_json(path)
+        change(data)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+        return data
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def create_invite(path: Path, roles: list[str], valid_hours: float) -> str:
+    """A new single-use invite code `ID.SECRET`, stored in `path`."""
+    bad = [r for r in roles if r not in PEER_ROLES]
+    if not roles or bad:
+        raise ValueError(f"--roles: must be some of {', '.join(PEER_ROLES)}, got {roles}")
+    invite_id, secret = secrets.token_hex(4), secrets.token_urlsafe(18)
+    entry = {"secret": secret, "roles": roles, "created": time.time(), "expires": time.time() + valid_hours * 3600}
+    locked_update(path, lambda data: data.setdefault("invites", {}).__setitem__(invite_id, entry))
+    return f"{invite_id}.{secret}"
+
+
+def revoke(path: Path, peer_id: str, reason: str) -> bool:
+    """Add `peer_id` to the revocation file; False if it was there already."""
+    added = []
+
+    def change(data):
+        revoked = data.setdefault("revoked", {})
+        if peer_id not in revoked:
+            revoked[peer_id] = {"reason": reason, "time": time.time()}
+            added.append(peer_id)
+
+    locked_update(path, change)
+    return bool(added)

@@ -1,0 +1,183 @@
+"""The coordinator as the run's certificate authority: who is admitted, credentials, revocations.
+
+Peers ask through the DHT (peer.net.security); the coordinator reads the requests every
+`security.poll` s, decides by the run spec's `admission.mode`, and answers each under the peer's
+own key. Invite codes and revocations live in files beside the coordinator's identity key
+(RUN.invites.json, RUN.revoked.json), written by `peer coordinator invite` / `revoke` and re-read
+by the running coordinator, which publishes the revocation list every `admission.refresh` s.
+Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.serialization import load_der_public_key
+
+from dht import keys
+from dht.credential import CredentialError, RunAuthority, invite_mac, ownership_proof
+from dht.identity import Identity
+from dht.node import SwarmDHT
+from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport
+from peer.config import PeerConfig, RunSpec
+from peer.coordinator.admission_files import PEER_ROLES, locked_update, read_json, revoke
+from peer.process.status_lines import say
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the running authority ----------------------------------------------------------------
+class Authority:
+    """Answers credential requests, publishes revocations, acts on spot-check reports (a thread)."""
+
+    def __init__(self, spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: SwarmDHT, invites: Path, revoked: Path):
+        self.spec, self.cfg, self.identity, self.dht = spec, cfg, identity, dht
+        self.admission = spec.admission
+        self.ca = RunAuthority(identity, spec.name)
+        self.invites_path, self.revoked_path = invites, revoked
+        self.revoked: dict[str, dict] = {}
+        self._answered: OrderedDict[tuple[str, str], float] = OrderedDict()  # (peer, nonce) answered
+        self.issued = self.refused = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._published = 0.0
+        self._revoked_mtime = -1.0
+
+    # ---- the coordinator's own credential ------------------------------------------------------
+    def issue_own(self, security) -> tuple[str, str]:
+        """peer.net.security's `issue` for the coordinator: its own authority signs it."""
+        nonce = os.urandom(16)
+        public = security.key.public_key()
+        proof = ownership_proof(self.identity, public, nonce)
+        cert = self.ca.issue(
+            self.identity.peer_id, public, ("coordinator",), nonce, proof, self.admission.credential_ttl
+        )
+        return _pem(cert), self.ca.pem().decode()
+
+    # ---- deciding ------------------------------------------------------------------------------
+    def decide(self, peer_id: str, request: CredentialRequest) -> tuple[str, str]:
+        """(certificate PEM, "") or ("", why not) for one request."""
+        if peer_id in self.revoked:
+            return "", f"peer {peer_id} was revoked ({self.revoked[peer_id].get('reason', 'no reason given')})"
+        roles = tuple(request.roles)
+        bad = [r for r in roles if r not in PEER_ROLES]
+        if not roles or bad:
+            return "", f"roles must be some of {', '.join(PEER_ROLES)}, got {list(roles)}"
+        try:
+            tls_der, nonce = bytes.fromhex(request.tls_key), bytes.fromhex(request.nonce)
+            tls_key, proof = load_der_public_key(tls_der), bytes.fromhex(request.proof)
+        except ValueError as e:
+            return "", f"malformed request: {e}"
+        mode = self.admission.mode
+        if mode == "allowlist" and peer_id not in self.admission.allowlist:
+            return "", f"peer {peer_id} is not on the run's allowlist (admission.allowlist)"
+        if mode == "invite":
+            problem = self._check_invite(peer_id, request, tls_der, nonce, roles)
+            if problem:
+                return "", problem
+        try:
+            cert = self.ca.issue(peer_id, tls_key, roles, nonce, proof, self.admission.credential_ttl)
+        except CredentialError as e:
+            return "", str(e)
+        return _pem(cert), ""
+
+    def _check_invite(self, peer_id: str, request: CredentialRequest, tls_der: bytes, nonce: bytes, roles) -> str:
+        invites = read_json(self.invites_path).get("invites", {})
+        used = {i: e for i, e in invites.items() if isinstance(e, dict) and e.get("used_by") == peer_id}
+        if used and not request.invite:  # a renewal: the invite it joined with still says which roles
+            allowed = {r for e in used.values() for r in e.get("roles", [])}
+        else:
+            entry = invites.get(request.invite)
+            if not request.invite or not isinstance(entry, dict):
+                return "this run admits peers by invite: pass one with --invite CODE (from `peer coordinator invite`)"
+            if not hmac.compare_digest(invite_mac(entry["secret"], peer_id, tls_der, nonce), request.invite_mac):
+                return f"invite {request.invite}: the code is wrong"
+            if entry.get("used_by") not in (None, peer_id):
+                return f"invite {request.invite} was used already"
+            if entry.get("used_by") is None and time.time() > entry.get("expires", 0):
+                return f"invite {request.invite} expired"  # (a peer it admitted keeps renewing)
+            allowed = set(entry.get("roles", []))
+            if entry.get("used_by") is None:
+                locked_update(self.invites_path, lambda data: data["invites"][request.invite].update(used_by=peer_id))
+        extra = [r for r in roles if r not in allowed]
+        return f"the invite admits roles {sorted(allowed)}, not {extra}" if extra else ""
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="authority", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.security.poll):
+            for step in (self.answer_requests, self.follow_revocations, self.read_reports):
+                try:
+                    step()
+                except Exception as e:  # one step of the authority's loop must not end it: tried again next period
+                    logger.warning("authority: %s failed: %s", step.__name__, e)
+
+    def answer_requests(self) -> None:
+        requests = self.dht.get(keys.credential_requests_key(self.spec.name), CredentialRequest, gated=False)
+        for peer_id, request in list(requests.items())[: self.admission.max_pending]:
+            if (peer_id, request.nonce) in self._answered:
+                continue
+            certificate, error = self.decide(peer_id, request)
+            grant = CredentialGrant(nonce=request.nonce, certificate=certificate, error=error)
+            if certificate:
+                grant.authority = self.ca.pem().decode()
+                self.issued += 1
+            else:
+                self.refused += 1
+                logger.warning("refused a credential to %s: %s", peer_id, error)
+            ttl = self.cfg.security.admission_timeout + 30.0
+            if self.dht.store(keys.credential_key(self.spec.name, peer_id), grant, ttl):
+                self._answered[(peer_id, request.nonce)] = time.time()
+                while len(self._answered) > 4 * self.admission.max_pending:
+                    self._answered.popitem(last=False)
+
+    def follow_revocations(self) -> None:
+        with contextlib.suppress(OSError):
+            mtime = self.revoked_path.stat().st_mtime
+            if mtime != self._revoked_mtime:
+                self._revoked_mtime = mtime
+                found = read_json(self.revoked_path).get("revoked", {})
+                new = sorted(set(found) - set(self.revoked))
+                self.revoked = found
+                for peer in new:
+                    say(f"Revoked peer {peer}: {found[peer].get('reason', '')}")
+                if new:
+                    self._published = 0.0
+        if time.monotonic() - self._published >= self.admission.refresh / 2:
+            record = RevocationList(peers=sorted(self.revoked), updated=time.time())
+            ttl = max(30.0, 4 * self.admission.refresh)
+            if self.dht.store(keys.revocations_key(self.spec.name), record, ttl):
+                self._published = time.monotonic()
+
+    def read_reports(self) -> None:
+        needed = self.admission.revoke_after_reports
+        if needed <= 0:
+            return
+        reports = self.dht.get(keys.reports_key(self.spec.name), SpotCheckReport)
+        reporters: dict[str, set[str]] = {}
+        for trainer, report in reports.items():
+            for peer in report.wrong:
+                reporters.setdefault(peer, set()).add(trainer)
+        for peer, who in reporters.items():
+            if len(who) >= needed and peer not in self.revoked and peer != self.identity.peer_id:
+                reason = f"spot checks of {len(who)} trainer(s) found its answers wrong"
+                revoke(self.revoked_path, peer, reason)
+        self.follow_revocations()
+
+
+def _pem(cert) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()

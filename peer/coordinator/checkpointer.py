@@ -1,0 +1,96 @@
+"""The coordinator's checkpoints: pull each part's state from one of its servers, write it (peer.coordinator.checkpoint).
+
+Every `coordinator.checkpoint_every_steps` steps of the run (the highest step announced by a
+stage) or `coordinator.checkpoint_every_minutes`, the coordinator reads the DHT, picks for each
+stage and each expert the serving replica furthest ahead, and downloads its state over the same
+`GetState` call joiners use, each with a deadline. A checkpoint is written only when every part
+answered; the parts may be a step or so apart (each stage steps on its own), which the manifest
+records per part. Training never waits for any of this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from peer.config import PeerConfig, RunSpec
+from peer.coordinator import checkpoint
+from peer.model.moe import expert_uid
+from peer.net.client import StageClient
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
+        self.spec, self.cfg, self.dht = spec, cfg, dht
+        self.ccfg = cfg.coordinator
+        self.root = Path(self.ccfg.checkpoint_dir)
+        self.last_step = -1  # the run's step at the last checkpoint written
+        self.last_time = time.monotonic()
+        self.written: list[Path] = []
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due at the run's `step` (the highest step a stage announced)."""
+        if not self.ccfg.checkpoint_dir or step <= self.last_step:
+            return False
+        every, minutes = self.ccfg.checkpoint_every_steps, self.ccfg.checkpoint_every_minutes
+        if every > 0 and step // every > max(self.last_step, 0) // every:
+            return True
+        return minutes > 0 and time.monotonic() - self.last_time >= minutes * 60
+
+    def parts(self) -> list[tuple[str, int, str]]:
+        """(part name, stage, expert uid) of every part of the model that lives on servers."""
+        found = [(f"stage {s}", s, "") for s in range(self.spec.stages.num_stages)]
+        for layer in self.spec.moe_layers():
+            for e in range(self.spec.moe.num_experts):
+                uid = expert_uid(layer, e)
+                found.append((f"expert {uid}", self.spec.stage_of_block(layer), uid))
+        return found
+
+    async def _pull(self, client: StageClient, stage: int, expert: str) -> checkpoint.Part | None:
+        key = keys.expert_key(self.spec.name, expert) if expert else keys.servers_key(self.spec.name, stage)
+        records = await self.dht.aget(key, ServerRecord)
+        serving = [(pid, r) for pid, r in records.items() if r.state == "serving" and r.expert == expert]
+        for pid, record in sorted(serving, key=lambda item: (-item[1].epoch, -item[1].throughput)):
+            try:
+                metadata, tensors = await client.get_state(
+                    record.endpoint, self.spec.name, stage, self.ccfg.checkpoint_timeout, expert=expert
+                )
+            except Exception as e:  # a replica that went away: the next one
+                logger.warning("checkpoint: %s did not give its state: %s", record.endpoint, e)
+                continue
+            name = f"expert {expert}" if expert else f"stage {stage}"
+            return checkpoint.Part(name, metadata, tensors, peer=pid)
+        return None
+
+    async def take(self, step: int) -> Path | None:
+        """Pull every part and write a checkpoint at `step`; None (and a warning) if a part had no server."""
+        client = StageClient.for_server(self.cfg.server, self.dht.security)
+        try:
+            pulled = []
+            for name, stage, expert in self.parts():
+                part = await self._pull(client, stage, expert)
+                if part is None:
+                    logger.warning("checkpoint at step %d skipped: no serving replica of %s gave its state", step, name)
+                    return None
+                pulled.append(part)
+        finally:
+            await client.close()
+        path = await asyncio.to_thread(
+            checkpoint.write,
+            self.root,
+            self.spec.to_dict(),
+            self.spec.fingerprint(),
+            step,
+            pulled,
+            self.ccfg.checkpoint_keep,
+        )
+        self.last_step, self.last_time = step, time.monotonic()
+        self.written.append(path)
+        return path

@@ -1,0 +1,126 @@
+"""Mixture-of-experts MLP: a top-k gate on the stage server, experts local or on expert hosts.
+
+Each token goes to the `top_k` experts with the largest gate logits; its output is the sum of
+their outputs weighted by a softmax over those logits. When an expert cannot be reached the
+caller skips it: the softmax then runs over the experts that answered (the remaining weights are
+renormalised), and a token with fewer than `moe.min_answers` answers fails the call. A
+Switch-Transformer load-balancing loss (E * sum_e fraction_e * mean_prob_e) is kept for the
+training objective.
+
+The experts' side is a backend: `LocalExperts` (an nn.ModuleList, for the plain model and the
+reference) or a remote one (peer.server.dispatch), both called as backend(layer, tokens, top_index,
+samples) -> (outputs [tokens, k, hidden], answered [tokens, k]); `samples` is the micro-batch's
+number of sequences, which remote experts count toward their optimizer steps.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peer.config import ModelConfig, MoEConfig
+
+
+class ExpertsUnavailable(RuntimeError):
+    """Too few of a token's experts answered (fewer than moe.min_answers)."""
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); with `tp` (peer.model.tp.TPGroup) gate/up are column- and down row-parallel."""
+
+    def __init__(self, hidden: int, inner: int, tp=None):
+        super().__init__()
+        self.tp = tp
+        inner //= tp.world if tp else 1
+        self.gate = nn.Linear(hidden, inner, bias=False)
+        self.up = nn.Linear(hidden, inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        x = self.tp.copy_in(x)
+        return self.tp.reduce_out(self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+def expert_size(cfg: ModelConfig, moe: MoEConfig) -> int:
+    return moe.expert_size or cfg.intermediate_size
+
+
+def expert_uid(layer: int, index: int) -> str:
+    return f"{layer}.{index}"
+
+
+def parse_expert_uid(uid: str) -> tuple[int, int]:
+    layer, sep, index = uid.partition(".")
+    if not sep or not layer.isdigit() or not index.isdigit():
+        raise ValueError(f"expert {uid!r} is not of the form layer.index")
+    return int(layer), int(index)
+
+
+@torch.no_grad()
+def init_expert(expert: SwiGLU, seed: int, layer: int, index: int, num_layers: int) -> None:
+    """Every expert from its own seed, so a host and the plain model start from the same weights."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + layer * 10_000 + index)
+    std = 0.02
+    for name, p in expert.named_parameters():
+        p.normal_(0.0, std / (2 * num_layers) ** 0.5 if name == "down.weight" else std, generator=gen)
+
+
+def make_expert(cfg: ModelConfig, moe: MoEConfig, seed: int, layer: int, index: int) -> SwiGLU:
+    expert = SwiGLU(cfg.hidden_size, expert_size(cfg, moe))
+    init_expert(expert, seed, layer, index, cfg.num_layers)
+    return expert
+
+
+class ExpertBackend(Protocol):
+    def __call__(
+        self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor, samples: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LocalExperts(nn.ModuleList):
+    """The experts of one layer in this process."""
+
+    def __call__(self, layer: int, tokens: torch.Tensor, top_index: torch.Tensor, samples: int = 1):
+        outputs = tokens.new_zeros(*top_index.shape, tokens.shape[-1])
+        for index, expert in enumerate(self):
+            rows, slots = (top_index == index).nonzero(as_tuple=True)
+            if rows.numel():
+                outputs = outputs.index_put((rows, slots), expert(tokens[rows]))
+        return outputs, torch.ones(top_index.shape, dtype=torch.bool)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP for block `layer`; `experts` is LocalExperts or a remote backend."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, layer: int, experts: ExpertBackend):
+        super().__init__()
+        self.layer, self.num_experts, self.top_k, self.min_answers = layer, moe.num_experts, moe.top_k, moe.min_answers
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = experts
+        self.aux_loss: torch.Tensor | None = None  # load-balancing loss of the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        top_logits, top_index = logits.topk(self.top_k, dim=-1)
+        samples = x.shape[0] if x.dim() == 3 else 1
+        outputs, answered = self.experts(self.layer, tokens, top_index, samples)
+        if self.min_answers and bool((answered.sum(-1) < self.min_answers).any()):
+            missing = sorted({int(e) for e in top_index[~answered].tolist()})
+            raise ExpertsUnavailable(
+                f"layer {self.layer}: experts {missing} did not answer and some tokens have fewer than "
+                f"{self.min_answers} of their {self.top_k} experts"
+            )
+        weights = torch.softmax(top_logits.masked_fill(~answered, float("-inf")), dim=-1)
+        weights = torch.nan_to_num(weights, nan=0.0)  # a token with no answer at all (min_answers 0)
+        out = (weights.unsqueeze(-1) * outputs).sum(dim=1)
+        # Switch Transformer: fraction of assignments per expert times its mean gate probability
+        fraction = F.one_hot(top_index, self.num_experts).float().mean(dim=(0, 1))
+        probs = torch.softmax(logits.float(), dim=-1).mean(dim=0)
+        self.aux_loss = self.num_experts * (fraction * probs).sum()
+        return out.view_as(x)

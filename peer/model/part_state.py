@@ -1,0 +1,195 @@
+"""A part's state: what a joining replica downloads (parameters, optimizer state, the recent steps'
+members and coverage), in shards from several donors, and how it is checked and loaded.
+
+PartState is a piece of peer.model.part.PartRuntime: its methods use the runtime's parameters,
+optimizer, history and accumulator, and run on the owner's torch thread like the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StateError(ValueError):
+    """A downloaded state that does not fit this part."""
+
+
+@dataclass
+class Fingerprint:
+    epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
+    samples: int  # samples the step accounted over the whole averaging group
+    values: list[float]  # per parameter: sum, then sum of squares
+    members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
+    # peer id -> (incarnation, seq): the step counted that member's accumulator additions up to seq
+    coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+STEP_MEMBERS = 32  # recent steps whose group members and coverage travel with a state
+
+
+class PartState:
+    """State transfer of a PartRuntime (which inherits it): snapshot, check and load a donor's state."""
+
+    def _drop_what_the_donor_counted(self, step: Fingerprint | None, me: str) -> None:
+        if step is None:
+            return
+        if me in step.coverage:
+            self.drop_covered(*step.coverage[me])
+        elif me in step.members and not step.coverage:  # a donor too old to say: it counted the whole take
+            self.drop_covered(self.incarnation, max(r.seq for r in self.restored))
+
+    def _inherit_history(self, steps: dict[int, Fingerprint], last_samples: int) -> None:
+        """After a load: the donor's recent steps (members and coverage; values unknown, empty) replace
+        our entries from the first of them on (ours are kept where we made the step too), and the loaded
+        step carries our fingerprint of the donor's parameters. A replica that resynced past a round can
+        so still say what that round counted."""
+        own = {f.epoch: f for f in self.history if f.values}  # steps we made too: the same, with real values
+        first = min(steps, default=self.epoch)
+        kept = [f for f in self.history if f.epoch < first]
+        inherited = [own.get(e, f) for e, f in sorted(steps.items()) if e < self.epoch]
+        loaded = steps.get(self.epoch, Fingerprint(self.epoch, 0, []))
+        loaded.samples, loaded.values = last_samples, self.fingerprint_values()
+        self.history.clear()
+        self.history.extend([*kept, *inherited, loaded])
+
+    @torch.no_grad()
+    def fingerprint_values(self) -> list[float]:
+        """Per parameter: sum, then sum of squares; of the anchor in local mode (the replicas' common point)."""
+        values = []
+        for p in self.anchor if self.local else self.params:
+            d = p.double()
+            values += [d.sum().item(), d.pow(2).sum().item()]
+        return values
+
+    # ---- state transfer -------------------------------------------------------------------
+    @torch.no_grad()
+    def snapshot(self, shard: int = 0, num_shards: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Parameters and optimizer state (CPU copies) with metadata: what a joining replica loads.
+
+        With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that
+        several donors can each send a part.
+        """
+        everything = self.state_tensors()
+        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
+        tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
+        return self.state_metadata(len(everything)), tensors
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a state holds, by name: parameters, optimizer state, and in local mode anchor and momentum."""
+        everything = {f"param/{n}": p for n, p in zip(self.param_names, self.params, strict=True)}
+        for name, p in zip(self.param_names, self.params, strict=True):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    everything[f"optim/{name}/{key}"] = value
+        for name, a, m in zip(self.param_names, self.anchor, self.momentum, strict=False):
+            everything[f"outer/anchor/{name}"] = a
+            everything[f"outer/momentum/{name}"] = m
+        return everything
+
+    def state_metadata(self, tensor_count: int) -> dict:
+        return {
+            "part": self.name,
+            "epoch": self.epoch,
+            "samples_stepped": self.samples_stepped,
+            "last_step_samples": self.history[-1].samples if self.history else 0,
+            "spec": self.spec.fingerprint(),
+            "tensor_count": tensor_count,
+            # who made the recent steps, and what each step counted of each member's accumulator: a replica
+            # that resyncs keeps the gradients no step of the donor counted, and drops the others
+            "step_members": {str(f.epoch): f.members for f in list(self.history)[-STEP_MEMBERS:]},
+            "step_coverage": {
+                str(f.epoch): {pid: list(c) for pid, c in f.coverage.items()}
+                for f in list(self.history)[-STEP_MEMBERS:]
+            },
+            "step_samples": {str(f.epoch): f.samples for f in list(self.history)[-STEP_MEMBERS:]},
+        }
+
+    def check_state(self, metadata: dict, tensors: dict[str, torch.Tensor], shapes: list[list[int]]) -> str:
+        """Refuse (StateError) a donor's state that does not fit parameters of `shapes`; the key kind to load.
+
+        Local mode: a replica starts from the anchor (the donor's inner steps since the outer step
+        are the donor's own contribution to the next round, not ours to count again).
+        """
+        if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
+            raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        source = "outer/anchor" if self.local else "param"
+        for name, shape in zip(self.param_names, shapes, strict=True):
+            for kind in (source, "outer/momentum") if self.local else (source,):
+                t = tensors.get(f"{kind}/{name}")
+                if t is None or list(t.shape) != list(shape):
+                    raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
+                if not torch.isfinite(t).all():
+                    raise StateError(f"{kind} {name} in the state is not finite")
+            for slot in ("exp_avg", "exp_avg_sq", "step"):
+                t = tensors.get(f"optim/{name}/{slot}")
+                want = [] if slot == "step" else list(shape)
+                if t is not None and (t.numel() != 1 if slot == "step" else list(t.shape) != want):
+                    raise StateError(f"optim/{name}/{slot} in the state has shape {list(t.shape)}, not {want}")
+        return source
+
+    @torch.no_grad()
+    def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
+        """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
+        source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
+        for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
+            p.copy_(tensors[f"{source}/{name}"])
+            if self.local:
+                self.anchor[i].copy_(p)
+                self.momentum[i].copy_(tensors[f"outer/momentum/{name}"])
+            state = {}
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                t = tensors.get(f"optim/{name}/{key}")
+                if t is not None:
+                    state[key] = t.to(p.device).clone()
+            if state:
+                self.optimizer.state[p] = state
+        steps = inherited_steps(metadata)
+        if self.restored and self.restored[0].epoch < int(metadata["epoch"]):
+            # the donor's step after a round that failed here may have had us in its group: the round
+            # succeeded on its side, with the part of our accumulator it covered; that part is accounted
+            self._drop_what_the_donor_counted(steps.get(self.restored[0].epoch + 1), me)
+            self.restored = []  # any other piece waits for the next step like the rest of the accumulator
+        self.epoch = int(metadata["epoch"])
+        self.samples_stepped = int(metadata.get("samples_stepped", 0))
+        self.inner_steps = self.inner_samples = 0  # local mode: at the anchor, no inner step of ours on it yet
+        self._taken = None
+        if self.epoch > 0:  # the parameters after this step are now the donor's
+            self._inherit_history(steps, int(metadata.get("last_step_samples", 0)))
+        self._stash = None
+        self.version += 1
+        self._after_load()
+
+
+def inherited_steps(metadata: dict) -> dict[int, Fingerprint]:
+    """The donor's recent steps from a state's metadata: who made each and what it counted (no values)."""
+    members = metadata.get("step_members") or {}
+    coverage = metadata.get("step_coverage") or {}
+    samples = metadata.get("step_samples") or {}
+    return {
+        int(epoch): Fingerprint(
+            int(epoch),
+            int(samples.get(epoch, 0)),
+            [],
+            list(members.get(epoch, [])),
+            {pid: (int(c[0]), int(c[1])) for pid, c in coverage.get(epoch, {}).items()},
+        )
+        for epoch in sorted({*members, *coverage}, key=int)
+    }
+
+
+def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:
+    """Split tensor names into `num_shards` parts of similar bytes; every replica computes the same split."""
+    return shards_by_bytes({n: t.numel() * t.element_size() for n, t in tensors.items()}, num_shards)
+
+
+def shards_by_bytes(sizes: dict[str, int], num_shards: int) -> list[set[str]]:
+    """Split names into `num_shards` parts of similar total bytes, the largest first; deterministic."""
+    parts: list[set[str]] = [set() for _ in range(num_shards)]
+    totals = [0] * num_shards
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        lightest = min(range(num_shards), key=lambda i: (totals[i], i))
+        parts[lightest].add(name)
+        totals[lightest] += size
+    return parts

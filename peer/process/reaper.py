@@ -1,0 +1,323 @@
+"""The reaper: a small process that ends what a peer started once the peer is gone (peer.process.lifetime).
+
+It follows the peer's descendants while the peer lives: their pids with their start times (so a
+reused pid is never taken for one of them) and the unix sockets they bind under /tmp (hivemind
+puts its p2p daemons' and clients' sockets there). When the peer exits, however it exits, the
+reaper sends SIGTERM to those still alive, SIGKILL after a grace, through pidfds (a pid that was
+reused meanwhile gets no signal), removes the sockets (those it saw, and those made during the
+peer's life that nobody listens on any more: a helper that died with the peer before a look saw
+it bind one) and the peer's runtime directory, and exits.
+
+It runs in a session of its own: a signal to the peer's process group (a terminal's Ctrl+C, a
+supervisor's `kill -9 -PGID`) does not end it before its work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import select
+import shutil
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+SOCKET_FLAG = "-listen=/unix"  # how hivemind names a p2p daemon's unix socket on its command line
+SOCKET_DIR = "/tmp/hivemind-"  # where hivemind puts its unix sockets, whatever TMPDIR says
+SOCKET_LOOKS = 4  # the sockets the peer's processes hold are noted every this many looks
+LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what it did to reaper-<peer pid>.log there
+ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
+SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
+SOCKET_PROBE = 0.2  # s a probe's connect may take
+
+
+# ---- reading /proc ------------------------------------------------------------------------------
+def stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, process group, start time in clock ticks) of a live process; None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def children(pid: int) -> list[int]:
+    """The children of `pid`, read from its threads' `children` lists (no scan of all processes)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _bound_sockets(pids: list[int], prefix: str = SOCKET_DIR) -> set[str]:
+    """Paths under `prefix` of the unix sockets these processes hold (hivemind's clients make their own)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    if not inodes:
+        return set()
+    table = _unix_sockets(str(pids[0]))  # the processes' own network namespace
+    return {path for inode, path in table.items() if inode in inodes and path.startswith(prefix)}
+
+
+def _unix_sockets(proc: str = "self") -> dict[str, str]:
+    """inode -> path of the unix sockets bound to a path in the network namespace of /proc/`proc`."""
+    try:
+        with open(f"/proc/{proc}/net/unix") as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return {}
+    return {row[6]: row[7] for row in rows if len(row) >= 8}
+
+
+def _listening(path: str) -> bool:
+    """Whether some process listens on the unix socket at `path` (in any network namespace)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(SOCKET_PROBE)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # a full backlog, a slow listener: someone is there
+    finally:
+        probe.close()
+    return True
+
+
+def stale_sockets(since: float, prefix: str = SOCKET_DIR) -> list[str]:
+    """hivemind's unix sockets made since `since` (wall clock) that nobody listens on any more.
+
+    A process that died with the peer before the reaper saw it bind (an averager started in the
+    last look's period) leaves a socket file no list names. Bound sockets of this network namespace
+    are skipped unprobed; others (a peer in another namespace, a file without a listener) get a
+    connect, once the file is old enough that its maker has surely called listen().
+    """
+    candidates = {}
+    for path in glob.glob(prefix + "*.sock"):
+        with contextlib.suppress(OSError):
+            made = os.lstat(path).st_ctime
+            if made >= since:
+                candidates[path] = made
+    bound = set(_unix_sockets().values())
+    candidates = {p: made for p, made in candidates.items() if p not in bound}
+    if candidates:
+        time.sleep(max(0.0, max(candidates.values()) + SOCKET_SETTLE - time.time()))
+    return [p for p in candidates if not _listening(p)]
+
+
+def _sockets_of(pid: int) -> list[str]:
+    """The unix socket paths a hivemind p2p daemon was started with (its own and its client's)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+    found = []
+    for arg in args:
+        if arg.startswith(SOCKET_FLAG):
+            path = arg[len(SOCKET_FLAG) :]
+            found += [path, path.replace("hivemind-p2pd-", "hivemind-p2pclient-")]
+    return found
+
+
+# ---- following one peer -------------------------------------------------------------------------
+@dataclass
+class Watch:
+    """What the reaper knows of one peer: its descendants so far and what to remove after it."""
+
+    peer: int
+    me: int
+    group: int  # the peer's process group
+    born: int  # the peer's start time (clock ticks)
+    started: float  # wall clock when the reaper began to watch (before the peer started anything)
+    # where the kernel puts the peer's orphans: its ancestors (a subreaper among them) and init, but
+    # not its parent, whose other children (`peer join | tee`) are not the peer's
+    adopters: set[int]
+    seen: dict[int, int] = field(default_factory=dict)  # descendant pid -> start time
+    sockets: set[str] = field(default_factory=set)
+    looks: int = 0
+
+    def live(self) -> list[int]:
+        """The descendants seen that still live (the same start time: not a reused pid)."""
+        return [p for p, born in self.seen.items() if (found := stat(p)) is not None and found[2] == born]
+
+    def look(self, peer_alive: bool = True) -> None:
+        """Remember the peer's descendants as they are now (from the peer too while it lives)."""
+        todo = [*([self.peer] if peer_alive else []), *self.live()]
+        new = False
+        while todo:
+            for child in children(todo.pop()):
+                if child == self.me or child in self.seen or (found := stat(child)) is None:
+                    continue
+                self.seen[child], new = found[2], True
+                self.sockets.update(_sockets_of(child))
+                todo.append(child)
+        self.looks += 1
+        if new or self.looks % SOCKET_LOOKS == 0:
+            self.sockets.update(_bound_sockets([*([self.peer] if peer_alive else []), *self.live()]))
+
+    def leftovers(self) -> list[int]:
+        """After the peer: its descendants still alive, and hivemind daemons of its group orphaned unseen."""
+        self.look(peer_alive=False)  # children of those seen, born since the last look
+        mine = set(self.live())
+        for entry in os.listdir("/proc"):  # a daemon whose parent died in the last period, before a look
+            if entry.isdigit() and (found := stat(int(entry))) is not None:
+                ppid, group, born = found
+                pid = int(entry)
+                if group == self.group and born >= self.born and ppid in self.adopters and _comm(pid) in ORPHANS:
+                    self.seen[pid] = born
+                    mine.add(pid)
+        mine.discard(self.me)
+        return sorted(mine)
+
+
+def _handles(pids: list[int], watch: Watch) -> dict[int, int]:
+    """pidfds of the processes, opened while their start time is checked: a reused pid gets none."""
+    handles = {}
+    for pid in pids:
+        try:
+            handle = os.pidfd_open(pid)
+        except OSError:
+            continue
+        if (found := stat(pid)) is not None and found[2] == watch.seen.get(pid):
+            handles[pid] = handle
+        else:
+            os.close(handle)
+    return handles
+
+
+def _end(handles: dict[int, int], grace: float) -> None:
+    for handle in handles.values():
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(handle, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(stat(p) is not None for p in handles):
+        time.sleep(0.05)
+    for handle in handles.values():
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+        os.close(handle)
+
+
+def _follow(watch: Watch, period: float) -> None:
+    """Look at the peer's descendants every `period` until the peer exits."""
+    try:
+        pidfd = os.pidfd_open(watch.peer)
+    except ProcessLookupError:
+        return  # it exited, and was reaped, since we first looked
+    try:
+        if (found := stat(watch.peer)) is not None and found[2] != watch.born:
+            return  # that pid is another process's now: the peer has exited
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the peer has exited
+        while not poller.poll(period * 1000):
+            watch.look()
+    finally:
+        os.close(pidfd)
+
+
+def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=lambda line: None) -> None:
+    """The reaper's life: follow the peer until it exits, then end and remove what it left.
+
+    The sockets it knows go even if ending the processes fails; `log` hears each step (diagnostics)."""
+    _follow(watch, period)
+    log(f"peer {watch.peer} exited; seen {sorted(watch.seen)}, sockets {sorted(watch.sockets)}")
+    stale: list[str] = []
+    try:
+        for _ in range(2):  # a process forked while we ended the others is caught the second time
+            leftovers = watch.leftovers()
+            log(f"leftovers {leftovers}")
+            if leftovers:
+                _end(_handles(leftovers, watch), grace)
+        stale = stale_sockets(watch.started)
+        log(f"stale sockets {sorted(stale)}; still bound {sorted(_bound_elsewhere(watch.started))}")
+    finally:
+        for path in watch.sockets | set(stale):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    log("done")
+
+
+def _bound_elsewhere(since: float, prefix: str = SOCKET_DIR) -> list[str]:
+    """hivemind's sockets made since `since` that a live process still binds (diagnostics: not removed)."""
+    bound = set(_unix_sockets().values())
+    made = []
+    for path in glob.glob(prefix + "*.sock"):
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_ctime >= since and path in bound:
+                made.append(path)
+    return made
+
+
+def _log_to(peer: int):
+    """A line logger for the reaper of `peer`: to reaper-<peer>.log under LOG_DIR_ENV, or nowhere."""
+    where = os.environ.get(LOG_DIR_ENV)
+    if not where:
+        return lambda line: None
+
+    def log(line: str) -> None:
+        with contextlib.suppress(OSError), open(os.path.join(where, f"reaper-{peer}.log"), "a") as f:
+            f.write(f"{time.time():.3f} {line}\n")
+
+    return log
+
+
+def watch_parent(peer: int) -> Watch | None:
+    """In the reaper: what it must know of the peer (its parent); None if the peer is already gone."""
+    found = stat(peer)
+    if found is None or os.getppid() != peer:
+        return None
+    parent, group, born = found
+    adopters, pid = {1}, parent
+    while pid > 1 and (up := stat(pid)) is not None:
+        adopters.add(pid)
+        pid = up[0]
+    adopters.discard(parent)
+    return Watch(peer, os.getpid(), group, born, time.time() - 1.0, adopters)
+
+
+def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
+    """The reaper process, just forked from `peer`: detach, then follow and clean up after it."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)  # a terminal's Ctrl+C is for the peer; we clean up after
+    os.setsid()  # and a signal to the peer's whole group does not end us before our work
+    devnull = os.open(os.devnull, os.O_RDWR)  # we hold none of the peer's pipes: its readers see EOF
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    log = _log_to(peer)
+    try:
+        watch = watch_parent(peer)  # None: the peer died before we looked (SIGKILLed as it started)
+        log(f"watching {peer}" if watch is not None else f"peer {peer} gone before the first look")
+        if watch is not None:
+            reap(watch, runtime_dir, period, grace, log)
+    except BaseException as e:  # said in the log (the reaper has no output), then the runtime dir still goes
+        log(f"failed: {type(e).__name__}: {e}")
+        raise
+    finally:  # whatever happened, the peer's runtime dir goes
+        shutil.rmtree(runtime_dir, ignore_errors=True)

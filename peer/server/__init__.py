@@ -1,0 +1,12 @@
+"""A peer that serves a part of the model: stage servers, expert hosts, and their replicas' protocol.
+
+- stage: the stage server (gRPC server, backward that may step, moving to another stage);
+- servicer, expert_service: gRPC handlers of the stage and expert services;
+- replica (with replica_step, replica_round, replica_state): one replica of a part and its step
+  protocol with the other replicas: when to step, the averaging round, state transfer;
+- averaging, averaging_codec: hivemind's averager for the replicas of one part, and its compression;
+- expert_host, batcher: hosting experts, with dynamic batching;
+- dispatch: a stage's calls to the expert hosts of its MoE layers.
+
+May import every lower package: protocols, dht, peer.process, config, net, model, data, swarm.
+"""

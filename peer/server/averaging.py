@@ -1,0 +1,168 @@
+"""Averaging among the replicas of one part, with hivemind's DecentralizedAverager.
+
+What is averaged is the replicas' mean gradients (gradient mode) or their pseudo-gradients (local
+mode); either way a sample-weighted mean, compressed on the wire by `compression.averaging`.
+
+With peer.server.hivemind_averager (which holds all that touches hivemind's internals), the one place
+of the runtime that uses hivemind's averaging. Replicas are matched through
+the DHT under one prefix per stage; the group key carries the epoch, so replicas at different
+optimizer steps never average together, and the expected group size (the replicas that accepted
+the round's invitation), so a group never grows past what one of its members expects (hivemind's
+key manager fails a member whose group outgrows its target). The target group size is set to
+that size before each round, so a full group starts at once instead of waiting out the
+matchmaking window.
+
+A round steps whole groups only: each member gathers the peer ids it expects, and a group that
+lacks one of them is discarded by all its members (two groups at one step would otherwise step
+apart and leave the stage's replicas with different weights for good)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from dht.node import SwarmDHT
+from peer.config import RunSpec
+from peer.server.averaging_codec import averaging_codec
+from peer.server.hivemind_averager import StageAverager, peer_name
+
+logger = logging.getLogger(__name__)
+
+
+EPOCH_BITS = 16  # the group key carries the epoch modulo 2**16: replicas at different steps never meet
+
+
+SIZE_BITS = 10  # and the expected group size: a group never grows past what any member expects
+
+
+def group_bits(epoch: int, size: int) -> str:
+    """hivemind's group key bits for a round at `epoch` of `size` replicas."""
+    return format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b") + format(size % (1 << SIZE_BITS), f"0{SIZE_BITS}b")
+
+
+def whole_group_missing(infos: list[dict], members: list[str], max_group_size: int) -> list[str]:
+    """Replicas some member expected in the round but the group lacks (none when it is whole).
+
+    Every member runs this on the same gathered data, so all reach the same verdict. Beyond
+    `max_group_size` replicas a stage averages in several groups by design, and none is whole.
+    """
+    expected = set().union(*(set(info.get("expected", [])) for info in infos))
+    if len(expected) > max_group_size:
+        return []
+    return sorted(expected - set(members))
+
+
+@dataclass
+class RoundResult:
+    gradients: list[torch.Tensor]  # the group's sample-weighted mean gradients
+    group_samples: int  # samples accounted by the whole group
+    group_size: int
+    members: list[str]  # peer ids of the group
+    coverage: dict[str, tuple[int, int]]  # peer id -> (incarnation, seq): the accumulator additions it brought
+
+
+class GradientAverager:
+    """Averages a stage's gradients with its replicas; must be created on the main thread."""
+
+    def __init__(self, dht: SwarmDHT, prefix: str, template: list[torch.Tensor], spec: RunSpec):
+        self.cfg = cfg = spec.averaging
+        compression = averaging_codec(spec.compression.averaging, spec.compression.block_size)
+        previous = signal.getsignal(signal.SIGINT)
+        self._averager = StageAverager(
+            [torch.zeros_like(t, device="cpu") for t in template],  # hivemind forks: no CUDA tensors
+            dht=dht.dht,
+            prefix=prefix,
+            start=True,
+            target_group_size=cfg.max_group_size,
+            min_group_size=2,
+            min_matchmaking_time=cfg.min_matchmaking_time,
+            request_timeout=min(cfg.request_timeout, cfg.min_matchmaking_time * 0.75),
+            allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout / 2,
+            allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's
+            compression=compression,
+        )
+        signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
+
+    def average(
+        self,
+        gradients: list[torch.Tensor],
+        samples: int,
+        epoch: int,
+        expected: list[str],
+        admitted: set[str] | None = None,
+        covers: tuple[int, int] = (0, 0),
+    ) -> RoundResult | None:
+        """One round at `epoch` with the replicas `expected` (peer ids, ours included); None if it failed.
+
+        `covers` is (incarnation, seq): the accumulator additions these gradients hold, recorded
+        with the step by every member, so that whoever looks later knows exactly what it counted.
+
+        A round steps only a whole group: one that lacks a replica any member expected (two groups
+        formed at one step, or one member saw a partner the others missed) is discarded by every
+        member alike, since they all judge the same gathered data. With `admitted`, only those peer
+        ids may be in the group (the others are refused).
+        """
+        gather = {"epoch": epoch, "samples": samples, "expected": sorted(expected)}
+        gather.update(incarnation=covers[0], seq=covers[1])
+        try:
+            gathered = self._round(gradients, samples, epoch, len(expected), admitted, gather)
+        except Exception as e:  # a failed round must not take the server down
+            logger.warning("averaging for step %d failed: %s", epoch, e)
+            return None
+        infos = {peer_name(pid): info for pid, info in (gathered or {}).items()}
+        if not self._whole(infos, epoch):
+            return None
+        with self._averager.get_tensors() as tensors:
+            averaged = [t.clone() for t in tensors]
+        coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
+        total = sum(int(i.get("samples", 0)) for i in infos.values())
+        return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
+
+    def _round(self, gradients, samples: int, epoch: int, expected: int, admitted, gather: dict) -> dict | None:
+        """hivemind's round: its group key, the tensors in, then the step; what every member gathered."""
+        size = max(2, min(expected, self.cfg.max_group_size))
+        self._averager.set_target_group_size(size, timeout=self.cfg.request_timeout * 5)
+        self._averager.set_admitted(admitted, timeout=self.cfg.request_timeout * 5)
+        self._averager.set_group_bits(group_bits(epoch, size))
+        with self._averager.get_tensors() as tensors:
+            for dst, src in zip(tensors, gradients, strict=True):
+                dst.copy_(src)
+        control = self._averager.step(
+            gather=gather,
+            weight=float(samples),
+            timeout=min(self.cfg.group_timeout, self.cfg.averaging_timeout),  # to find the whole group
+            allow_retries=False,  # a failed round steps nobody; the next round comes soon
+            wait=False,
+        )
+        try:  # hivemind waits for a round's end without a bound: a stopped averager would hang us
+            return control.result(timeout=self.cfg.group_timeout + self.cfg.averaging_timeout + 1.0)
+        except TimeoutError:
+            control.cancel()
+            raise TimeoutError("the averager did not finish the round in time") from None
+
+    def _whole(self, infos: dict[str, dict], epoch: int) -> bool:
+        """Whether the group may step: all at `epoch`, and holding every replica a member expected."""
+        if not infos:
+            return False
+        if any(not isinstance(i, dict) or i.get("epoch") != epoch for i in infos.values()):
+            logger.warning("averaging group for step %d mixed epochs: %s", epoch, list(infos.values()))
+            return False
+        missing = whole_group_missing(list(infos.values()), sorted(infos), self.cfg.max_group_size)
+        if missing:
+            logger.warning(
+                "averaging group for step %d (%d members) lacks %s, whom a member expected: nobody steps",
+                epoch,
+                len(infos),
+                ", ".join(missing),
+            )
+        return not missing
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except Exception as e:  # shutting down must go on whatever hivemind raises
+            logger.warning("averager shutdown: %s", e)

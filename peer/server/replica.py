@@ -1,0 +1,280 @@
+"""One replica of a part of the model (a stage, or one expert) and its step protocol with the other replicas.
+
+Step protocol. Each replica announces in the DHT its epoch (optimizer steps taken) and the samples
+it has accumulated since. When the replicas at one epoch together reach the run's target batch
+size, the replica that notices first flags `averaging_epoch` in its record and starts a round; it
+also invites each serving partner directly (the `Round` call); the partners that answer
+"joining" form the group, so its size never rests on a stale record. A replica that knows no
+serving partner steps at once, inside the backward that crossed the target, so one replica per
+part reproduces plain gradient accumulation exactly.
+
+The round itself (matchmaking, all-reduce) runs on a thread of its own. The torch thread waits
+for it up to `averaging.pause_limit` and applies the step in the same job, so the requests queued
+meanwhile run on the new weights; a round that takes longer lets them go on (their gradients then
+count one step later), so a slow or failing round never stalls the part.
+
+Local mode (DiLoCo). Each replica takes an inner optimizer step whenever its own accumulator
+holds `inner_batch` samples, queued on the torch thread right after the backward that filled it.
+After `averaging.inner_steps` inner steps it starts a round the same way, and the group averages
+pseudo-gradients instead of gradients, then takes the outer step (peer/model/part.py). `epoch` counts
+outer steps. A replica that misses a round is behind afterwards and loads the anchor from the
+replicas ahead (the resync below), so nobody waits for it.
+
+Receipts. Every backward added to the accumulator is numbered (`seq`, within an `incarnation`)
+and the replica announces how many are in finished steps (`stepped_seq`) and, before a round,
+what the round covers (`round_seq`). Trainers keep each backward until it is stepped, and replay
+it on another replica if this one goes away first; a replica whose DHT record expired (it was
+frozen) drops its accumulator and takes a new incarnation, since trainers replay what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from peer.config import PeerConfig, RunSpec
+from peer.model.part import PartRuntime
+from peer.net.client import StageClient
+from peer.server.averaging import GradientAverager
+from peer.server.replica_round import Rounds
+from peer.server.replica_state import StateTransfer
+from peer.server.replica_step import Stepping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a replica holds: a stage, or one expert ("layer.index") of a layer held by `stage`."""
+
+    stage: int
+    expert: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"expert {self.expert}" if self.expert else f"stage {self.stage}"
+
+    def key(self, run_id: str) -> str:
+        return keys.expert_key(run_id, self.expert) if self.expert else keys.servers_key(run_id, self.stage)
+
+    def averaging_prefix(self, run_id: str) -> str:
+        if self.expert:
+            return keys.expert_averaging_prefix(run_id, self.expert)
+        return keys.averaging_prefix(run_id, self.stage)
+
+    def matches(self, record: ServerRecord) -> bool:
+        return record.stage == self.stage and record.expert == self.expert
+
+
+class Replica(Stepping, Rounds, StateTransfer):
+    """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        part: Part,
+        cfg: PeerConfig,
+        dht: SwarmDHT,
+        runtime: PartRuntime,
+        averager: GradientAverager | None,
+        executor: ThreadPoolExecutor | None = None,
+        client: StageClient | None = None,
+        pause_window: list[float] | None = None,
+    ):
+        self.spec, self.run_id, self.part, self.cfg = spec, spec.name, part, cfg
+        self.stage, self.label = part.stage, part.label
+        self.dht, self.runtime, self.averager = dht, runtime, averager
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.round_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
+        self.client = client or StageClient.for_server(cfg.server, dht.security)
+        self.inflight = 0
+        self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
+        self.leaving = False
+        self.state = "joining"
+        self.stepping = False
+        self._inner_queued = False  # local mode: an inner step is queued on the torch thread
+        self.averaging_epoch = -1
+        self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
+        self.started = time.time()
+        self.endpoint = ""
+        self._publish_lock = asyncio.Lock()
+        self._last_published: tuple | None = None
+        self._last_publish_time = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self.steps_averaged = self.steps_alone = self.rounds_failed = 0
+        self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
+        self._late_rounds = 0  # rounds in a row given up because this process came back too late
+        self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
+        self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
+        self.round_seq = 0  # additions the running round covers
+        self.samples_averaging = 0  # samples taken out of the accumulator for the running round
+        self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
+        self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
+        # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
+        self.pause_window = pause_window
+        self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them
+        self.uplink = None  # peer.net.uplink.Uplink: reachability, and the relay it is served through if any
+        try:
+            self.dht_maddrs = dht.visible_maddrs()  # announced, for a restarted coordinator to rejoin through
+        except Exception as e:  # the DHT node may not say yet: announced without addresses
+            logger.warning("%s: the DHT node does not say its addresses (%s); announcing none", self.label, e)
+            self.dht_maddrs = []
+
+    def load(self) -> float:
+        """Requests in flight or queued, as announced (an expert host reports its own)."""
+        return float(self.inflight)
+
+    async def run_torch(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def _drop_if_expired(self) -> None:
+        """Torch thread: if our DHT record expired (we were frozen), trainers replay what we hold: drop it."""
+        now = time.time()
+        if now <= self.record_expires:
+            return
+        late = now - self.record_expires
+        self.record_expires = now + self.cfg.network.record_ttl  # trainers count anew from here
+        dropped = self.runtime.drop_accumulator()
+        logger.warning(
+            "%s: our DHT record expired %.1f s ago (this process was stopped or starved); trainers replay "
+            "unstepped work elsewhere, so %d accumulated samples are dropped here",
+            self.label,
+            late,
+            dropped,
+        )
+
+    def _serving_peers(self) -> dict[str, ServerRecord]:
+        """Partners that serve, by peer id, leaving out those that ignored an invitation and have not announced since."""
+        return {
+            pid: r
+            for pid, r in self.peers.items()
+            if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
+        }
+
+    def record(self) -> ServerRecord:
+        rt = self.runtime
+        return ServerRecord(
+            stage=self.stage,
+            expert=self.part.expert,
+            endpoint=self.endpoint,
+            throughput=rt.throughput,
+            load=self.load(),
+            epoch=rt.epoch,
+            step=rt.progress,
+            samples=rt.samples_accumulated,
+            samples_stepped=rt.samples_stepped,
+            averaging_epoch=self.averaging_epoch,
+            state="left" if self.state == "left" else "leaving" if self.leaving else self.state,
+            incarnation=rt.incarnation,
+            stepped_seq=rt.stepped_seq,
+            round_seq=self.round_seq if self.averaging_epoch >= 0 else 0,
+            started=self.started,
+            updated=time.time(),
+            tp=rt.tp_degree,
+            devices=rt.devices,
+            dht=self.dht_maddrs,
+            metrics=self.metrics.endpoint if self.metrics else "",
+            requests=self.metrics.served if self.metrics else 0,
+            errors=self.metrics.failed if self.metrics else 0,
+            last_round=self.last_round[0],
+            last_round_seconds=self.last_round[1],
+            rounds_failed=self.rounds_failed,
+            relay=self.uplink.relay if self.uplink is not None else "",
+        )
+
+    async def publish(self, force: bool = False) -> bool:
+        if time.time() > self.record_expires:
+            await self.run_torch(self._drop_if_expired)  # before a new record makes trainers count anew
+        record = self.record()
+        signature = (
+            record.epoch,
+            record.samples,
+            record.averaging_epoch,
+            record.state,
+            round(record.load),
+            record.incarnation,
+            record.stepped_seq,
+        )
+        stale = time.monotonic() - self._last_publish_time > self.cfg.network.announce_period
+        if not force and not stale and signature == self._last_published:
+            return True
+        async with self._publish_lock:
+            if time.time() > self.record_expires:
+                # checked again under the lock: a publish that waited here through a freeze (behind
+                # one stuck in the DHT) must not announce a fresh record before the drop
+                await self.run_torch(self._drop_if_expired)
+            record = self.record()
+            try:
+                stored = await self.dht.astore(self.part.key(self.run_id), record, self.cfg.network.record_ttl)
+            except Exception as e:  # the DHT may be busy: announced again next period
+                logger.warning("could not announce in the DHT: %s", e)
+                return False
+            if stored:
+                self._last_published, self._last_publish_time = signature, time.monotonic()
+                self.record_expires = max(self.record_expires, record.updated + self.cfg.network.record_ttl)
+            return bool(stored)
+
+    async def refresh_peers(self) -> None:
+        try:
+            records = await self.dht.aget(self.part.key(self.run_id), ServerRecord)
+        except Exception as e:  # the DHT may be busy: read again next period
+            logger.warning("%s: could not read the replicas' records: %s", self.label, e)
+            return
+        fresh = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and self.part.matches(r)}
+        # a DHT read can miss a record now and then: keep a known peer until its record would have expired
+        horizon = time.time() - self.cfg.network.record_ttl
+        kept = {
+            pid: r for pid, r in self.peers.items() if pid not in fresh and r.updated > horizon and r.state != "left"
+        }
+        self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
+
+    async def _progress_loop(self) -> None:
+        period = self.cfg.network.progress_period
+        while not self.leaving:
+            await asyncio.sleep(period)
+            if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
+                await self.run_torch(self._drop_if_expired)
+            await self.refresh_peers()
+            if not self.stepping and self.state == "serving":
+                ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
+                if ahead:
+                    await self._resync(ahead)
+                self._maybe_step()
+            await self.publish()
+            await self.on_progress()
+
+    async def on_progress(self) -> None:
+        """Hook: runs after each look at the replicas' progress (a stage server checks its balance here)."""
+
+    def start_progress(self) -> None:
+        self.state = "serving"
+        self._tasks.append(asyncio.create_task(self._progress_loop()))
+
+    async def finish(self, announced: bool = False) -> None:
+        """Leaving: wait (up to shutdown_grace) for work and a round under way, then announce 'left'.
+
+        `announced`: the owner has already announced 'leaving' and waited for its calls.
+        """
+        self.leaving = True
+        timeout = self.cfg.network.dht_request_timeout
+        if not announced:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.publish(force=True), timeout)  # trainers stop routing here
+        deadline = time.monotonic() + self.cfg.server.shutdown_grace
+        while (self.inflight or self.stepping) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # final word: what is not in a finished step by now never will be; trainers replay it elsewhere
+        self.state = "left"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.publish(force=True), timeout)
+        for task in self._tasks:
+            task.cancel()
+        self.round_executor.shutdown(wait=False, cancel_futures=True)

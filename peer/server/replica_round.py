@@ -1,0 +1,166 @@
+"""The averaging round of a replica (peer.server.replica): inviting the serving partners, forming the
+group from those that answer, hivemind's all-reduce on its own thread, and joining a partner's round.
+
+Rounds is a piece of Replica, on the replica's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+from dht.records import ServerRecord
+
+logger = logging.getLogger(__name__)
+MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
+MAX_LATE_ROUNDS = 3  # a replica that keeps coming back late to its rounds steps alone after this many
+
+
+def _joiners(answers: dict) -> list[str]:
+    """The partners (peer ids) whose answer to an invitation says they join the round."""
+    return sorted(pid for pid, a in answers.items() if not isinstance(a, BaseException) and a.joining)
+
+
+class Rounds:
+    """The averaging rounds of a Replica (Replica inherits it)."""
+
+    async def _round(self, epoch: int) -> None:
+        """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
+        timeout = min(self.spec.averaging.request_timeout, 2.0)
+        partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
+        asked = time.monotonic()
+        answers = await self._invite(partners, epoch, timeout)
+        took = time.monotonic() - asked
+        silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
+        if silent and not _joiners(answers):
+            # nobody joined: before stepping alone, ask those who did not answer once more. A deadline
+            # that passed while this process was stopped or starved looks like a hung partner, and a
+            # partner that went on alone meanwhile must be seen (we resync from it) rather than
+            # matched by a second lone step at the same epoch (two replicas apart for good)
+            answers.update(await self._invite(silent, epoch, timeout))
+        joiners = _joiners(answers)
+        alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
+        for pid, a in answers.items():
+            if isinstance(a, BaseException):
+                self._unresponsive[pid] = partners[pid].updated  # hung or gone: not waited for again
+        if any(a.epoch > epoch for a in alive.values()) or (
+            not joiners and any(a.epoch != epoch for a in alive.values())
+        ):
+            # a live partner is at another step (one side of a round failed): never step apart from it.
+            # Ahead, we take its state now (and never average this step again with others: the round
+            # it stepped may have counted our gradients); behind, it catches up from us.
+            self.stepping, self.averaging_epoch = False, -1
+            self._retry_after = time.monotonic() + self.cfg.network.progress_period
+            # their answers are fresher than their DHT records
+            ahead = [partners[pid].model_copy(update={"epoch": a.epoch}) for pid, a in alive.items() if a.epoch > epoch]
+            if ahead:
+                await self._resync(ahead)
+            await self.publish(force=True)
+            return
+        late = not joiners and partners and took > 2 * timeout + 1.0
+        if late and self._late_rounds < MAX_LATE_ROUNDS:
+            # the invitations took far past their deadline: this process was stopped or starved, and
+            # the partners went on without it (maybe to this very step, alone). Stepping alone now
+            # could put two replicas at one step with different weights: look again at fresh
+            # records instead (the progress loop resyncs from a replica ahead, or we invite anew)
+            self._late_rounds += 1
+            self.stepping, self.averaging_epoch = False, -1
+            for pid in partners:  # this round's silence was ours, not theirs
+                self._unresponsive.pop(pid, None)
+            self._retry_after = time.monotonic() + self.cfg.network.progress_period
+            await self.refresh_peers()
+            await self.publish(force=True)
+            return
+        self._late_rounds = 0
+        if not joiners:
+            # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
+            # a partner that was only slow is then behind and catches up from us
+            await self._finish_step(self._step_alone())
+            return
+        # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
+        # instant can each take the other for its leader, and hivemind then fails the round
+        ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])
+        stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
+        expected = sorted([self.dht.peer_id, *joiners])
+        await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
+
+    async def _invite(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> dict:
+        """Each partner's answer to the invitation to the round for `epoch` (or the exception its call raised)."""
+        answers = await asyncio.gather(
+            *(
+                self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
+                for r in partners.values()
+            ),
+            return_exceptions=True,
+        )
+        return dict(zip(partners, answers, strict=True))
+
+    async def _averaged_step(self, expected: list[str], epoch: int, stagger: float):
+        """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
+        rt = self.runtime
+        started = time.perf_counter()
+        grads, samples, seq, incarnation = await self.run_torch(self._take)
+        self.samples_averaging = samples
+        # trainers must know what this round covers before it can succeed: if we die right after it,
+        # they ask the survivors whether we were in the group instead of replaying what it stepped
+        self.round_seq = seq
+        await self.publish(force=True)
+        await asyncio.sleep(stagger)
+        # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
+        admitted = {self.dht.peer_id, *self.peers} if self.dht.gate is not None else None
+        round_future = self.round_executor.submit(
+            self.averager.average, grads, samples, epoch, expected, admitted, (incarnation, seq)
+        )
+
+        def finish():
+            result = round_future.result()
+            if rt.incarnation != incarnation and not rt.local:
+                return samples, -1  # the accumulator was dropped meanwhile: trainers replay these samples
+            if result is None:
+                # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
+                rt.restore_round(grads, samples, seq)
+                return samples, 0
+            rt.apply_round(result.gradients, result.group_samples, seq, result.members, result.coverage)
+            return result.group_samples, result.group_size
+
+        def hold():
+            # keep the torch thread while the round is quick and step in the same job: requests queued
+            # meanwhile then run on the new weights. A slow round lets them go on after pause_limit
+            # (their gradients then count one step later), so a hung round never stalls the stage.
+            # Replicas sharing a torch thread (an expert host's) share one pause window.
+            limit, now = self.spec.averaging.pause_limit, time.monotonic()
+            if self.pause_window is not None:
+                if now >= self.pause_window[0]:
+                    self.pause_window[0] = now + limit
+                limit = max(0.0, self.pause_window[0] - now)
+            concurrent.futures.wait([round_future], timeout=limit)
+            return finish() if round_future.done() else None
+
+        try:
+            outcome = await self.run_torch(hold)
+            if outcome is None:
+                await asyncio.wrap_future(round_future)
+                outcome = await self.run_torch(finish)
+        finally:
+            self.samples_averaging = 0
+        group_samples, members = outcome
+        return group_samples, members, time.perf_counter() - started
+
+    def join_round(self, epoch: int) -> bool:
+        """A partner invites this replica to the round for `epoch`: True if it takes part."""
+        if self.leaving:
+            return False
+        if self.stepping:
+            if self.averaging_epoch == epoch:
+                return True  # already in this very round
+            if self.averaging_epoch >= 0 and self.averaging_epoch == epoch - 1:
+                self._pending_round = epoch  # applying the previous step: join as soon as it lands
+                return True
+            return False
+        if self.state != "serving" or epoch != self.runtime.epoch or self.averager is None:
+            return False
+        self.stepping = True
+        self.averaging_epoch = epoch
+        self._tasks.append(asyncio.create_task(self._round(epoch)))
+        return True

@@ -1,0 +1,353 @@
+"""gRPC handlers of the stage service: decode, check, run on the torch thread, encode.
+
+Bad input never takes the server down: it gets INVALID_ARGUMENT (malformed tensors, wrong
+shapes), FAILED_PRECONDITION (wrong run or stage) or RESOURCE_EXHAUSTED (too many requests, too
+large a message), each with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from peer.model.moe import ExpertsUnavailable
+from peer.model.part import BadGradient
+from peer.model.runtime import InputError, Late, RankDied
+from peer.net.refusal import Refused, refuse
+from peer.server.replica import Replica
+from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols.failures import Reason
+
+logger = logging.getLogger(__name__)
+
+
+class ServicerBase:
+    """What the stage and expert services share: limits, decoding, framing, Info/Round/GetState of a replica.
+
+    `owner` is the process's server (a StageServer or an ExpertHost): it counts `inflight`
+    requests and says when it is `leaving`.
+    """
+
+    SERVICE = ""  # the gRPC service name
+    FORWARD: tuple = ()  # (request, response) message types of Forward
+    BACKWARD: tuple = ()  # and of Backward
+
+    def __init__(self, owner, limits):
+        self.server = owner
+        self.limits = limits
+        self.block_size = owner.spec.compression.block_size  # int8 outputs: elements per scale
+
+    async def _forward(self, request, payloads: dict, deadline: float | None):
+        """(response, payloads) of a forward; the subclass's work."""
+        raise NotImplementedError
+
+    async def _backward(self, request, payloads: dict, deadline: float | None):
+        raise NotImplementedError
+
+    async def Forward(self, request, context):
+        return framing.inline(*await self._guarded(self._forward, request, {}, context))
+
+    async def Backward(self, request, context):
+        return framing.inline(*await self._guarded(self._backward, request, {}, context))
+
+    async def ForwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, self.FORWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
+            yield frame
+
+    async def BackwardStream(self, request_iterator, context):
+        request, payloads = await self._read_stream(request_iterator, self.BACKWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
+            yield frame
+
+    def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
+        """The replica a request names; Refused when this server does not hold it or is leaving."""
+        raise NotImplementedError
+
+    def _described(self, expert: str) -> Replica:
+        """The replica an Info request names (answered while leaving too)."""
+        raise NotImplementedError
+
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.server.run_id:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this server belongs to run {self.server.run_id!r}, not {run_id!r}",
+                Reason.WRONG_RUN,
+            )
+        if self.server.leaving:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "this server is leaving the swarm", Reason.LEAVING)
+
+    def _decode(self, message: tensor_pb2.Tensor, field: str, present: bool, payloads: dict):
+        if not present:
+            return None
+        try:
+            return codec.decode(message, max_elements=self.limits.max_tensor_elements, payload=payloads.get(field))
+        except codec.TensorDecodeError as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}") from None
+
+    async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
+        if self.server.inflight >= self.limits.max_concurrent_requests:
+            await refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {self.server.inflight} requests in flight (limit {self.limits.max_concurrent_requests})",
+            )
+        # what this request's tensors take once decoded (float32); the sum of those running is bounded
+        held = 4 * sum(max(0, math.prod(t.shape)) for _, t in framing.tensor_paths(request))
+        busy = self.server.inflight_bytes
+        if busy + held > self.limits.max_inflight_bytes:
+            await refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {busy + held} bytes of request tensors would be held "
+                f"(limit server.max_inflight_bytes = {self.limits.max_inflight_bytes})",
+            )
+        self.server.inflight_bytes = busy + held
+        self.server.inflight += 1
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        started, outcome = time.perf_counter(), "error"
+        try:
+            result = await handler(request, payloads, deadline)
+            outcome = "ok"
+            self._count_bytes(request, payloads, result)
+            return result
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        except InputError as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Late as e:
+            await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except RankDied as e:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, f"this server is stopping: {e}")
+        except ExpertsUnavailable as e:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, f"experts unavailable: {e}", Reason.EXPERTS_UNAVAILABLE)
+        except TimeoutError:
+            await refuse(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "experts unavailable: the expert calls ran out of time",
+                Reason.EXPERTS_UNAVAILABLE,
+            )
+        except BadGradient as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.server.inflight -= 1
+            self.server.inflight_bytes -= held
+            metrics = getattr(self.server, "metrics", None)
+            if metrics is not None:
+                metrics.request(handler.__name__.strip("_"), outcome == "ok", time.perf_counter() - started)
+
+    def _count_bytes(self, request, payloads: dict, result) -> None:
+        metrics = getattr(self.server, "metrics", None)
+        if metrics is None:
+            return
+        response, sent = result
+        received = request.ByteSize() + sum(len(p) for p in payloads.values())
+        metrics.bytes.labels("received", "activations").inc(received)
+        metrics.bytes.labels("sent", "activations").inc(response.ByteSize() + sum(len(p) for p in sent.values()))
+
+    async def _read_stream(self, request_iterator, message_type, context):
+        try:
+            return await framing.read(
+                request_iterator, message_type, self.limits.max_message_bytes, self.limits.max_tensor_elements
+            )
+        except framing.StreamTooLarge as e:
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), Reason.BAD_INPUT)  # too large to take
+        except (framing.FramingError, codec.TensorDecodeError) as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _frames(self, response, payloads):
+        return framing.frames(response, payloads, self.limits.chunk_bytes)
+
+    # ---- info and state -------------------------------------------------------------------
+    async def Info(self, request, context):
+        try:
+            replica = self._described(request.expert)
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        rt = replica.runtime
+        history = [
+            stage_pb2.StepFingerprint(
+                epoch=f.epoch,
+                samples=f.samples,
+                values=f.values,
+                members=f.members,
+                coverage=[
+                    stage_pb2.Coverage(peer_id=pid, incarnation=inc, seq=seq) for pid, (inc, seq) in f.coverage.items()
+                ],
+            )
+            for f in list(rt.history)
+        ]
+        return stage_pb2.InfoResponse(
+            run_id=replica.run_id,
+            stage=replica.stage,
+            peer_id=replica.dht.peer_id,
+            epoch=rt.epoch,
+            samples_accumulated=rt.samples_accumulated,
+            samples_stepped=rt.samples_stepped,
+            throughput=rt.throughput,
+            load=self.server.inflight,
+            history=history,
+            incarnation=rt.incarnation,
+            stepped_seq=rt.stepped_seq,
+            state=replica.record().state,
+            samples_averaging=replica.samples_averaging,
+        )
+
+    async def Round(self, request: stage_pb2.RoundRequest, context):
+        try:
+            replica = self._replica(request.run_id, request.stage, request.expert)
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        joining = replica.join_round(request.epoch)
+        return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
+
+    async def GetState(self, request_bytes: bytes, context):
+        try:
+            request = stage_pb2.StateRequest.FromString(request_bytes)
+        except DecodeError as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"not a StateRequest: {e}")
+        try:
+            replica = self._replica(request.run_id, request.stage, request.expert)
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        if self.server.inflight >= self.limits.max_concurrent_requests:
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
+        num_shards = max(request.num_shards, 1)
+        if request.shard >= num_shards:
+            await refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard {request.shard} does not exist: num_shards is {num_shards}",
+            )
+        self.server.inflight += 1
+        try:
+            try:
+                metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards)
+            except RankDied as e:
+                await refuse(context, grpc.StatusCode.UNAVAILABLE, f"this server is stopping: {e}")
+        finally:
+            self.server.inflight -= 1
+        if request.HasField("epoch") and metadata["epoch"] != request.epoch:
+            await refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this replica is at step {metadata['epoch']}, not at the requested step {request.epoch}",
+                Reason.STALE_EPOCH,
+            )
+        response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
+        for i, (name, tensor) in enumerate(tensors.items()):
+            header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)
+            response.tensors.add(name=name, tensor=header)
+        for frame in self._frames(response, payloads):
+            yield frame
+
+
+class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
+    SERVICE = "swarmtrain.Stage"
+    FORWARD = (stage_pb2.ForwardRequest, stage_pb2.ForwardResponse)
+    BACKWARD = (stage_pb2.BackwardRequest, stage_pb2.BackwardResponse)
+
+    def __init__(self, server: Replica):
+        """`server` is the process's StageServer (peer.server.stage), which imports this module."""
+        super().__init__(server, server.cfg.server)
+        self.runtime = server.runtime
+
+    def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
+        self._check_route(run_id, stage)
+        if expert:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "this is a stage server; it holds no experts")
+        return self.server
+
+    def _described(self, expert: str) -> Replica:
+        if expert:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "this is a stage server; it holds no experts")
+        return self.server
+
+    def _check_route(self, run_id: str, stage: int) -> None:
+        self._check_run(run_id)
+        if stage != self.server.stage:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION, f"this server serves stage {self.server.stage}, not stage {stage}"
+            )
+
+    # ---- forward / backward ---------------------------------------------------------------
+    def _routed_inputs(self, request, payloads: dict):
+        """Check a forward/backward request is for this run and stage; its decoded inputs."""
+        self._check_route(request.run_id, request.stage)
+        inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
+        if inputs is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
+        return inputs
+
+    async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None):
+        inputs = self._routed_inputs(request, payloads)
+        targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
+
+        def job():
+            if deadline is not None and time.monotonic() > deadline:
+                raise Late("the request's deadline passed while it waited")  # the caller went elsewhere
+            # the step read beside the forward (same thread): the weights the answer comes from
+            return self.runtime.forward(request.uid, inputs, targets, request.train), self.runtime.progress
+
+        result, epoch = await self.server.run_torch(job)
+        if targets is not None:
+            return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
+        header, payload = codec.encode_payload(result, request.output_codec, self.block_size)
+        return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
+
+    async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict, deadline: float | None):
+        inputs = self._routed_inputs(request, payloads)
+        grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
+        targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
+        grad_inputs, loss, epoch, seq, incarnation, stepped_seq = await self.server.backward(
+            request.uid, inputs, grad_outputs, targets, deadline
+        )
+        response = stage_pb2.BackwardResponse(epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq)
+        out = {}
+        if grad_inputs is not None:
+            header, out["grad_inputs"] = codec.encode_payload(grad_inputs, request.output_codec, self.block_size)
+            response.grad_inputs.CopyFrom(header)
+        if loss is not None:
+            response.has_loss, response.loss = True, loss
+        return response, out
+
+
+def parsed(handler, message_type):
+    """`handler` taking raw bytes: a request that does not parse gets INVALID_ARGUMENT naming the type
+    (gRPC's own deserializer would answer INTERNAL)."""
+
+    async def handle(raw: bytes, context):
+        try:
+            request = message_type.FromString(raw)
+        except DecodeError as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"not a {message_type.__name__}: {e}")
+        return await handler(request, context)
+
+    return handle
+
+
+def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
+    """Register a servicer's service: unary methods with protobuf messages, streams as raw framed bytes."""
+    forward_types, backward_types = servicer.FORWARD, servicer.BACKWARD
+    unary = {
+        "Forward": (servicer.Forward, *forward_types),
+        "Backward": (servicer.Backward, *backward_types),
+        "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
+        "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(parsed(fn, req), response_serializer=resp.SerializeToString)
+        for name, (fn, req, resp) in unary.items()
+    }
+    handlers["ForwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.ForwardStream)
+    handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
+    handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(servicer.SERVICE, handlers),))

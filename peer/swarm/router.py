@@ -1,0 +1,251 @@
+"""The trainer's view of the servers: who serves each stage, how fast they answer, who is banned or gone.
+
+Deadlines come from what a call should cost: the latency this trainer measured for the same kind
+of call to the same server (or, before any, the server's announced throughput and load), times a
+margin, plus a floor. A hung server therefore costs about a second, not a fixed minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from dht import keys
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from peer.config import ExpertsConfig, TrainerConfig
+
+LATENCY_DECAY = 0.8  # weight of the past in a server's latency average
+UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, at the least
+
+
+@dataclass
+class _Health:
+    failures: int = 0  # failures in a row
+    banned_until: float = 0.0  # time.monotonic()
+
+
+class NoServer(RuntimeError):
+    """No live, unbanned server for a stage."""
+
+
+class Router:
+    """Routes to the replicas of each slot: the stages (for a trainer) or, with `experts`, those experts (for a stage).
+
+    `cfg` has the deadline and ban settings (TrainerConfig or ExpertsConfig).
+    """
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        run_id: str,
+        num_stages: int,
+        cfg: TrainerConfig | ExpertsConfig,
+        record_ttl: float,
+        experts: list[str] | None = None,
+    ):
+        self.dht, self.run_id, self.cfg, self.record_ttl = dht, run_id, cfg, record_ttl
+        if experts is None:
+            self.slots = [(keys.servers_key(run_id, s), s, "") for s in range(num_stages)]
+        else:
+            self.slots = [(keys.expert_key(run_id, uid), None, uid) for uid in experts]
+        self.num_stages = len(self.slots)
+        self.servers: list[dict[str, ServerRecord]] = [{} for _ in self.slots]  # routable now
+        self.present: set[str] = set()  # peers whose record the last refresh found
+        self.last: dict[tuple[str, int], ServerRecord] = {}  # newest record seen of each (peer, incarnation)
+        self.latest: dict[str, ServerRecord] = {}  # newest record seen of each peer
+        self.health: dict[str, _Health] = {}
+        self.endpoints: dict[str, str] = {}  # peer -> endpoint its record named at the last refresh
+        self.latency: dict[tuple[str, str], float] = {}  # (peer, kind of call) -> average seconds
+        self.dead: set[str] = set()  # refused connections: the process is gone
+        self.dead_since: dict[str, float] = {}  # when each was marked dead (time.time())
+        self.leaving: set[str] = set()  # said so in an answer, before its record did
+        self.distrusted: set[str] = set()  # caught answering wrong (peer.trainer.spotcheck): never routed to again
+        self.incarnation: dict[str, int] = {}  # the incarnation a peer last answered with
+        self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
+        self.rng = random.Random()
+        self.max_epoch = 0
+
+    # ---- the server list ------------------------------------------------------------------
+    async def refresh(self) -> None:
+        present, endpoints = set(), {}
+        found = await asyncio.gather(*(self.dht.aget(key, ServerRecord) for key, _, _ in self.slots))
+        for slot, ((_, stage, expert), records) in enumerate(zip(self.slots, found, strict=True)):
+            records = {
+                pid: r for pid, r in records.items() if r.expert == expert and (stage is None or r.stage == stage)
+            }
+            for pid, r in records.items():
+                endpoints[pid] = r.endpoint
+                if self.endpoints.get(pid, r.endpoint) != r.endpoint and pid in self.health:
+                    del self.health[pid]  # it moved (to another relay): a ban of its old address does not hold
+                if not expert:  # receipts and incarnations are the trainer's, for stages
+                    self.note(pid, r)
+                elif (pid in self.dead or pid in self.leaving) and r.started > self.dead_since.get(pid, 0.0):
+                    self.dead.discard(pid)  # the host restarted (same key, a new process) after it was marked
+                    self.leaving.discard(pid)
+                present.add(pid)
+            self.servers[slot] = {
+                pid: r
+                for pid, r in records.items()
+                if r.state == "serving"
+                and pid not in self.dead
+                and pid not in self.leaving
+                and pid not in self.distrusted
+            }
+            for r in self.servers[slot].values():
+                self.max_epoch = max(self.max_epoch, r.step, r.epoch)
+        self.present, self.endpoints = present, endpoints
+        self._forget_old()
+
+    def note(self, pid: str, record: ServerRecord) -> None:
+        """Remember a record (from the DHT or an Info answer) if it is newer than what we have."""
+        old = self.latest.get(pid)
+        if old is not None and old.updated > record.updated:
+            return
+        if old is not None and old.incarnation != record.incarnation:
+            self.dead.discard(pid)  # a new incarnation answers again
+            self.leaving.discard(pid)
+        self.latest[pid] = record
+        self.last[(pid, record.incarnation)] = record
+
+    def _forget_old(self, keep: float = 600.0) -> None:
+        horizon = time.time() - keep
+        for key in [k for k, r in self.last.items() if r.updated < horizon]:
+            del self.last[key]
+        for pid in [p for p, r in self.latest.items() if r.updated < horizon]:
+            del self.latest[pid]
+
+    def gone(self, pid: str, incarnation: int, since: float) -> bool:
+        """Whether `pid`'s `incarnation` will never step again: it left, died, or dropped its accumulator.
+
+        An absent record counts only once it must have expired (with a second to spare), both from
+        its own time and from `since` (when the trainer last heard from that incarnation): a server
+        drops its accumulator when its record expires, and a DHT read can miss a live record.
+        """
+        if pid in self.dead:
+            return True
+        current = self.current_incarnation(pid)
+        if current is not None and current != incarnation:
+            return True
+        mine = self.last.get((pid, incarnation))
+        if mine is not None and mine.state == "left":
+            return True
+        if pid in self.present:
+            return False
+        heard = max(since, mine.updated if mine is not None else 0.0)
+        return time.time() > heard + self.record_ttl + 1.0
+
+    # ---- choosing -------------------------------------------------------------------------
+    def weight(self, peer_id: str, record: ServerRecord, kind: str) -> float:
+        latency = self.latency.get((peer_id, kind), 0.0)
+        latency_factor = 1.0 / (1.0 + latency * max(record.throughput, 1e-3))  # slow answers count against
+        return max(record.throughput, 1e-3) / (1.0 + record.load) * latency_factor
+
+    def choose(
+        self, stage: int, exclude: set[str] = frozenset(), prefer: str | None = None, kind: str = ""
+    ) -> tuple[str, ServerRecord]:
+        """Pick a server of `stage` at random, weighted by throughput and measured latency; skip banned ones."""
+        now = time.monotonic()
+        candidates = [
+            (pid, r)
+            for pid, r in self.servers[stage].items()
+            if pid not in exclude and self.health.get(pid, _Health()).banned_until <= now
+        ]
+        if not candidates:
+            raise NoServer(f"no live server for stage {stage}")
+        for pid, r in candidates:
+            if pid == prefer:
+                return pid, r
+        weights = [self.weight(pid, r, kind) for pid, r in candidates]
+        return self.rng.choices(candidates, weights=weights, k=1)[0]
+
+    def deadline(
+        self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float, nbytes: int = 0
+    ) -> float:
+        """Seconds to allow a call: its expected time (measured, else estimated) times a margin, plus a floor.
+
+        `work` is the call's share of a forward+backward (a forward is about 1/3). Before a
+        measurement, the estimate also allows the call's `nbytes` (both ways) to cross a link of
+        `min_link_mbit`: on a thin home link, moving the tensors takes longer than computing them.
+        """
+        expected = self.latency.get((peer_id, kind))
+        if expected is None:
+            estimate = samples * work / max(record.throughput, 1e-3) * (1.0 + record.load)
+            expected = max(estimate, UNMEASURED) + nbytes * 8 / (self.cfg.min_link_mbit * 1e6)
+        return min(self.cfg.request_timeout, self.cfg.deadline_floor + self.cfg.deadline_margin * expected)
+
+    # ---- outcomes -------------------------------------------------------------------------
+    def report_success(self, peer_id: str, kind: str, seconds: float) -> None:
+        key = (peer_id, kind)
+        old = self.latency.get(key)
+        self.latency[key] = seconds if old is None else LATENCY_DECAY * old + (1 - LATENCY_DECAY) * seconds
+        health = self.health.setdefault(peer_id, _Health())
+        health.failures = 0  # forgiven: it answers again
+        health.banned_until = 0.0
+
+    def banned_endpoints(self, limit: int = 16) -> list[str]:
+        """Endpoints of the servers banned right now (at most `limit`), for the trainer's announcement."""
+        now = time.monotonic()
+        banned = [pid for pid, h in self.health.items() if h.banned_until > now]
+        return sorted({self.latest[pid].endpoint for pid in banned if pid in self.latest})[:limit]
+
+    def report_failure(self, peer_id: str, escalate_while_banned: bool = True) -> float:
+        """Ban a failing server, for longer each time it fails in a row; returns the ban length.
+
+        With `escalate_while_banned` False, failures of calls that ran at the same time as the
+        one that banned it (an expert host's parallel calls) do not lengthen the ban.
+        """
+        health = self.health.setdefault(peer_id, _Health())
+        if not escalate_while_banned and health.banned_until > time.monotonic():
+            return health.banned_until - time.monotonic()
+        health.failures += 1
+        ban = min(self.cfg.ban_time * (2 ** min(health.failures - 1, 16)), self.cfg.max_ban)
+        health.banned_until = time.monotonic() + ban
+        return ban
+
+    def current_incarnation(self, pid: str) -> int | None:
+        """The newest incarnation its records and answers name: the largest (a server's grow, peer.model.part).
+
+        A server that dropped its accumulator answers with its new incarnation at once, while its
+        record in the DHT may still name the old one for a while (its announcements were stuck):
+        going by either alone would take the live incarnation for gone, and replay forever.
+        """
+        record, answer = self.latest.get(pid), self.incarnation.get(pid)
+        known = [i for i in (record.incarnation if record is not None else None, answer) if i]
+        return max(known) if known else None
+
+    def report_answer(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
+        """A server answered with its incarnation and how many of its additions are stepped."""
+        self.incarnation[peer_id] = max(incarnation, self.incarnation.get(peer_id, 0))
+        key = (peer_id, incarnation)
+        self.answered[key] = max(self.answered.get(key, 0), stepped_seq)
+        self.dead.discard(peer_id)
+
+    def report_dead(self, peer_id: str) -> None:
+        """Its port refuses connections: the process is gone, with what it had accumulated.
+
+        Not so for a peer served through a relay (its record names one): there the refusal says
+        only that the relay is gone; the peer moves to another relay and announces it.
+        """
+        record = self.latest.get(peer_id) or next((s[peer_id] for s in self.servers if peer_id in s), None)
+        if record is not None and record.relay:
+            return
+        self.dead.add(peer_id)
+        self.dead_since[peer_id] = time.time()
+        self._unroute(peer_id)
+
+    def report_leaving(self, peer_id: str) -> None:
+        self.leaving.add(peer_id)
+        self.dead_since[peer_id] = time.time()
+        self._unroute(peer_id)
+
+    def distrust(self, peer_id: str) -> None:
+        """It answered wrong: never route to it again (in this process)."""
+        self.distrusted.add(peer_id)
+        self._unroute(peer_id)
+
+    def _unroute(self, peer_id: str) -> None:
+        for servers in self.servers:
+            servers.pop(peer_id, None)

@@ -1,0 +1,210 @@
+"""A trainer's calls with rerouting: each forward or backward goes to one live replica of the stage, with a
+deadline from what it should cost there; a failed try bans that server and goes to another replica.
+
+Calls is a piece of peer.trainer.trainer.Trainer, on the trainer's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from peer.net.client import gone_after
+from peer.swarm.router import NoServer
+from peer.trainer.ledger import Receipt
+from protocols import codec, framing, tensor_pb2
+from protocols.failures import Reason, reason_of
+
+logger = logging.getLogger(__name__)
+# our own fault, not the server's: a malformed request, or this trainer's credential refused (revoked)
+_CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+WORK = {"forward": 1 / 3, "backward": 1.0}  # share of a forward+backward (a backward recomputes on a cache miss)
+
+
+class MicroBatchFailed(RuntimeError):
+    """A micro-batch could not pass a stage on any replica within the retries."""
+
+
+class BadAnswer(RuntimeError):
+    """A server answered with a tensor that cannot be right (wrong shape, NaN or Inf)."""
+
+
+class Calls:
+    """Forwards and backwards on the stages' replicas (Trainer inherits it)."""
+
+    # ---- calls with rerouting -------------------------------------------------------------
+    async def _wait_for_server(self, stage: int, pause: float) -> None:
+        """Every server of `stage` is banned or gone: say so (which stage, since when), wait, look again."""
+        if not self.router.servers[stage]:
+            since = self._no_server_since.setdefault(stage, time.time())
+            if self.tcfg.no_server_wait and time.time() - since > self.tcfg.no_server_wait:
+                raise MicroBatchFailed(f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s")
+            if time.monotonic() - self._said_unserved.get(stage, 0.0) > 5.0:
+                self._said_unserved[stage] = time.monotonic()
+                logger.warning(
+                    "stage %d has no live server since %s (%.0f s); waiting for one to come back",
+                    stage,
+                    time.strftime("%H:%M:%S", time.localtime(since)),
+                    time.time() - since,
+                )
+        await asyncio.sleep(pause)
+        with contextlib.suppress(Exception):
+            await self.router.refresh()
+
+    async def _call(
+        self,
+        stage: int,
+        method: str,
+        request,
+        payloads: dict | None = None,
+        prefer: str | None = None,
+        exclude: set[str] | None = None,
+    ):
+        """One forward or backward on some replica of `stage`; returns (response, payloads, peer id).
+
+        Forwards give up after max_retries failures; backwards never do (a later stage has counted
+        the micro-batch already), they wait for a replica instead.
+        """
+        avoid = set(exclude or ())
+        tried: set[str] = set()
+        attempts, pause = 0, 0.25
+        samples = request.inputs.shape[0] if request.inputs.shape else 1
+        kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
+        sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
+        moved = self._call_bytes(stage, method, request, sent)
+        while True:
+            try:
+                pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
+            except NoServer:
+                await self._wait_for_server(stage, pause)
+                pause, tried = min(pause * 2, 5.0), set()
+                continue
+            if stage in self._no_server_since:
+                since = self._no_server_since.pop(stage)
+                logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
+            timeout = self.router.deadline(pid, record, kind, samples, WORK[method], moved)
+            started = time.monotonic()
+            self._count_bytes("sent", sent)
+            answer, reason, blame = await self._attempt(stage, method, request, payloads, pid, record, timeout, kind)
+            if answer is not None:
+                return answer
+            if await self._failed(stage, method, pid, record.endpoint, started, reason, blame):
+                tried.add(pid)
+            attempts += 1
+            if method == "forward" and attempts >= self.tcfg.max_retries:
+                raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
+        """One try on one server: ((response, payloads, pid), "", _) on success, else (None, reason, blame):
+        blame is False when the failure is not the server's own (its MoE layer's experts did not answer)."""
+        started = time.monotonic()
+        try:
+            call = self.client.forward if method == "forward" else self.client.backward
+            response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
+            self._count_bytes("received", response.ByteSize() + sum(len(p) for p in returned.values()))
+            self._check_answer(stage, method, request, response, returned)
+            self.router.report_success(pid, kind, time.monotonic() - started)
+            if method == "backward":
+                self.router.report_answer(pid, response.incarnation, response.stepped_seq)
+            self._write_call(stage, method, pid, record.endpoint, started, None)
+            return (response, returned, pid), "", True
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _CALLER_FAULTS:
+                raise MicroBatchFailed(f"stage {stage} refused our {method}: {e.code().name}: {e.details()}") from None
+            reason, blame = reason_of(e), True
+            if reason == Reason.LEAVING:
+                self.router.report_leaving(pid)
+            elif reason == Reason.EXPERTS_UNAVAILABLE:
+                blame = False  # every replica of the stage would fail alike: wait for the experts instead
+            elif reason is None and await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
+                self.router.report_dead(pid)
+            return None, f"{e.code().name}: {e.details()}", blame
+        except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
+            return None, str(e), True
+
+    async def _failed(
+        self, stage: int, method: str, pid: str, endpoint: str, started: float, reason: str, blame: bool
+    ) -> bool:
+        """Account a failed try: ban the server when it is to blame (True), else wait a ban's time."""
+        if blame:
+            ban = self.router.report_failure(pid)
+            self.summary.bans += 1 if ban > 0 else 0
+            if self.metrics is not None and ban > 0:
+                self.metrics.bans.inc()
+        else:
+            ban = 0.0
+            await asyncio.sleep(self.tcfg.ban_time)
+        self.summary.failed_calls += 1
+        self._write_call(stage, method, pid, endpoint, started, reason)
+        logger.warning(
+            "stage %d %s on %s failed after %.1f s (%s); banned %.0f s, trying another replica",
+            stage,
+            method,
+            endpoint,
+            time.monotonic() - started,
+            reason,
+            ban,
+        )
+        return blame
+
+    def _count_bytes(self, direction: str, n: int) -> None:
+        if direction == "sent":
+            self.summary.bytes_sent += n
+        else:
+            self.summary.bytes_received += n
+        if self.metrics is not None:
+            self.metrics.bytes.labels(direction, "activations").inc(n)
+
+    def _write_call(self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None):
+        if self.metrics is not None:
+            self.metrics.calls.labels(method, "ok" if error is None else "error").inc()
+            self.metrics.call_seconds.labels(method).observe(time.monotonic() - started)
+        if self.tcfg.log_calls or error is not None:
+            entry = {"type": "call", "stage": stage, "method": method, "peer": pid, "endpoint": endpoint}
+            entry.update(time=time.time(), seconds=time.monotonic() - started)
+            if error is not None:
+                entry["error"] = error
+            self._write(entry)
+
+    async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None):
+        """A backward, with its receipt kept until the server steps it."""
+        response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude)
+        samples = request.inputs.shape[0] if request.inputs.shape else 1
+        self.ledger.add(
+            Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, time.time())
+        )
+        self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
+        return response, returned
+
+    def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
+        """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""
+        returns = (method == "forward" and stage < self.num_stages - 1) or (method == "backward" and stage > 0)
+        if not returns or not request.inputs.shape:
+            return sent
+        rows = math.prod(request.inputs.shape[:2])
+        per_element = {tensor_pb2.NONE: 4, tensor_pb2.FP16: 2, tensor_pb2.BF16: 2, tensor_pb2.INT8: 1}[self.codec]
+        return sent + rows * self.spec.model.hidden_size * per_element
+
+    def _check_answer(self, stage: int, method: str, request, response, payloads: dict) -> None:
+        last = stage == self.num_stages - 1
+        if (last and request.HasField("targets")) and not (response.has_loss and math.isfinite(response.loss)):
+            raise BadAnswer(f"stage {stage} returned no finite loss")
+        expected_shape = list(request.inputs.shape)[:2] + [self.spec.model.hidden_size]
+        if method == "forward" and not request.HasField("targets"):
+            tensor = codec.decode(response.outputs, self.cfg.server.max_tensor_elements, payloads.get("outputs"))
+        elif method == "backward" and stage > 0:
+            tensor = codec.decode(
+                response.grad_inputs, self.cfg.server.max_tensor_elements, payloads.get("grad_inputs")
+            )
+        else:
+            return
+        if list(tensor.shape) != expected_shape or not torch.isfinite(tensor).all():
+            raise BadAnswer(
+                f"stage {stage} returned a {method} tensor of shape {list(tensor.shape)} that is wrong or not finite"
+            )

@@ -1,0 +1,98 @@
+"""A trainer's receipts for backwards that servers accumulated but have not stepped yet.
+
+A server that dies takes its accumulator with it. So the trainer keeps each backward it sent
+(the stage's inputs and output gradients, enough for any replica to recompute it) until the
+server says the addition is in a finished optimizer step (`stepped_seq`), and replays it on
+another replica if the server goes away first. Where the server was in an averaging round when it
+went away, the survivors' step records say how far the round counted its accumulator (each
+member's additions up to a seq); only what it did not count is replayed. Every sample is thus
+counted once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from peer.swarm.router import Router
+from protocols import stage_pb2
+
+STALE_ROUND = 2.0  # s after which a server's announced round is looked up in its partners' step records
+
+
+@dataclass(eq=False)
+class Receipt:
+    stage: int
+    peer_id: str
+    incarnation: int
+    seq: int
+    request: stage_pb2.BackwardRequest  # what to send again on a replay
+    payloads: dict
+    samples: int
+    heard: float  # time.time() the server answered
+    nbytes: int = 0  # memory it holds, counted once when the ledger takes it
+
+
+@dataclass
+class Check:
+    """A receipt whose server went away during a round: did the round's step `epoch` count it?
+
+    The survivors' step says how far it counted the server's accumulator (its additions up to a
+    seq): a receipt up to there is settled, one past it is replayed."""
+
+    receipt: Receipt
+    epoch: int  # the step the round made, if it succeeded
+    decisive: bool  # the server is gone: "not in the group" means replay (else it only may settle early)
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.receipts: list[Receipt] = []
+        self.nbytes = 0  # memory the kept requests hold
+
+    def __len__(self) -> int:
+        return len(self.receipts)
+
+    def add(self, receipt: Receipt) -> None:
+        receipt.nbytes = receipt.request.ByteSize() + sum(len(memoryview(p)) for p in receipt.payloads.values())
+        self.receipts.append(receipt)
+        self.nbytes += receipt.nbytes
+
+    def confirm(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
+        """A server said its additions up to `stepped_seq` are stepped: those receipts are done."""
+        kept = [
+            r
+            for r in self.receipts
+            if not (r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq)
+        ]
+        if len(kept) != len(self.receipts):
+            self.nbytes = sum(r.nbytes for r in kept)
+        self.receipts = kept
+
+    def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
+        """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors)."""
+        replay, check = [], []
+        for (peer_id, incarnation), record in list(router.last.items()):
+            self.confirm(peer_id, incarnation, record.stepped_seq)
+        for (peer_id, incarnation), stepped_seq in list(router.answered.items()):
+            self.confirm(peer_id, incarnation, stepped_seq)
+        now = time.time()
+        for r in self.receipts:
+            last = router.last.get((r.peer_id, r.incarnation))
+            in_round = last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq
+            if not router.gone(r.peer_id, r.incarnation, r.heard):
+                if in_round and now - last.updated > STALE_ROUND:
+                    # its round went quiet: if the survivors' step has it in the group, that settles it now,
+                    # while their step records still reach back that far
+                    check.append(Check(r, last.averaging_epoch + 1, decisive=False))
+                continue
+            if in_round:
+                check.append(Check(r, last.averaging_epoch + 1, decisive=True))
+            else:
+                replay.append(r)
+        return replay, check
+
+    def remove(self, receipt: Receipt) -> None:
+        if receipt in self.receipts:
+            self.receipts.remove(receipt)
+            self.nbytes -= receipt.nbytes

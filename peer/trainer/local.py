@@ -1,0 +1,71 @@
+"""The plain single-process training loop: the reference the swarm must match and the baseline it is timed against."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.config import RunSpec
+from peer.data.corpus import Corpus, Sampler, validation_batches
+from peer.model.llama import StageModel
+from peer.model.optim import build_optimizer, set_lr
+
+
+@dataclass
+class LocalResult:
+    micro_batch_losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    samples: int = 0
+    seconds: float = 0.0
+
+
+@torch.no_grad()
+def evaluate(model: StageModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    losses = [model(x, y).item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_local(
+    spec: RunSpec,
+    corpus: Corpus,
+    steps: int,
+    seed: int = 0,
+    eval_every: int = 0,
+    eval_batches: int = 4,
+    on_step: Callable[[int, float], None] | None = None,
+) -> LocalResult:
+    """Train the whole model for `steps` optimizer steps of target_batch_size samples, as the swarm would.
+
+    Micro-batches come from Sampler(seed) in the same order a trainer with that seed sends them.
+    """
+    t = spec.training
+    model = StageModel(spec)
+    optimizer = build_optimizer(model.parameters(), t)
+    sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed)
+    per_step = -(-t.target_batch_size // t.micro_batch_size)  # micro-batches per optimizer step
+    val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches) if eval_every else []
+    result = LocalResult()
+    started = time.perf_counter()
+    for step in range(steps):
+        set_lr(optimizer, step, t)
+        for _ in range(per_step):
+            inputs, targets = sampler.next()
+            loss = model(inputs, targets)
+            aux = model.aux_loss()  # MoE load balancing, part of the objective but not of the reported loss
+            objective = loss if aux is None else loss + aux
+            (objective * inputs.shape[0] / (per_step * t.micro_batch_size)).backward()
+            result.micro_batch_losses.append(loss.item())
+            result.samples += inputs.shape[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step, result.micro_batch_losses[-1])
+        if eval_every and (step + 1) % eval_every == 0:
+            result.val_losses.append((step + 1, evaluate(model, val)))
+    result.seconds = time.perf_counter() - started
+    return result

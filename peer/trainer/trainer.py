@@ -1,0 +1,220 @@
+"""A trainer: routes micro-batches of its data through the stages, forward then backward.
+
+Each call goes to one live server of the stage, chosen at random by throughput and latency, with
+a deadline from what the call should cost there. A call that fails, times out or returns a bad
+tensor bans that server for a while (longer each time in a row) and goes to another replica of
+the same stage; backward is stateless (it carries the stage's inputs), so any replica can serve
+it. Backwards never give up, and each is kept (peer.trainer.ledger) until its server has stepped it, to be
+replayed elsewhere if that server goes away first: every sample is counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dht.node import SwarmDHT
+from peer.config import PeerConfig, RunSpec
+from peer.data.corpus import Corpus, Sampler, validation_batches
+from peer.net.client import StageClient
+from peer.swarm.router import Router
+from peer.trainer.calls import Calls
+from peer.trainer.ledger import Ledger
+from peer.trainer.reporting import Reporting
+from peer.trainer.settling import Settling
+from peer.trainer.spotcheck import SpotChecker
+from protocols import codec, stage_pb2, tensor_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerSummary:
+    samples: int = 0
+    micro_batches: int = 0
+    failed_micro_batches: int = 0
+    failed_calls: int = 0  # calls that failed and went to another replica
+    replayed: int = 0  # backwards replayed because their server went away before stepping them
+    bans: int = 0  # servers banned after a failed call
+    bytes_sent: int = 0  # bytes of the calls' requests
+    bytes_received: int = 0  # bytes of the answers
+    epoch: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Trainer(Calls, Settling, Reporting):
+    """A trainer's loop: micro-batches through the stages, a few at a time, until the run's last step."""
+
+    def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, corpus: Corpus):
+        self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
+        t = spec.training
+        self.num_stages = spec.stages.num_stages
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
+        self.ledger = Ledger()
+        self.client = StageClient.for_server(cfg.server, dht.security)
+        seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
+        self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
+        self.val = (
+            validation_batches(corpus, t.seq_len, t.micro_batch_size, self.tcfg.eval_batches)
+            if self.tcfg.eval_every
+            else []
+        )
+        self.codec = codec.codec_from_name(spec.compression.activations)
+        self.summary = TrainerSummary()
+        self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them
+        self.progress = None  # peer.trainer.progress.TrainerProgress: a bar on a terminal, else lines or nothing
+        self.recent: collections.deque[tuple[float, int, float]] = collections.deque(
+            maxlen=256
+        )  # (time, samples, loss)
+        self.started = time.time()
+        self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
+        self._last_eval_epoch = 0
+        self._last_progress = 0.0
+        self._no_server_since: dict[int, float] = {}  # stage -> time.time() it was first found unserved
+        self._said_unserved: dict[int, float] = {}
+        self._settling = asyncio.Lock()  # one settle pass at a time: a receipt is replayed once
+        self._settle_task: asyncio.Task | None = None
+        self.stopping = False
+        self.spot = SpotChecker(self)
+
+    # ---- one micro-batch ------------------------------------------------------------------
+    async def _micro_batch(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{index}", self.num_stages
+        # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
+        stage_inputs: list[tuple[tensor_pb2.Tensor, object]] = [(codec.encode(inputs.to(torch.int32)), None)]
+        servers: list[str] = []
+        epoch = 0
+        for stage in range(n - 1):
+            request = stage_pb2.ForwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec, train=True)
+            request, payloads = _with(request, "inputs", *stage_inputs[-1])
+            response, returned, pid = await self._call(stage, "forward", request, payloads)
+            self.spot.maybe_check(index, stage, request, payloads, response, returned, pid)
+            stage_inputs.append((response.outputs, returned.get("outputs")))
+            servers.append(pid)
+            epoch = max(epoch, response.epoch)
+        request = stage_pb2.BackwardRequest(
+            run_id=run, stage=n - 1, uid=uid, targets=codec.encode(targets.to(torch.int32)), output_codec=self.codec
+        )
+        response, returned = await self._backward(n - 1, *_with(request, "inputs", *stage_inputs[-1]))
+        loss, epoch = response.loss, max(epoch, response.epoch)
+        grad = (response.grad_inputs, returned.get("grad_inputs"))
+        for stage in reversed(range(n - 1)):
+            request = stage_pb2.BackwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec)
+            request, payloads = _with(request, "inputs", *stage_inputs[stage])
+            request, payloads = _with(request, "grad_outputs", *grad, payloads)
+            response, returned = await self._backward(stage, request, payloads, prefer=servers[stage])
+            grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
+        return loss, epoch
+
+    async def evaluate(self) -> float:
+        """Mean loss over the fixed held-out micro-batches, forward only."""
+        losses = []
+        for inputs, targets in self.val:
+            received = (codec.encode(inputs.to(torch.int32)), None)
+            for stage in range(self.num_stages):
+                request = stage_pb2.ForwardRequest(run_id=self.spec.name, stage=stage, output_codec=self.codec)
+                if stage == self.num_stages - 1:
+                    request.targets.CopyFrom(codec.encode(targets.to(torch.int32)))
+                response, returned, _ = await self._call(stage, "forward", *_with(request, "inputs", *received))
+                received = (response.outputs, returned.get("outputs"))
+            losses.append(response.loss)
+        return sum(losses) / len(losses)
+
+    def request_stop(self) -> None:
+        """Start no more micro-batches; finish those under way and settle their receipts, then return."""
+        self.stopping = True
+
+    def _done(self, index: int) -> bool:
+        if self.stopping:
+            return True
+        if self.tcfg.max_micro_batches and index >= self.tcfg.max_micro_batches:
+            return True
+        return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
+
+    async def run(self) -> TrainerSummary:
+        await self.router.refresh()
+        refresher = asyncio.create_task(self._refresh_loop())
+        inflight: set[asyncio.Task] = set()
+        index = 0
+        try:
+            while True:
+                while (
+                    len(inflight) < max(1, self.tcfg.max_inflight)
+                    and self.ledger.nbytes < self.tcfg.max_receipt_mb * 2**20
+                    and not self._done(index)
+                ):
+                    inputs, targets = self.sampler.next()
+                    task = asyncio.create_task(self._micro_batch(index, inputs, targets))
+                    task.index, task.samples = index, inputs.shape[0]
+                    inflight.add(task)
+                    index += 1
+                if not inflight:
+                    if self._done(index):
+                        break
+                    await asyncio.sleep(0.2)  # too many unstepped backwards: wait for the servers to step
+                    continue
+                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: t.index):
+                    self._finished(task)
+                await self._maybe_evaluate()
+                self._maybe_progress()
+            if self.tcfg.eval_every and not self.stopping:
+                await self._evaluate_and_log(force=True)
+            refresher.cancel()
+            if self._settle_task is not None:
+                await self._settle_task
+            await self.drain()
+        finally:
+            refresher.cancel()
+            if self._settle_task is not None:
+                self._settle_task.cancel()
+            for task in inflight:
+                task.cancel()
+            self.summary.seconds = time.time() - self.started
+            for task in list(self.spot.running):
+                task.cancel()
+            await self._announce()
+            await self.client.close()
+            if self._log:
+                self._log.close()
+        return self.summary
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.exception() is not None:
+            self.summary.failed_micro_batches += 1
+            logger.error("micro-batch %d given up: %s", task.index, task.exception())
+            self._write({"type": "failed", "index": task.index, "error": str(task.exception())})
+            return
+        loss, epoch = task.result()
+        s = self.summary
+        s.samples += task.samples
+        s.micro_batches += 1
+        s.epoch = max(s.epoch, epoch)
+        s.losses.append(loss)
+        self.recent.append((time.monotonic(), task.samples, loss))
+        self._write(
+            {
+                "type": "micro_batch",
+                "index": task.index,
+                "loss": loss,
+                "samples": task.samples,
+                "epoch": epoch,
+                "time": time.time(),
+            }
+        )
+
+
+def _with(request, field: str, header: tensor_pb2.Tensor, payload, payloads: dict | None = None):
+    """Set a Tensor field of `request` from a received (header, payload) pair; returns (request, payloads)."""
+    payloads = dict(payloads or {})
+    getattr(request, field).CopyFrom(header)
+    if payload is not None:
+        payloads[field] = payload
+    return request, payloads
