@@ -45,7 +45,7 @@ from peer.process.lifetime import die_with_parent, start_reaper  # noqa: E402
 
 BATCH = 256
 # the sizes of a run, and of a --quick one; a flag given on the command line overrides both
-FULL = {"hidden": "1024,4096", "repeats": 9, "callers": 8, "seconds": 10.0}
+FULL = {"hidden": "1024,4096", "repeats": 5, "callers": 8, "seconds": 8.0}
 QUICK = {"hidden": "256", "repeats": 3, "callers": 4, "seconds": 2.0}
 
 

@@ -240,7 +240,11 @@ def _follow(watch: Watch, period: float) -> None:
         os.close(pidfd)
 
 
-def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=lambda line: None) -> None:
+def _quiet(line: str) -> None:
+    """The logger of a reaper that logs nothing."""
+
+
+def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=_quiet) -> None:
     """The reaper's life: follow the peer until it exits, then end and remove what it left.
 
     The sockets it knows go even if ending the processes fails; `log` hears each step (diagnostics)."""
@@ -254,7 +258,8 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=lambda
             if leftovers:
                 _end(_handles(leftovers, watch), grace)
         stale = stale_sockets(watch.started)
-        log(f"stale sockets {sorted(stale)}; still bound {sorted(_bound_elsewhere(watch.started))}")
+        if log is not _quiet:  # finding the bound ones reads /proc/net/unix: only when someone listens
+            log(f"stale sockets {sorted(stale)}; still bound {sorted(_bound_elsewhere(watch.started))}")
     finally:
         for path in watch.sockets | set(stale):
             with contextlib.suppress(OSError):
@@ -278,7 +283,7 @@ def _log_to(peer: int):
     """A line logger for the reaper of `peer`: to reaper-<peer>.log under LOG_DIR_ENV, or nowhere."""
     where = os.environ.get(LOG_DIR_ENV)
     if not where:
-        return lambda line: None
+        return _quiet
 
     def log(line: str) -> None:
         with contextlib.suppress(OSError), open(os.path.join(where, f"reaper-{peer}.log"), "a") as f:
