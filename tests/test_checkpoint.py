@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes (a killed writer leaves nothing that loads), checksums, export to plain PyTorch."""
+"""Checkpoints: atomic writes (a killed writer leaves nothing that loads), checksums, export to a model directory."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peer.config import RunSpec
 from peer.coordinator import checkpoint
+from peer.coordinator.export import export, load_directory
 from peer.model.runtime import StageRuntime
 from protocols.version import software_version
 
@@ -54,7 +55,7 @@ def parts_of(stages) -> list[checkpoint.Part]:
     ]
 
 
-def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
+def test_checkpoint_round_trip_and_export_to_a_model_directory(tmp_path):
     stages = trained_stages()
     path = checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(stages))
     assert checkpoint.latest(tmp_path) == path
@@ -67,7 +68,7 @@ def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
         assert torch.equal(a, b)
     assert fresh.epoch == 1
     # exported weights in the plain model give the swarm's loss on a fixed batch
-    out = tmp_path / "model.safetensors"
+    out = tmp_path / "exported"
     done = subprocess.run(
         [sys.executable, "-m", "peer.cli.main", "export", str(tmp_path), str(out)],
         capture_output=True,
@@ -75,7 +76,7 @@ def test_checkpoint_round_trip_and_export_to_plain_pytorch(tmp_path):
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
-    model = checkpoint.load_exported(out)
+    model = load_directory(out)
     gen = torch.Generator().manual_seed(9)
     ids, targets = torch.randint(0, 256, (3, 16), generator=gen), torch.randint(0, 256, (3, 16), generator=gen)
     with torch.no_grad():
@@ -89,11 +90,12 @@ def test_generate_samples_from_a_checkpoint_and_an_export(tmp_path):
 
     checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
     model = load_model(tmp_path)
-    a, b = sample(model, b"def ", 20, seed=1), sample(model, b"def ", 20, seed=1)
+    prompt = list(b"def ")
+    a, b = sample(model, prompt, 20, seed=1), sample(model, prompt, 20, seed=1)
     assert len(a) == 20 and a == b  # the same seed, the same text
-    assert sample(model, b"def ", 20, temperature=0) == sample(model, b"def ", 20, temperature=0, seed=2)
-    checkpoint.export(tmp_path, tmp_path / "m.safetensors")
-    assert sample(load_model(tmp_path / "m.safetensors"), b"def ", 20, seed=1) == a
+    assert sample(model, prompt, 20, temperature=0) == sample(model, prompt, 20, temperature=0, seed=2)
+    export(tmp_path, tmp_path / "m")
+    assert sample(load_model(tmp_path / "m"), prompt, 20, seed=1) == a
     done = subprocess.run(
         [
             sys.executable,
@@ -177,13 +179,35 @@ def scrape(peer) -> dict[str, float]:
     return values
 
 
+# a Qwen3-family model directory (grouped-query heads, per-head q/k norms): only the coordinator reads it
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
 def test_the_coordinator_checkpoints_a_running_swarm_and_a_killed_swarm_resumes_from_it(swarm):
-    """Every 2 steps the coordinator pulls each stage's state from its server and writes a checkpoint;
-    every peer serves Prometheus metrics whose counters move with the training. Then the whole swarm
-    is killed; a coordinator started with --resume serves the checkpoint, and the run goes on."""
+    """A run of a model directory's config (Qwen3). Every 2 steps the coordinator pulls each stage's
+    state from its server and writes a checkpoint; every peer serves Prometheus metrics whose counters
+    move with the training; the checkpoint exports to a directory transformers loads. Then the whole
+    swarm is killed; a coordinator started with --resume serves the checkpoint, and the run goes on."""
     root = swarm.workdir / "checkpoints"
+    (swarm.workdir / "qwen3").mkdir()
+    (swarm.workdir / "qwen3" / "config.json").write_text(json.dumps(QWEN3))
+    spec = {**SWARM_SPEC, "model": {"path": str(swarm.workdir / "qwen3"), "max_seq_len": 32}}
     every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
-    swarm.coordinator(SWARM_SPEC, extra=["--checkpoints", str(root), "--set", "coordinator.report_period=0.5", *every])
+    swarm.coordinator(spec, extra=["--checkpoints", str(root), "--set", "coordinator.report_period=0.5", *every])
     servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
     endpoints = [swarm.endpoint(s) for s in servers]
     idle = scrape(servers[1])
@@ -196,7 +220,8 @@ def test_the_coordinator_checkpoints_a_running_swarm_and_a_killed_swarm_resumes_
         time.sleep(0.5)
     _check_checkpoint(root, endpoints)
     assert "Wrote checkpoint" in swarm.peers[0].output()
-    _resume(swarm, root)
+    _check_export(root, swarm.workdir / "exported")
+    _resume(swarm, root, spec)
 
 
 def _check_metrics(swarm, idle: dict, busy: dict) -> None:
@@ -218,7 +243,8 @@ def _check_checkpoint(root, endpoints: list[str]) -> None:
     manifest = checkpoint.read_manifest(path)
     assert sorted(manifest["parts"]) == ["stage 0", "stage 1"]
     assert manifest["software"] == software_version()
-    spec = RunSpec.from_dict(SWARM_SPEC)
+    spec = RunSpec.from_dict(manifest["spec"])
+    assert spec.model.architecture == "Qwen3ForCausalLM" and spec.model.qk_norm and spec.model.kv_heads == 1
     for stage, endpoint in enumerate(endpoints):
         entry = manifest["parts"][f"stage {stage}"]
         _, tensors = checkpoint.load_part(path, manifest, f"stage {stage}")
@@ -231,7 +257,21 @@ def _check_checkpoint(root, endpoints: list[str]) -> None:
         assert sums == pytest.approx(fingerprint[0::2], rel=1e-9, abs=1e-9)
 
 
-def _resume(swarm, root) -> None:
+def _check_export(root, out) -> None:
+    """The newest checkpoint as a Hugging Face directory: transformers loads it, with our model's logits."""
+    import transformers
+
+    export(root, out)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs, ours = model(input_ids=ids).logits, load_directory(out)(ids)
+    assert float((theirs - ours).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+def _resume(swarm, root, spec: dict) -> None:
     """Kill the whole swarm; a coordinator started with --resume serves the checkpoint, and the run goes on."""
     for peer in swarm.peers:  # the whole swarm goes down
         peer.kill(grace=0)
@@ -239,7 +279,7 @@ def _resume(swarm, root) -> None:
     before = [e["loss"] for e in swarm.log("t0") if e["type"] == "micro_batch"]
 
     (swarm.workdir / "coordinator.json").unlink()
-    swarm.coordinator(SWARM_SPEC, extra=["--resume", str(root)])
+    swarm.coordinator(spec, extra=["--resume", str(root)])
     # (its remembered peers are all dead: it sees that at once and starts the DHT afresh)
     assert f"step {manifest['step']}" in swarm.peers[-1].wait_for(r"Resuming from .*", 60).group(0)
     for stage in range(2):

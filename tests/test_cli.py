@@ -82,8 +82,8 @@ def test_an_identity_others_can_read_is_made_private(tmp_path, caplog):
 
 def test_generate_and_export_name_a_file_that_is_not_ours(tmp_path):
     (tmp_path / "notes.safetensors").write_text("not a checkpoint")
-    refused(peer("generate", "notes.safetensors", cwd=tmp_path), "notes.safetensors", "not a safetensors file")
-    refused(peer("export", str(tmp_path), "out.safetensors", cwd=tmp_path), "no complete checkpoint there")
+    refused(peer("generate", "notes.safetensors", cwd=tmp_path), "notes.safetensors", "a file; give a checkpoint")
+    refused(peer("export", str(tmp_path), "out", cwd=tmp_path), "no complete checkpoint there")
 
 
 def test_join_and_status_refuse_what_cannot_work_in_one_line(tmp_path):

@@ -73,7 +73,7 @@ def test_moe_skips_missing_experts_and_renormalises():
     x = torch.randn(3, 5, 64)
     out = layer(x).reshape(-1, 64)
     tokens = x.reshape(-1, 64)
-    top_logits, top_index = layer.router(tokens).topk(2, dim=-1)
+    top_logits, top_index = layer.gate(tokens).topk(2, dim=-1)
     for t in range(tokens.shape[0]):  # by hand: a softmax over the experts that answered
         alive = [k for k in range(2) if int(top_index[t, k]) != 2]
         weights = torch.softmax(top_logits[t, alive], dim=0)
@@ -84,7 +84,7 @@ def test_moe_skips_missing_experts_and_renormalises():
     strict = MoE(
         spec.model, RunSpec.from_dict({**SPEC, "moe": {**SPEC["moe"], "min_answers": 2}}).moe, 1, layer.experts
     )
-    strict.router.load_state_dict(layer.router.state_dict())
+    strict.gate.load_state_dict(layer.gate.state_dict())
     with pytest.raises(ExpertsUnavailable, match=r"experts \[2\]"):
         strict(x)
 
@@ -167,7 +167,7 @@ async def _reference(client: StageClient, spec: RunSpec, stage_endpoint: str, ho
         index = uid.split(".")[1]
         for name, t in tensors.items():
             if name.startswith("param/"):
-                weights[f"blocks.1.mlp.experts.{index}.{name[len('param/') :]}"] = t
+                weights[f"model.layers.1.mlp.experts.{index}.{name[len('param/') :]}"] = t
     model.load_state_dict(weights, strict=True)
     return model
 

@@ -21,7 +21,18 @@ from peer.model.tp_runtime import Ranks, ShardedStageRuntime
 SPEC = {
     "name": "tp",
     "seed": 7,
-    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 96, "max_seq_len": 32},
+    # grouped-query heads, biases and per-head q/k norms (Qwen3's layout): every kind of shard
+    "model": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "qkv_bias": True,
+        "o_bias": True,
+        "qk_norm": True,
+        "intermediate_size": 96,
+        "max_seq_len": 32,
+    },
     "stages": {"num_stages": 2},
     "training": {"micro_batch_size": 3, "seq_len": 16, "target_batch_size": 6, "lr": 0.01, "warmup_steps": 0},
 }

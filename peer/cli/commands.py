@@ -9,6 +9,7 @@ from dht.address import AddressError, answering, check_reachable, coordinator_pe
 from dht.identity import Identity, default_identity_path, public_key_from_peer_id
 from peer.cli.options import load_identity, peer_config, place_device, split_overrides
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override
+from peer.config.model_dir import resolve as resolve_model_dir
 from peer.coordinator.admission_files import create_invite, invites_file, revoke, revoked_file
 
 
@@ -27,22 +28,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from peer.cli.generate import load_model, sample  # lazy: torch
+    from peer.cli.generate import Codec, load_model, sample  # lazy: torch
 
-    model = load_model(args.checkpoint)
+    model, codec = load_model(args.checkpoint), Codec(args.checkpoint)
     try:
-        text = sample(model, args.prompt.encode(), args.tokens, args.temperature, args.top_k, args.seed)
+        ids = sample(model, codec.encode(args.prompt), args.tokens, args.temperature, args.top_k, args.seed)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}") from None
-    print(args.prompt + text.decode("utf-8", errors="replace"))
+    print(args.prompt + codec.decode(ids))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from peer.coordinator.checkpoint import export  # lazy: torch
+    from peer.coordinator.export import export  # lazy: torch
 
-    count, params = export(args.checkpoint, args.out)
-    print(f"Wrote {count} tensors ({params / 1e6:.2f}M parameters) to {args.out}.")
+    count, params, files = export(args.checkpoint, args.out, dtype=args.dtype)
+    print(f"Wrote {count} tensors ({params / 1e6:.2f}M parameters) to {args.out}/: {', '.join(files)}.")
+    print(f"Load it with transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
     return 0
 
 
@@ -94,6 +96,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     spec = RunSpec.from_toml(args.spec)
     for item in spec_overrides:
         apply_override(spec, item)
+    spec = resolve_model_dir(spec)  # [model] path: its config.json into the spec, which peers then get signed
     spec.validate()
     cfg = peer_config(args, peer_overrides)
     if args.initial_peers:  # an existing DHT: said in seconds if none of its addresses answers
@@ -104,8 +107,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     # lazy: hivemind and torch, after the arguments and addresses were checked in seconds
     from peer.cli.join import set_threads
     from peer.coordinator.coordinator import run_coordinator
+    from peer.coordinator.pretrained import pin_weights
 
     set_threads(cfg.threads)
+    spec = pin_weights(spec)  # a model directory's weights: every tensor checked, their hash in the signed spec
     run_coordinator(
         spec, cfg, load_identity(cfg), info_file=args.info_file, resume=args.resume or "", initial=args.initial_peers
     )

@@ -328,7 +328,9 @@ def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
 
 
 def dict_to_toml(data: dict) -> str:
-    """TOML text of a nested dict of plain values (one level of tables), as run specs use."""
+    """TOML text of a nested dict of plain values (one level of tables, deeper ones inline), as run specs use.
+
+    TOML has no null: keys whose value is None are left out."""
 
     def value(v):
         if isinstance(v, bool):
@@ -336,14 +338,16 @@ def dict_to_toml(data: dict) -> str:
         if isinstance(v, str):
             return json.dumps(v)
         if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
+            return "[" + ", ".join(value(x) for x in v if x is not None) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items() if x is not None) + "}"
         return repr(v)
 
     lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for section, values in data.items():
         if isinstance(values, dict):
             lines.append(f"\n[{section}]")
-            lines += [f"{k} = {value(v)}" for k, v in values.items()]
+            lines += [f"{k} = {value(v)}" for k, v in values.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 

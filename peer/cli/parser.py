@@ -156,14 +156,20 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tools(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint's model weights to one safetensors file")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (transformers loads it)")
     p.add_argument("checkpoint", help="a checkpoint directory, or a directory of them (the newest complete one)")
-    p.add_argument("out", help="the .safetensors file to write (loads into peer.model.llama.StageModel)")
+    p.add_argument("out", help="the directory to write (new or empty): config.json, safetensors, tokenizer files")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the weights' dtype (training keeps float32 master weights)",
+    )
 
     p = sub.add_parser("generate", help="sample text from a checkpoint with the plain model (no swarm needed)")
-    p.add_argument("checkpoint", help="a checkpoint directory (or a directory of them), or a `peer export` file")
+    p.add_argument("checkpoint", help="a checkpoint directory (or a directory of them), or a `peer export` directory")
     p.add_argument("--prompt", default="", help="the text to continue")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (bytes, for the byte-level model)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest byte")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")

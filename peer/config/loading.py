@@ -75,6 +75,10 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
         if value is None:
             return None
         return _convert(options[0], value, name)
+    if hint is dict or origin is dict:  # free-form data (a model directory's config.json), kept as read
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a table, got {value!r}")
+        return value
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")

@@ -10,19 +10,53 @@ from pathlib import Path
 from typing import Any
 
 from dht.identity import IdentityError, public_key_from_peer_id
+from peer.config.families import ROPE_KINDS, check_architecture
 from peer.config.loading import ConfigError, from_dict, load_toml, require_positive
 
 
 @dataclass
+class RopeScaling:
+    kind: str = "default"  # rope_type as transformers names it: default, linear or llama3
+    factor: float = 1.0  # linear and llama3: how much longer the context is than the base model's
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_position_embeddings / this are scaled
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_position_embeddings / this are kept
+    original_max_position_embeddings: int = 8192  # llama3: the base model's context length
+
+
+@dataclass
 class ModelConfig:
+    # a Hugging Face model directory (config.json; peer.config.model_dir). The coordinator reads it and fills
+    # the fields below from it; peers get them with the signed spec and never need the files. Empty: the fields
+    path: str = ""
+    architecture: str = "LlamaForCausalLM"  # transformers' class name; see peer.config.families for the list
     vocab_size: int = 256  # byte-level by default
     hidden_size: int = 192  # width of the residual stream
     num_layers: int = 4  # transformer blocks in the whole model
-    num_heads: int = 6  # attention heads; hidden_size must divide evenly
+    num_heads: int = 6  # attention heads (query heads)
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as num_heads
+    head_dim: int = 0  # width of one head; 0: hidden_size / num_heads
     intermediate_size: int = 512  # SwiGLU inner width
     max_seq_len: int = 128  # longest sequence the rotary tables cover
     rope_theta: float = 10000.0  # rotary embedding base
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # rotary frequencies for longer contexts
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2)
+    o_bias: bool = False  # the output projection has a bias (Llama with attention_bias)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
+    tie_embeddings: bool = False  # the head shares the embedding's weights (refused across stages, see validate)
+    # the model directory's config.json as read (the coordinator fills it): written back, updated, on export
+    source_config: dict = field(default_factory=dict)
+    # sha256 of the model directory's weight files, when it has some (the coordinator checks and pins them,
+    # then serves each stage's tensors to the servers that join it); empty: every stage starts from the seed
+    weights: str = ""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 @dataclass
@@ -184,6 +218,7 @@ class RunSpec:
         m = self.model
         if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
             raise ConfigError(f"name: must be letters, digits, '-' or '_', got {self.name!r}")
+        check_architecture(m.architecture, "model.architecture")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
             require_positive(f"model.{name}", getattr(m, name))
         if m.vocab_size < BYTE_VOCAB:
@@ -191,10 +226,22 @@ class RunSpec:
                 f"model.vocab_size: {m.vocab_size} cannot hold the byte-level tokenizer's {BYTE_VOCAB} tokens "
                 f"(one per byte value); use at least {BYTE_VOCAB}"
             )
-        if m.hidden_size % m.num_heads:
+        if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
+            raise ConfigError(f"model.num_kv_heads: {m.num_kv_heads} does not divide model.num_heads {m.num_heads}")
+        if m.head_dim < 0 or (not m.head_dim and m.hidden_size % m.num_heads):
             raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
-        if (m.hidden_size // m.num_heads) % 2:
-            raise ConfigError("model.num_heads: head size hidden_size/num_heads must be even for rotary embeddings")
+        if m.head_size % 2:
+            raise ConfigError("model.head_dim: the head size must be even for rotary embeddings")
+        if m.rope_scaling.kind not in ROPE_KINDS:
+            raise ConfigError(
+                f"model.rope_scaling.kind: must be one of {', '.join(ROPE_KINDS)}, got {m.rope_scaling.kind!r}"
+            )
+        if m.tie_embeddings and self.stages.num_stages > 1:
+            raise ConfigError(
+                "model.tie_embeddings: the head shares the embedding's weights, and they would live on two stages "
+                "(the first and the last); keeping them equal across stages is not supported yet: untie them "
+                "(tie_word_embeddings = false in config.json) or run one stage"
+            )
 
     def _validate_stages(self) -> None:
         m, s = self.model, self.stages

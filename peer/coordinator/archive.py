@@ -1,4 +1,5 @@
-"""A resumed run's checkpoint, served to joiners: the coordinator's `--resume DIR`.
+"""A resumed run's checkpoint (the coordinator's `--resume DIR`), or a model directory's pretrained
+weights (peer.coordinator.pretrained), served to joiners.
 
 The coordinator opens a gRPC server that answers `Info` and `GetState` for every part of the
 checkpoint (stages on the Stage service, experts on the Expert service), exactly as a serving
@@ -35,16 +36,22 @@ SERVICES = ("swarmtrain.Stage", "swarmtrain.Expert")
 
 
 class Archive:
-    """The parts of one checkpoint, served over gRPC from a thread of their own."""
+    """The parts of one checkpoint, served over gRPC from a thread of their own.
 
-    def __init__(self, path: Path, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
+    `manifest` and `load` (name -> (metadata, tensors)) serve another source of parts than a
+    checkpoint directory: a manifest of the same shape (`step`, `parts` with `epoch` and `metadata`)."""
+
+    def __init__(self, path: Path, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, manifest=None, load=None):
         self.path, self.spec, self.cfg, self.dht = path, spec, cfg, dht
-        self.manifest = checkpoint.read_manifest(path)
-        if self.manifest.get("spec_fingerprint") != spec.fingerprint():
-            raise checkpoint.CheckpointError(
-                f"{path} is a checkpoint of another run spec (fingerprint {self.manifest.get('spec_fingerprint')}, "
-                f"this spec's is {spec.fingerprint()})"
-            )
+        if manifest is None:
+            manifest = checkpoint.read_manifest(path)
+            if manifest.get("spec_fingerprint") != spec.fingerprint():
+                raise checkpoint.CheckpointError(
+                    f"{path} is a checkpoint of another run spec (fingerprint {manifest.get('spec_fingerprint')}, "
+                    f"this spec's is {spec.fingerprint()})"
+                )
+            load = lambda name: checkpoint.load_part(path, manifest, name)  # noqa: E731
+        self.manifest, self._load = manifest, load
         self.endpoint = ""
         self.started = time.time()
         self._thread = LoopThread("archive")
@@ -88,7 +95,7 @@ class Archive:
                 f"the archive holds {name} at step {entry['epoch']}",
                 Reason.STALE_EPOCH,
             )
-        metadata, tensors = await asyncio.to_thread(checkpoint.load_part, self.path, self.manifest, name)
+        metadata, tensors = await asyncio.to_thread(self._load, name)
         num_shards = max(request.num_shards, 1)
         if request.shard >= num_shards:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist")

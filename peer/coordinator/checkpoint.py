@@ -26,15 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dht.errors import UserError
-from peer.config import RunSpec
-from peer.model.llama import StageModel
 from protocols.version import software_version
 
-FORMAT = 1
+FORMAT = 2  # 2: parameters named as transformers names them (model.layers.L.self_attn.q_proj.weight, ...)
 MANIFEST = "manifest.json"
 PREFIX = "step-"
 
@@ -128,6 +125,11 @@ def read_manifest(path: str | Path, verify: bool = True) -> dict:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: no readable {MANIFEST} ({e})") from None
+    if isinstance(manifest, dict) and manifest.get("format") == 1:
+        raise CheckpointError(
+            f"{path}: a format-1 checkpoint, written by an earlier Swarmtrain whose parameter names this one "
+            "does not read (blocks.L.attn.wq.weight, ...); resume it with the release that wrote it"
+        )
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") != FORMAT
@@ -186,10 +188,11 @@ def load_part(path: str | Path, manifest: dict, name: str) -> tuple[dict, dict[s
 
 
 def model_weights(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(run spec, weights named as in the whole model, peer.model.llama.StageModel(spec)) from a checkpoint.
+    """(run spec, weights named as in the whole model, peer.model.llama.StageModel(spec)) of the newest
+    complete checkpoint at `path`.
 
     Stages give their parameters under their own names; an expert `L.E` of a mixture-of-experts
-    layer gives `blocks.L.mlp.experts.E.*`.
+    layer gives `model.layers.L.mlp.experts.E.*`.
     """
     found = latest(path)
     if found is None:
@@ -205,39 +208,8 @@ def model_weights(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         prefix = ""
         if kind == "expert":
             layer, _, index = ident.partition(".")
-            prefix = f"blocks.{layer}.mlp.experts.{index}."
+            prefix = f"model.layers.{layer}.mlp.experts.{index}."
         for key, t in tensors.items():
             if key.startswith("param/"):
                 weights[prefix + key[len("param/") :]] = t
     return manifest["spec"], weights
-
-
-def export(path: str | Path, out: str | Path) -> tuple[int, int]:
-    """Write the whole model's weights of a checkpoint to one safetensors file; (tensors, parameters)."""
-    spec, weights = model_weights(path)
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(weights, str(tmp), metadata={"spec": json.dumps(spec, sort_keys=True)})
-    os.replace(tmp, out)
-    return len(weights), sum(t.numel() for t in weights.values())
-
-
-def load_exported(file: str | Path):
-    """The plain PyTorch model (peer.model.llama.StageModel, whole) with the weights `peer export` wrote."""
-    try:
-        with safe_open(str(file), "pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as e:  # safetensors' own error type: the file is not a safetensors file
-        raise CheckpointError(f"{file}: not a safetensors file written by `peer export` ({e})") from None
-    if "spec" not in metadata:
-        raise CheckpointError(f"{file}: a safetensors file, but not one `peer export` wrote (it names no run spec)")
-    try:
-        spec = RunSpec.from_dict(json.loads(metadata["spec"]))
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{file}: its run spec cannot be read: {e}") from None
-    model = StageModel(spec)
-    try:
-        model.load_state_dict(load_file(str(file)))
-    except RuntimeError as e:
-        raise CheckpointError(f"{file}: its weights do not fit its own run spec: {e}") from None
-    return model

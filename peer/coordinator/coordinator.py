@@ -27,6 +27,7 @@ from peer.coordinator.archive import Archive
 from peer.coordinator.authority import Authority
 from peer.coordinator.checkpointer import Checkpointer
 from peer.coordinator.dashboard import Dashboard, swarm_state
+from peer.coordinator.pretrained import open_pretrained
 from peer.coordinator.timeline import Timeline
 from peer.net.metrics import open_metrics, serve_metrics
 from peer.net.relay import RelayThread
@@ -288,6 +289,7 @@ class Coordinator:
     def __init__(self, spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: SwarmDHT):
         self.spec, self.cfg, self.identity, self.dht = spec, cfg, identity, dht
         self.archive = self.dashboard = self.timeline = self.authority = self.relay = self.checkpointer = None
+        self.resumed = False  # the archive is a checkpoint it resumes from (else pretrained weights, or none)
         self.view: dict = {}  # the last summary of the swarm, for the metrics
         self.about: dict = {}  # what the dashboard shows of the coordinator itself
         self.last_publish = 0.0
@@ -295,7 +297,11 @@ class Coordinator:
     def start(self, resume: str, info_file: str, rejoined: bool) -> None:
         spec, cfg = self.spec, self.cfg
         self.authority = start_authority(spec, cfg, self.identity, self.dht)
-        self.archive = open_archive(resume, spec, cfg, self.dht) if resume else None
+        self.resumed = bool(resume)
+        if resume:
+            self.archive = open_archive(resume, spec, cfg, self.dht)
+        elif spec.model.weights:  # a model directory's pretrained weights, served like a checkpoint at step 0
+            self.archive = open_pretrained(spec, cfg, self.dht)
         if cfg.coordinator.relay:
             self.relay = RelayThread(cfg, spec.name, self.dht, cfg.coordinator.relay_port)
             where = self.relay.start()
@@ -332,7 +338,7 @@ class Coordinator:
         newest = checkpoint.latest(cfg.coordinator.checkpoint_dir) if cfg.coordinator.checkpoint_dir else None
         if newest is not None:
             self.checkpointer.last_step = checkpoint.read_manifest(newest, verify=False)["step"]
-        if self.archive is not None:
+        if self.archive is not None and self.resumed:
             self.checkpointer.last_step = max(self.checkpointer.last_step, self.archive.step)
             self.timeline.add("coordinator", f"resumed from {self.archive.path} (step {self.archive.step})")
         if cfg.coordinator.checkpoint_dir:

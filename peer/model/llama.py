@@ -1,9 +1,13 @@
-"""A small Llama-style language model and its split into pipeline stages.
+"""The Llama-layout decoder every supported family shares, and its split into pipeline stages.
 
-RMSNorm, rotary attention through scaled_dot_product_attention, SwiGLU MLP. Stage 0 holds the
-embedding, the last stage the final norm, head and loss. Parameter names are the same in a stage
-and in the whole model (`blocks.3.attn.wq.weight`), so stage states merge into one model file.
-Every component is initialised from its own seed, so any partition starts equal to the whole.
+RMSNorm, rotary attention (grouped-query, through scaled_dot_product_attention; optional q/k/v
+biases and per-head q/k norms), SwiGLU MLP: the same math and the same parameter names as
+transformers' Llama, Mistral, Qwen2 and Qwen3 (peer.config.families), so a stage's state is a slice
+of a Hugging Face checkpoint. We write these few layers rather than import transformers' own:
+importing its modeling code costs a peer ~2.4 s of CPU at every start (it pulls torch._dynamo,
+torch.distributed.tensor and scipy), and tests/test_hf.py holds us equal to transformers.
+Stage 0 holds the embedding, the last stage the final norm, head and loss. Every component is
+initialised from its own seed, so any partition starts equal to the whole.
 """
 
 from __future__ import annotations
@@ -20,73 +24,124 @@ from peer.model.tp import TPGroup, full_shape, shard, shard_dim
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: this norm's weight as the caller passes it on (under tensor parallelism, see Attention)."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight if weight is None else weight) * x.to(dtype)
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies of one head, with the config's scaling (default, linear or llama3)."""
+    dim = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    if s.kind != "llama3":
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    head_dim = cfg.hidden_size // cfg.num_heads
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
+    """cos and sin [max_seq_len, head_dim], each frequency twice (transformers' half-rotation layout)."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inverse_frequencies(cfg))
+    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; rotates pairs (even, odd) of each head."""
+    """x: [batch, heads, seq, head_dim]; rotates the first half of each head against the second."""
     seq = x.shape[-2]
     cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    """Causal self-attention; under tensor parallelism (`tp`) this rank holds num_heads / tp.world heads."""
+    """Causal grouped-query self-attention, named as transformers names it (q_proj, k_proj, v_proj, o_proj).
+
+    Under tensor parallelism (`tp`) this rank holds num_heads / tp.world query heads and
+    num_kv_heads / tp.world key/value heads; o_proj's bias is added once, after the sum over ranks.
+    """
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp
-        self.num_heads = cfg.num_heads // (tp.world if tp else 1)  # heads on this rank
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        local = self.num_heads * self.head_dim
-        self.wq = nn.Linear(cfg.hidden_size, local, bias=False)  # column-parallel under tp
-        self.wk = nn.Linear(cfg.hidden_size, local, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, local, bias=False)
-        self.wo = nn.Linear(local, cfg.hidden_size, bias=False)  # row-parallel under tp
+        world = tp.world if tp else 1
+        self.head_dim = cfg.head_size
+        heads, kv_heads = cfg.num_heads // world, cfg.kv_heads // world  # on this rank
+        self.q_proj = nn.Linear(cfg.hidden_size, heads * self.head_dim, bias=cfg.qkv_bias)  # column-parallel
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)  # row-parallel
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         if self.tp is not None:
             x = self.tp.copy_in(x)
-        shape = (b, t, self.num_heads, self.head_dim)
-        q = apply_rotary(self.wq(x).view(shape).transpose(1, 2), cos, sin)
-        k = apply_rotary(self.wk(x).view(shape).transpose(1, 2), cos, sin)
-        v = self.wv(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
-        return out if self.tp is None else self.tp.reduce_out(out)
+        shape = (b, t, -1, self.head_dim)
+        q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)
+        if self.qk_norm:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if self.tp is None:
+            return self.o_proj(out)
+        out = self.tp.reduce_out(F.linear(out, self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """A per-head norm; under tp each rank norms its own heads, so the weight's gradient is summed over ranks."""
+        return norm(x) if self.tp is None else norm(x, self.tp.copy_in(norm.weight))
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
+    """One transformer block, named as transformers' LlamaDecoderLayer."""
+
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, tp: TPGroup | None = None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, tp)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class StageModel(nn.Module):
     """Blocks `[first_block, last_block)` of the model, plus the embedding and/or head where they belong.
 
+    Parameters are named as in transformers' *ForCausalLM (`model.embed_tokens.weight`,
+    `model.layers.3.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`), in a stage as in
+    the whole model, so stage states merge into a Hugging Face checkpoint by name alone.
     forward(inputs) returns hidden states; on the last stage with `targets` it returns the mean
     cross-entropy instead. In a mixture-of-experts run, `experts` is where the experts live: None
     builds them here (the plain model), else a remote backend (peer.server.dispatch) the gates call.
@@ -114,8 +169,9 @@ class StageModel(nn.Module):
             blocks, self.is_first, self.is_last = spec.stage_blocks(stage), stage == 0, stage == num_stages - 1
         self.stage = stage
         self.cfg = cfg
+        self.model = nn.Module()  # transformers' naming: the decoder under `model.`, the head beside it
         if self.is_first:
-            self.embed = nn.Embedding(cfg.vocab_size // world, cfg.hidden_size)  # vocab-parallel under tp
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size // world, cfg.hidden_size)  # vocab-parallel
         moe_layers = set(spec.moe_layers())
 
         def mlp(layer: int) -> nn.Module:
@@ -126,15 +182,21 @@ class StageModel(nn.Module):
             )
             return MoE(cfg, spec.moe, layer, backend)
 
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, mlp(i), tp) for i in blocks})
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, mlp(i), tp) for i in blocks})
         self.aux_weight = spec.moe.aux_loss_weight
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size // world, bias=False)  # vocab-parallel under tp
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // world, bias=False)  # vocab-parallel
         cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights(spec.seed)
+        if cfg.tie_embeddings and self.is_first and self.is_last:  # validate refuses ties across stages
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return self.model.layers
 
     @torch.no_grad()
     def _normal(self, name: str, p: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -152,34 +214,37 @@ class StageModel(nn.Module):
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         if self.is_first:
             gen = torch.Generator().manual_seed(seed * 1_000_003)
-            self._normal("embed.weight", self.embed.weight, std, gen)
-        for name, block in self.blocks.items():
+            self._normal("model.embed_tokens.weight", self.model.embed_tokens.weight, std, gen)
+        for name, layer in self.layers.items():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 1 + int(name))
-            for pname, p in block.named_parameters():
+            for pname, p in layer.named_parameters():
                 if pname.startswith("mlp.experts."):
                     continue  # every expert is initialised from its own seed (peer.model.moe.init_expert)
                 if pname.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif pname.endswith(".bias"):
+                    p.zero_()
                 else:
-                    scale = out_std if pname.endswith(("wo.weight", "down.weight")) else std
-                    self._normal(f"blocks.{name}.{pname}", p, scale, gen)
+                    scale = out_std if pname.endswith(("o_proj.weight", "down_proj.weight")) else std
+                    self._normal(f"model.layers.{name}.{pname}", p, scale, gen)
         if self.is_last:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 999_999)
-            self.norm.weight.fill_(1.0)
-            self._normal("head.weight", self.head.weight, std, gen)
+            self.model.norm.weight.fill_(1.0)
+            self._normal("lm_head.weight", self.lm_head.weight, std, gen)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         tp = self.tp
         if self.is_first:
-            x = self.embed(inputs.long()) if tp is None else tp.embed(inputs.long(), self.embed.weight)
+            embed = self.model.embed_tokens
+            x = embed(inputs.long()) if tp is None else tp.embed(inputs.long(), embed.weight)
         else:
             x = inputs
-        for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
         if not self.is_last:
             return x
-        x = self.norm(x)
-        logits = self.head(x if tp is None else tp.copy_in(x))
+        x = self.model.norm(x)
+        logits = self.lm_head(x if tp is None else tp.copy_in(x))
         if targets is None:
             return logits if tp is None else tp.gather_last(logits)
         flat = logits.float().reshape(-1, logits.shape[-1])
@@ -189,7 +254,7 @@ class StageModel(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """The weighted load-balancing loss of the last forward's MoE layers (None without MoE)."""
-        losses = [b.mlp.aux_loss for b in self.blocks.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        losses = [b.mlp.aux_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
         return self.aux_weight * sum(losses) if losses else None
 
 
@@ -199,8 +264,8 @@ def count_parameters(module: nn.Module) -> int:
 
 def flops_per_sample(spec: RunSpec, stage: int | None = None) -> float:
     """Approximate FLOPs of forward+backward for one sequence through a stage (6 * params * tokens + attention)."""
-    model_params = StageModel(spec, stage)
-    n = count_parameters(model_params) - (model_params.embed.weight.numel() if model_params.is_first else 0)
+    model = StageModel(spec, stage)
+    n = count_parameters(model) - (model.model.embed_tokens.weight.numel() if model.is_first else 0)
     t, cfg = spec.training.seq_len, spec.model
-    attention = 6 * len(model_params.blocks) * t * t * cfg.hidden_size
+    attention = 6 * len(model.layers) * t * t * cfg.num_heads * cfg.head_size
     return 6.0 * n * t + attention

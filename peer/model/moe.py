@@ -29,21 +29,22 @@ class ExpertsUnavailable(RuntimeError):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); with `tp` (peer.model.tp.TPGroup) gate/up are column- and down row-parallel."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), named as transformers' LlamaMLP; with `tp`
+    (peer.model.tp.TPGroup) gate_proj/up_proj are column- and down_proj row-parallel."""
 
     def __init__(self, hidden: int, inner: int, tp=None):
         super().__init__()
         self.tp = tp
         inner //= tp.world if tp else 1
-        self.gate = nn.Linear(hidden, inner, bias=False)
-        self.up = nn.Linear(hidden, inner, bias=False)
-        self.down = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         x = self.tp.copy_in(x)
-        return self.tp.reduce_out(self.down(F.silu(self.gate(x)) * self.up(x)))
+        return self.tp.reduce_out(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 def expert_size(cfg: ModelConfig, moe: MoEConfig) -> int:
@@ -67,7 +68,7 @@ def init_expert(expert: SwiGLU, seed: int, layer: int, index: int, num_layers: i
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + layer * 10_000 + index)
     std = 0.02
     for name, p in expert.named_parameters():
-        p.normal_(0.0, std / (2 * num_layers) ** 0.5 if name == "down.weight" else std, generator=gen)
+        p.normal_(0.0, std / (2 * num_layers) ** 0.5 if name == "down_proj.weight" else std, generator=gen)
 
 
 def make_expert(cfg: ModelConfig, moe: MoEConfig, seed: int, layer: int, index: int) -> SwiGLU:
@@ -100,13 +101,13 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, layer: int, experts: ExpertBackend):
         super().__init__()
         self.layer, self.num_experts, self.top_k, self.min_answers = layer, moe.num_experts, moe.top_k, moe.min_answers
-        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router, named as in Mixtral
         self.experts = experts
         self.aux_loss: torch.Tensor | None = None  # load-balancing loss of the last forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        logits = self.router(tokens)
+        logits = self.gate(tokens)
         top_logits, top_index = logits.topk(self.top_k, dim=-1)
         samples = x.shape[0] if x.dim() == 3 else 1
         outputs, answered = self.experts(self.layer, tokens, top_index, samples)

@@ -3,9 +3,10 @@
 A stage server started with `--tp N` runs N ranks in one `torch.distributed` group (NCCL on CUDA,
 gloo on CPU). Every rank holds a shard of the stage:
 
-- column-parallel (output features split): the attention's wq, wk, wv and the MLP's gate and up;
-- row-parallel (input features split): the attention's wo and the MLP's down, whose partial
-  outputs are summed by one all-reduce;
+- column-parallel (output features split): the attention's q_proj, k_proj, v_proj (weights and
+  biases; query and key/value heads both split) and the MLP's gate_proj and up_proj;
+- row-parallel (input features split): the attention's o_proj and the MLP's down_proj, whose
+  partial outputs are summed by one all-reduce (o_proj's bias is added once, after it);
 - vocab-parallel: the embedding's rows and the head's outputs, with a parallel cross-entropy;
 - replicated: the norms (their gradients come out equal on every rank).
 
@@ -27,23 +28,26 @@ import torch.nn.functional as F
 
 from peer.config import RunSpec
 
-# parameter-name endings -> the dimension they are split along
+# parameter-name endings (transformers' names) -> the dimension they are split along
 _SPLIT = {
-    "attn.wq.weight": 0,
-    "attn.wk.weight": 0,
-    "attn.wv.weight": 0,
-    "attn.wo.weight": 1,
-    "mlp.gate.weight": 0,
-    "mlp.up.weight": 0,
-    "mlp.down.weight": 1,
+    "self_attn.q_proj.weight": 0,
+    "self_attn.q_proj.bias": 0,
+    "self_attn.k_proj.weight": 0,
+    "self_attn.k_proj.bias": 0,
+    "self_attn.v_proj.weight": 0,
+    "self_attn.v_proj.bias": 0,
+    "self_attn.o_proj.weight": 1,
+    "mlp.gate_proj.weight": 0,
+    "mlp.up_proj.weight": 0,
+    "mlp.down_proj.weight": 1,
 }
 
 
 def shard_dim(name: str) -> int | None:
     """The dimension parameter `name` (as in the whole model) is split along, or None if replicated."""
-    if name in ("embed.weight", "head.weight"):
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0
-    if name.startswith("blocks.") and ".experts." not in name:
+    if name.startswith("model.layers.") and ".experts." not in name:
         for ending, dim in _SPLIT.items():
             if name.endswith(ending):
                 return dim
@@ -84,7 +88,11 @@ def check_degree(spec: RunSpec, stage: int, world: int) -> str | None:
         return f"--tp must be at least 1, got {world}"
     problems = [
         f"model.{name} ({value}) is not divisible by {world}"
-        for name, value in (("num_heads", m.num_heads), ("intermediate_size", m.intermediate_size))
+        for name, value in (
+            ("num_heads", m.num_heads),
+            ("num_kv_heads", m.kv_heads),
+            ("intermediate_size", m.intermediate_size),
+        )
         if value % world
     ]
     holds_vocab = stage == 0 or stage == spec.stages.num_stages - 1
