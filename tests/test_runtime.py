@@ -45,6 +45,35 @@ def test_bfloat16_compute_keeps_float32_weights_and_wire():
     assert all(a.dtype == torch.float32 and torch.isfinite(a).all() for a in fast.accumulator)
 
 
+def test_the_runs_training_dtype_and_activation_checkpointing():
+    """training.dtype = "bf16" runs every stage under autocast (a server's compute_dtype overrides it);
+    activation checkpointing recomputes the blocks in the backward and gives the same gradients."""
+    base = {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    bf16 = RunSpec.from_dict({**base, "training": {"dtype": "bf16"}})
+    assert StageRuntime(bf16, 0).compute_dtype == torch.bfloat16
+    assert StageRuntime(bf16, 0, compute_dtype="float32").compute_dtype == torch.float32
+    plain = StageRuntime(RunSpec.from_dict(base), 1)
+    recomputed = StageRuntime(RunSpec.from_dict({**base, "training": {"activation_checkpointing": True}}), 1)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 8, 32, generator=gen), torch.randint(0, 256, (3, 8), generator=gen)
+    calls = []
+
+    def counted(forward):
+        def run(*args):
+            calls.append(1)
+            return forward(*args)
+
+        return run
+
+    for layer in recomputed.model.layers.values():  # each block runs twice: forward, then again in backward
+        layer.forward = counted(layer.forward)
+    want, got = plain.backward("a", x, None, y), recomputed.backward("a", x, None, y)
+    assert len(calls) == 2 * len(recomputed.model.layers)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    for a, b in zip(recomputed.accumulator, plain.accumulator, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_resync_drops_exactly_what_the_donors_step_counted_of_rounds_that_failed_here():
     """Two rounds at one step fail here; a partner's step counted the first one's take only (it
     succeeded there). Loading the partner's state drops that part and keeps the rest (12 samples

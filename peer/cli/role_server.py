@@ -174,8 +174,10 @@ def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
         devices = tp_devices(pcfg)
     except ValueError as e:
         raise ConfigError(f"--devices: {e}") from None
-    if cfg.server.compute_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"server.compute_dtype: must be one of {', '.join(COMPUTE_DTYPES)}")
+    if cfg.server.compute_dtype and cfg.server.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(
+            f"server.compute_dtype: must be empty (the run's training.dtype) or one of {', '.join(COMPUTE_DTYPES)}"
+        )
     sizes = {
         "activation_cache_size": cfg.server.activation_cache_size,
         "fingerprint_history": cfg.server.fingerprint_history,

@@ -77,9 +77,14 @@ class TrainingConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     weight_decay: float = 0.1  # AdamW decoupled weight decay
     eps: float = 1e-8  # AdamW epsilon
+    # the stages' matmuls in the whole run: float32, or bf16 / fp16 under torch.autocast (master weights,
+    # optimizer state, gradients and what travels stay float32); a server's server.compute_dtype overrides it
+    dtype: str = "float32"
+    activation_checkpointing: bool = False  # recompute a stage's blocks in its backward instead of keeping activations
 
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+TRAINING_DTYPES = ("float32", "bf16", "fp16", "bfloat16", "float16")
 
 
 BYTE_VOCAB = 256  # tokens of the byte-level tokenizer every run uses today
@@ -275,6 +280,8 @@ class RunSpec:
             raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
+        if t.dtype not in TRAINING_DTYPES:
+            raise ConfigError(f"training.dtype: must be one of {', '.join(TRAINING_DTYPES)}, got {t.dtype!r}")
 
     def _validate_compression(self) -> None:
         c = self.compression

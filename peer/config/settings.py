@@ -47,7 +47,8 @@ class ServerConfig:
     # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
     # exits regardless of what still runs (a hung averaging round, a stuck DHT call)
     leave_timeout: float = 10.0
-    compute_dtype: str = "float32"  # the stage's matmuls: float32, or bfloat16 / float16 (autocast; for GPUs)
+    # this server's matmuls, overriding the run's training.dtype: float32, or bfloat16 / float16 (autocast); "": the run's
+    compute_dtype: str = ""
     throughput: float = 0.0  # samples/s this server announces; 0: measure it (a benchmark, then the real work)
     rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
     balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from peer.config import ModelConfig, RunSpec
 from peer.model.moe import ExpertBackend, LocalExperts, MoE, SwiGLU, make_expert
@@ -184,6 +185,7 @@ class StageModel(nn.Module):
 
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, mlp(i), tp) for i in blocks})
         self.aux_weight = spec.moe.aux_loss_weight
+        self.checkpointing = spec.training.activation_checkpointing  # recompute blocks in the backward
         if self.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // world, bias=False)  # vocab-parallel
@@ -240,7 +242,7 @@ class StageModel(nn.Module):
         else:
             x = inputs
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = self._layer(layer, x)
         if not self.is_last:
             return x
         x = self.model.norm(x)
@@ -251,6 +253,13 @@ class StageModel(nn.Module):
         if tp is None:
             return F.cross_entropy(flat, targets.long().reshape(-1))
         return tp.cross_entropy(flat, targets.long().reshape(-1))
+
+    def _layer(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """One block; with activation checkpointing its activations are recomputed in the backward (not a
+        mixture-of-experts block: recomputing would call its remote experts again)."""
+        if self.checkpointing and self.training and torch.is_grad_enabled() and not isinstance(layer.mlp, MoE):
+            return checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+        return layer(x, self.rope_cos, self.rope_sin)
 
     def aux_loss(self) -> torch.Tensor | None:
         """The weighted load-balancing loss of the last forward's MoE layers (None without MoE)."""

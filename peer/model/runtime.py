@@ -42,7 +42,13 @@ class _CachedForward:
 
 
 # the dtype of a stage's matmuls (torch.autocast); weights, optimizer state and the wire stay float32
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 LATE_MARGIN = 0.25  # s: gradients finished closer than this to the deadline are not kept (the answer could come late)
 
 
@@ -57,10 +63,11 @@ class StageRuntime(PartRuntime):
         dedup_history: int = 1024,
         device: str = "cpu",
         tp=None,
-        compute_dtype: str = "float32",
+        compute_dtype: str = "",
     ):
         self.stage = stage
         self.device = torch.device(device)
+        compute_dtype = compute_dtype or spec.training.dtype  # "": the run's
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"server.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
