@@ -57,13 +57,14 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24, "use_sliding_window": False}),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 
 
 def hf_model(family: str, tmp_path, stages: int = 3, **extra) -> tuple[transformers.PreTrainedModel, RunSpec]:
     """transformers' model of a tiny random config, and a run spec whose model.path is its config.json."""
     config_class, family_extra = FAMILIES[family]
-    config = config_class(**TINY, **family_extra, **extra)
+    config = config_class(**{**TINY, **family_extra, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # transformers starts norms at 1 and biases at 0: move them, so they count
@@ -79,6 +80,26 @@ def hf_model(family: str, tmp_path, stages: int = 3, **extra) -> tuple[transform
         }
     )
     return model, resolve(spec)
+
+
+def on_disk(model: transformers.PreTrainedModel, directory) -> dict[str, torch.Tensor]:
+    """The weights as transformers saves them (Mixtral's experts one by one, as w1/w2/w3), what a run imports."""
+    model.save_pretrained(directory)
+    return load_file(str(directory / "model.safetensors"))
+
+
+def hf_grad(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """transformers' gradient of our parameter `name` (its Mixtral holds the experts fused in memory)."""
+    if ".block_sparse_moe." not in name:
+        return grads[name]
+    layer = name.split(".block_sparse_moe.")[0]
+    if name.endswith("gate.weight"):
+        return grads[f"{layer}.mlp.gate.weight"]
+    expert, part = int(name.split(".experts.")[1].split(".")[0]), name.split(".")[-2]
+    if part == "w2":
+        return grads[f"{layer}.mlp.experts.down_proj"][expert]
+    gate_up = grads[f"{layer}.mlp.experts.gate_up_proj"][expert]
+    return gate_up.chunk(2, dim=0)[0 if part == "w1" else 1]
 
 
 def stages_of(spec: RunSpec, weights: dict[str, torch.Tensor]) -> list[StageModel]:
@@ -110,7 +131,7 @@ def greedy(step, ids: torch.Tensor, tokens: int) -> list[int]:
 def test_stage_split_forward_and_backward_equal_transformers(family, tmp_path):
     hf, spec = hf_model(family, tmp_path)
     assert spec.model.architecture == type(hf).__name__ and spec.model.kv_heads == 2
-    stages = stages_of(spec, hf.state_dict())
+    stages = stages_of(spec, on_disk(hf, tmp_path))
     gen = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, 300, (2, 24), generator=gen), torch.randint(0, 300, (2, 24), generator=gen)
 
@@ -126,7 +147,7 @@ def test_stage_split_forward_and_backward_equal_transformers(family, tmp_path):
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     for stage in stages:
         for name, p in stage.named_parameters():
-            assert close(p.grad, hf_grads[name]), name
+            assert close(p.grad, hf_grad(hf_grads, name)), name
     prompt = ids[:1, :6]
     ours = greedy(lambda x: stages[2](stages[1](stages[0](x))), prompt, 8)
     assert ours == greedy(lambda x: hf(input_ids=x).logits, prompt, 8)
@@ -164,8 +185,9 @@ def write_checkpoint(spec: RunSpec, root, steps: int = 1) -> list[StageRuntime]:
     return stages
 
 
-def test_export_loads_in_transformers_with_the_runs_loss_and_generates(tmp_path):
-    _, spec = hf_model("llama", tmp_path / "src")
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_export_loads_in_transformers_with_the_runs_loss_and_generates(family, tmp_path):
+    _, spec = hf_model(family, tmp_path / "src")
     stages = write_checkpoint(spec, tmp_path / "ckpt")
     out = tmp_path / "exported"
     done = subprocess.run(
@@ -177,6 +199,7 @@ def test_export_loads_in_transformers_with_the_runs_loss_and_generates(tmp_path)
     assert done.returncode == 0, done.stderr
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(model).__name__ == spec.model.architecture
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "Swarmtrain: bytes é"
     assert tokenizer(text)["input_ids"] == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
@@ -221,6 +244,7 @@ def test_export_shards_big_models_with_an_index_and_refuses_a_used_directory(tmp
     ("config", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not a supported architecture (supported: Llama"),
+        ({"architectures": ["Qwen2MoeForCausalLM"]}, "'Qwen2MoeForCausalLM' is not a supported architecture"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, "sliding_window 16 is shorter than"),
         ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window = true"),
         ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn'"),
@@ -316,3 +340,44 @@ def test_weights_that_do_not_fit_config_json_are_refused_naming_the_tensor(tmp_p
         ConfigError, match="the weights hold model.layers.2.*, which config.json's model has no place for"
     ):
         pin_weights(resolve(spec))
+
+
+def test_a_mixtral_run_from_pretrained_weights_gives_each_expert_host_its_experts(swarm):
+    """Mixtral's experts live on expert hosts: each loads its experts' tensors (w1, w2, w3 as on disk) from
+    the coordinator, equal to the file's bit for bit, and the stage server its router and attention."""
+    from peer.cli.demo import loopback_join
+
+    directory = swarm.workdir / "mixtral"
+    hf, _ = hf_model("mixtral", directory, stages=1, num_hidden_layers=2)
+    original = on_disk(hf, directory)
+    spec = {
+        "name": "pretrained-moe",
+        "model": {"path": str(directory), "max_seq_len": 32},
+        "stages": {"num_stages": 1},
+        "training": {"micro_batch_size": 2, "seq_len": 32, "target_batch_size": 4},
+    }
+    swarm.coordinator(spec)
+    host = swarm.start("experts", loopback_join(swarm.maddr, "experts", "--experts", "0.0,0.1,0.2,0.3,1.0,1.1,1.2,1.3"))
+    endpoint = swarm.known(host.wait_for(r"Serving experts .* at (\S+:\d+)", 120).group(1), "experts")
+    for uid in ("0.0", "1.3"):
+        host.wait_for(rf"Loaded the state of expert {uid} \(step 0\)", 60)
+    server = swarm.server("s0", 0)
+    server.wait_for(r"Loaded the state of stage 0 \(step 0\)", 60)
+
+    async def states():
+        client = admitted_client(endpoint, 2**20, 2**30)
+        try:
+            return {
+                uid: await client.get_state(endpoint, "pretrained-moe", 0, timeout=30, expert=uid)
+                for uid in ("0.0", "1.3")
+            }
+        finally:
+            await client.close()
+
+    import asyncio
+
+    for uid, (_, tensors) in asyncio.run(states()).items():
+        layer, index = uid.split(".")
+        for part in ("w1", "w2", "w3"):
+            want = original[f"model.layers.{layer}.block_sparse_moe.experts.{index}.{part}.weight"]
+            assert torch.equal(tensors[f"param/{part}.weight"], want), (uid, part)

@@ -167,7 +167,7 @@ async def _reference(client: StageClient, spec: RunSpec, stage_endpoint: str, ho
         index = uid.split(".")[1]
         for name, t in tensors.items():
             if name.startswith("param/"):
-                weights[f"model.layers.1.mlp.experts.{index}.{name[len('param/') :]}"] = t
+                weights[f"model.layers.1.block_sparse_moe.experts.{index}.{name[len('param/') :]}"] = t
     model.load_state_dict(weights, strict=True)
     return model
 

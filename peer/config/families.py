@@ -8,12 +8,14 @@ MLP); a family is the handful of switches that set it apart, read from its confi
   whole sequence (then it changes nothing), else refused;
 - Qwen2ForCausalLM: biases on q, k and v (not o); sliding-window layers refused;
 - Qwen3ForCausalLM: RMSNorm over each head of q and k before the rotary embedding;
-  `attention_bias` on q, k, v and o; sliding-window layers refused.
+  `attention_bias` on q, k, v and o; sliding-window layers refused;
+- MixtralForCausalLM: Mistral's attention, a mixture of experts in every block (`[moe]` from
+  num_local_experts, num_experts_per_tok, intermediate_size, router_aux_loss_coef; the router on
+  the stage server, the experts on expert hosts); router jitter refused.
 
 Anything else (another architecture, a rope type other than default, linear or llama3, an
 activation other than silu, MLP biases) is refused with the name of the file and the field.
-Mixture-of-experts runs (peer.model.moe) use the Llama layout with our own experts; importing and
-exporting Mixtral is not done yet. Nothing here imports torch or transformers.
+Nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
 }
 ROPE_KINDS = ("default", "linear", "llama3")
 
@@ -70,6 +73,8 @@ def _refusals(config: dict[str, Any], family: str, where: str) -> None:
         raise ConfigError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (only silu, as in SwiGLU)")
     if config.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias = true is not supported (the MLP's projections have no biases)")
+    if family == "mixtral" and config.get("router_jitter_noise"):
+        raise ConfigError(f"{where}: router_jitter_noise is not supported (the router is deterministic)")
     if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window = true is not supported (every layer attends to all tokens)")
 
@@ -110,16 +115,32 @@ def from_hf(config: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: the field {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: a field has the wrong type ({e})") from None
-    window = config.get("sliding_window") if family == "mistral" else None
+    window = config.get("sliding_window") if family in ("mistral", "mixtral") else None
     return {
         "fields": fields,
+        "moe": _moe(config, where) if family == "mixtral" else {},
         "sliding_window": window,
         "max_position_embeddings": config.get("max_position_embeddings"),
     }
 
 
-def to_hf(model) -> dict[str, Any]:
-    """config.json for a model of these fields (peer.config.run.ModelConfig), over the one it came from."""
+def _moe(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """MoEConfig's fields of a Mixtral config.json: experts in every block."""
+    try:
+        return {
+            "num_experts": int(config["num_local_experts"]),
+            "top_k": int(config["num_experts_per_tok"]),
+            "layers": [],
+            "expert_size": int(config["intermediate_size"]),
+            "aux_loss_weight": float(config.get("router_aux_loss_coef", 0.001)),
+        }
+    except KeyError as e:
+        raise ConfigError(f"{where}: the field {e.args[0]} is missing") from None
+
+
+def to_hf(model, moe=None) -> dict[str, Any]:
+    """config.json for a model of these fields (peer.config.run.ModelConfig; `moe`, a MoEConfig, for
+    Mixtral), over the one it came from."""
     family = SUPPORTED[model.architecture]
     out = {k: v for k, v in model.source_config.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
     rope: dict[str, Any] = {"rope_type": model.rope_scaling.kind, "rope_theta": model.rope_theta}
@@ -151,6 +172,14 @@ def to_hf(model) -> dict[str, Any]:
     out.setdefault("max_position_embeddings", model.max_seq_len)
     if family in ("llama", "qwen3"):
         out["attention_bias"] = model.o_bias
+    if family == "mixtral":
+        out.update(
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            intermediate_size=moe.expert_size or model.intermediate_size,
+            router_aux_loss_coef=moe.aux_loss_weight,
+            router_jitter_noise=0.0,
+        )
     if not model.source_config:  # our own model (the byte-level demo): no special tokens to stop at
         out.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return out

@@ -63,5 +63,7 @@ def resolve(spec: RunSpec) -> RunSpec:
             "attention is not supported (set max_seq_len to at most the window)"
         )
     resolved = dataclasses.replace(spec, model=model)
+    if read["moe"]:  # Mixtral: its experts, with the run's own choices (min_answers) kept
+        resolved.moe = dataclasses.replace(spec.moe, **read["moe"])
     resolved.validate()
     return resolved

@@ -325,6 +325,11 @@ class RunSpec:
     def _validate_moe(self) -> None:
         m = self.model
         e = self.moe
+        mixtral = m.architecture == "MixtralForCausalLM"
+        if mixtral and (not e.num_experts or len(self.moe_layers()) != m.num_layers):
+            raise ConfigError(
+                "moe: MixtralForCausalLM has experts in every block (moe.num_experts > 0, moe.layers empty)"
+            )
         if e.num_experts < 0:
             raise ConfigError(f"moe.num_experts: must be >= 0, got {e.num_experts}")
         if e.num_experts:

@@ -192,7 +192,7 @@ def model_weights(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     complete checkpoint at `path`.
 
     Stages give their parameters under their own names; an expert `L.E` of a mixture-of-experts
-    layer gives `model.layers.L.mlp.experts.E.*`.
+    layer gives `model.layers.L.block_sparse_moe.experts.E.*` (Mixtral's names).
     """
     found = latest(path)
     if found is None:
@@ -208,7 +208,7 @@ def model_weights(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         prefix = ""
         if kind == "expert":
             layer, _, index = ident.partition(".")
-            prefix = f"model.layers.{layer}.mlp.experts.{index}."
+            prefix = f"model.layers.{layer}.block_sparse_moe.experts.{index}."
         for key, t in tensors.items():
             if key.startswith("param/"):
                 weights[prefix + key[len("param/") :]] = t

@@ -76,15 +76,22 @@ def export(
     spec_dict, weights = model_weights(path)
     weights = {name: t.to(DTYPES[dtype]) for name, t in weights.items()}
     spec = RunSpec.from_dict(spec_dict)
-    if spec.moe_layers():
-        raise CheckpointError(f"{path}: a mixture-of-experts run; exporting it (as Mixtral) is not supported yet")
+    if spec.moe_layers() and len(spec.moe_layers()) != spec.model.num_layers:
+        raise CheckpointError(
+            f"{path}: experts in blocks {spec.moe_layers()} only; a mixture-of-experts run exports as Mixtral, "
+            "which has them in every block"
+        )
+    if spec.moe_layers() and spec.model.architecture != "MixtralForCausalLM":
+        if spec.model.qkv_bias or spec.model.o_bias or spec.model.qk_norm:
+            raise CheckpointError(f"{path}: Mixtral's attention has no biases nor q/k norms; this run's has")
+        spec.model.architecture = "MixtralForCausalLM"
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists and is not an empty directory; export needs a new one")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        config = {**to_hf(spec.model), "dtype": dtype}
+        config = {**to_hf(spec.model, spec.moe), "dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -132,10 +139,13 @@ def load_directory(directory: str | Path) -> StageModel:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{config_file}: no readable config.json ({e})") from None
     try:
-        fields = from_hf(config, str(config_file))["fields"]
+        read = from_hf(config, str(config_file))
+        fields = read["fields"]
         limit = config.get("max_position_embeddings")
         fields["max_seq_len"] = min(limit, 4096) if isinstance(limit, int) and limit > 0 else 4096
-        spec = RunSpec.from_dict({"model": fields, "stages": {"num_stages": 1}, "training": {"seq_len": 1}})
+        spec = RunSpec.from_dict(
+            {"model": fields, "moe": read["moe"], "stages": {"num_stages": 1}, "training": {"seq_len": 1}}
+        )
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     model = StageModel(spec)

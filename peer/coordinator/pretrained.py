@@ -2,9 +2,10 @@
 
 At start the coordinator checks every tensor against the model the spec builds and pins the
 weight files' sha256 in the spec (`model.weights`), which it signs and publishes. It then serves
-each stage's initial weights the way it serves a resumed checkpoint (peer.coordinator.archive, an
-`archive` record at step 0): a server that joins a stage with no serving replica loads its own
-stage's tensors from there, never the whole model; later joiners load from the serving replicas.
+each stage's (and each expert's) initial weights the way it serves a resumed checkpoint
+(peer.coordinator.archive, an `archive` record at step 0): a server that joins a stage (an expert
+host, an expert) with no serving replica loads its own part's tensors from there, never the whole
+model; later joiners load from the serving replicas.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import dataclasses
 from pathlib import Path
 
 from dht.node import SwarmDHT
-from peer.config import ConfigError, PeerConfig, RunSpec
+from peer.config import PeerConfig, RunSpec
 from peer.coordinator.archive import Archive
 from peer.coordinator.checkpoint import CheckpointError
-from peer.model.pretrained import WeightFiles, check, has_weights, stage_state
+from peer.model.moe import expert_uid
+from peer.model.pretrained import WeightFiles, check, expert_state, has_weights, stage_state
 from peer.process.status_lines import say
 
 
@@ -24,8 +26,6 @@ def pin_weights(spec: RunSpec) -> RunSpec:
     """The spec with `model.weights` set to the fingerprint of its directory's weights, after checking them."""
     if not spec.model.path or not has_weights(Path(spec.model.path)):
         return spec
-    if spec.moe_layers():
-        raise ConfigError("model.path: pretrained weights for mixture-of-experts runs are not supported yet")
     weights = WeightFiles(Path(spec.model.path))
     check(spec, weights)
     pinned = dataclasses.replace(spec, model=dataclasses.replace(spec.model, weights=weights.fingerprint()))
@@ -43,10 +43,16 @@ def open_pretrained(spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT) -> Archive:
     directory = Path(spec.model.path)
     weights = WeightFiles(directory)
     names = [f"stage {s}" for s in range(spec.stages.num_stages)]
+    names += [f"expert {expert_uid(layer, e)}" for layer in spec.moe_layers() for e in range(spec.moe.num_experts)]
     manifest = {"step": 0, "parts": {n: {"epoch": 0, "metadata": _metadata(spec, n, 0)} for n in names}}
 
     def load(name: str) -> tuple[dict, dict]:
-        state = stage_state(spec, weights, int(name.partition(" ")[2]))
+        kind, _, ident = name.partition(" ")
+        if kind == "expert":
+            layer, _, index = ident.partition(".")
+            state = expert_state(spec, weights, int(layer), int(index))
+        else:
+            state = stage_state(spec, weights, int(ident))
         return _metadata(spec, name, len(state)), state
 
     archive = Archive(directory, spec, cfg, dht, manifest=manifest, load=load)

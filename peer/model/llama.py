@@ -123,18 +123,25 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One transformer block, named as transformers' LlamaDecoderLayer."""
+    """One transformer block, named as transformers' LlamaDecoderLayer (a mixture of experts as Mixtral's
+    `block_sparse_moe`)."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = mlp
+        self.ffn_name = "block_sparse_moe" if isinstance(mlp, MoE) else "mlp"
+        setattr(self, self.ffn_name, mlp)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The block's MLP, dense or a mixture of experts."""
+        return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class StageModel(nn.Module):
@@ -220,7 +227,7 @@ class StageModel(nn.Module):
         for name, layer in self.layers.items():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 1 + int(name))
             for pname, p in layer.named_parameters():
-                if pname.startswith("mlp.experts."):
+                if pname.startswith("block_sparse_moe.experts."):
                     continue  # every expert is initialised from its own seed (peer.model.moe.init_expert)
                 if pname.endswith("norm.weight"):
                     p.fill_(1.0)
@@ -257,13 +264,13 @@ class StageModel(nn.Module):
     def _layer(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """One block; with activation checkpointing its activations are recomputed in the backward (not a
         mixture-of-experts block: recomputing would call its remote experts again)."""
-        if self.checkpointing and self.training and torch.is_grad_enabled() and not isinstance(layer.mlp, MoE):
+        if self.checkpointing and self.training and torch.is_grad_enabled() and not isinstance(layer.ffn, MoE):
             return checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
         return layer(x, self.rope_cos, self.rope_sin)
 
     def aux_loss(self) -> torch.Tensor | None:
         """The weighted load-balancing loss of the last forward's MoE layers (None without MoE)."""
-        losses = [b.mlp.aux_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        losses = [b.ffn.aux_loss for b in self.layers.values() if isinstance(b.ffn, MoE) and b.ffn.aux_loss is not None]
         return self.aux_weight * sum(losses) if losses else None
 
 

@@ -1,7 +1,9 @@
 """Mixture-of-experts MLP: a top-k gate on the stage server, experts local or on expert hosts.
 
 Each token goes to the `top_k` experts with the largest gate logits; its output is the sum of
-their outputs weighted by a softmax over those logits. When an expert cannot be reached the
+their outputs weighted by a softmax over those logits (Mixtral's routing: a softmax over all
+experts, the top k, renormalised, is the same). Names are Mixtral's on disk
+(`block_sparse_moe.gate`, `block_sparse_moe.experts.E.w1/w2/w3`), so a run exports as Mixtral. When an expert cannot be reached the
 caller skips it: the softmax then runs over the experts that answered (the remaining weights are
 renormalised), and a token with fewer than `moe.min_answers` answers fails the call. A
 Switch-Transformer load-balancing loss (E * sum_e fraction_e * mean_prob_e) is kept for the
@@ -47,6 +49,19 @@ class SwiGLU(nn.Module):
         return self.tp.reduce_out(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class Expert(nn.Module):
+    """One expert: w2(silu(w1(x)) * w3(x)), named as Mixtral's experts are on disk (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 def expert_size(cfg: ModelConfig, moe: MoEConfig) -> int:
     return moe.expert_size or cfg.intermediate_size
 
@@ -63,16 +78,16 @@ def parse_expert_uid(uid: str) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def init_expert(expert: SwiGLU, seed: int, layer: int, index: int, num_layers: int) -> None:
+def init_expert(expert: Expert, seed: int, layer: int, index: int, num_layers: int) -> None:
     """Every expert from its own seed, so a host and the plain model start from the same weights."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + layer * 10_000 + index)
     std = 0.02
     for name, p in expert.named_parameters():
-        p.normal_(0.0, std / (2 * num_layers) ** 0.5 if name == "down_proj.weight" else std, generator=gen)
+        p.normal_(0.0, std / (2 * num_layers) ** 0.5 if name == "w2.weight" else std, generator=gen)
 
 
-def make_expert(cfg: ModelConfig, moe: MoEConfig, seed: int, layer: int, index: int) -> SwiGLU:
-    expert = SwiGLU(cfg.hidden_size, expert_size(cfg, moe))
+def make_expert(cfg: ModelConfig, moe: MoEConfig, seed: int, layer: int, index: int) -> Expert:
+    expert = Expert(cfg.hidden_size, expert_size(cfg, moe))
     init_expert(expert, seed, layer, index, cfg.num_layers)
     return expert
 

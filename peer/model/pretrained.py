@@ -96,10 +96,14 @@ class WeightFiles:
 
 
 def expected_shapes(spec: RunSpec, stage: int | None = None) -> dict[str, list[int]]:
-    """Parameter name -> shape of the whole model (or one stage), built on the meta device (no memory)."""
+    """Parameter name -> shape of the whole model, or of one stage (its experts live on expert hosts, not
+    in it), built on the meta device (no memory)."""
     with torch.device("meta"):
         model = StageModel(spec, stage)
-    return {name: list(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    if stage is not None:
+        shapes = {name: shape for name, shape in shapes.items() if ".experts." not in name}
+    return shapes
 
 
 def check(spec: RunSpec, weights: WeightFiles) -> None:
@@ -124,8 +128,17 @@ def check(spec: RunSpec, weights: WeightFiles) -> None:
 def stage_state(spec: RunSpec, weights: WeightFiles, stage: int) -> dict[str, torch.Tensor]:
     """A stage's initial state from the weights, named as a donor sends it (`param/NAME`; in local mode also
     the outer anchor, equal to them, and a zero outer momentum)."""
-    names = list(expected_shapes(spec, stage))
-    params = weights.read(names)
+    return _state(spec, weights.read(list(expected_shapes(spec, stage))))
+
+
+def expert_state(spec: RunSpec, weights: WeightFiles, layer: int, index: int) -> dict[str, torch.Tensor]:
+    """Expert `layer.index`'s initial state from the weights (`param/w1.weight`, ...), as its donors send it."""
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts.{index}."
+    names = [n for n in weights.headers if n.startswith(prefix)]
+    return _state(spec, {n[len(prefix) :]: t for n, t in weights.read(names).items()})
+
+
+def _state(spec: RunSpec, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = {f"param/{n}": t for n, t in params.items()}
     if spec.local_updates:
         state.update({f"outer/anchor/{n}": t for n, t in params.items()})
