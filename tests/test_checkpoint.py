@@ -207,7 +207,11 @@ def test_the_coordinator_checkpoints_a_running_swarm_and_a_killed_swarm_resumes_
     (swarm.workdir / "qwen3" / "config.json").write_text(json.dumps(QWEN3))
     spec = {**SWARM_SPEC, "model": {"path": str(swarm.workdir / "qwen3"), "max_seq_len": 32}}
     every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
-    swarm.coordinator(spec, extra=["--checkpoints", str(root), "--set", "coordinator.report_period=0.5", *every])
+    # a stage's state (about 400 kB) comes to the coordinator in shards under a 200 kB message limit
+    small = ["--set", "server.max_message_bytes=200000", "--set", "server.chunk_bytes=65536"]
+    swarm.coordinator(
+        spec, extra=["--checkpoints", str(root), "--set", "coordinator.report_period=0.5", *every, *small]
+    )
     servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
     endpoints = [swarm.endpoint(s) for s in servers]
     idle = scrape(servers[1])

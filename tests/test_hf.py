@@ -295,7 +295,9 @@ def test_a_run_from_pretrained_weights_serves_each_stage_its_tensors_and_exports
     }
     swarm.coordinator(spec)
     swarm.peers[0].wait_for(r"Serving the pretrained weights of \S+ \(F32\)", 30)
-    servers = [swarm.server(f"s{s}", s) for s in range(2)]
+    # stage 1's state (about 1.4 MB) must come in shards under a 200 kB message limit
+    small = ["--set", "server.max_message_bytes=200000", "--set", "server.chunk_bytes=65536"]
+    servers = [swarm.server("s0", 0), swarm.server("s1", 1, [*small, "--set", "server.stream_bytes=65536"])]
     endpoints = [swarm.endpoint(s) for s in servers]
     for stage, server in enumerate(servers):
         server.wait_for(rf"Loaded the state of stage {stage} \(step 0\)", 30)

@@ -7,6 +7,7 @@ must be gone within seconds: no p2pd, no forked helper, no temporary directory.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -109,6 +110,8 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
             pids.update(descendants(proc.pid))  # 30 s without trainers on a slow machine: kill it anyway
         names = _names(pids)
         assert sum("p2pd" in n for n in names) >= 3, names  # the swarm really was up
+        pids.update(descendants(proc.pid))
+        assert _shared_memory(pids), "the swarm's averagers made no torch shared-memory files to clean up"
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         left = _all_gone(pids, GONE_WITHIN)
@@ -120,8 +123,17 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
         while runtime_dirs(Path("/tmp"), workdir) - dirs and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not runtime_dirs(Path("/tmp"), workdir) - dirs, "runtime directories (with key copies) left"
+        deadline = time.monotonic() + GONE_WITHIN
+        while _shared_memory(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _shared_memory(pids), f"torch shared-memory files left in /dev/shm: {_shared_memory(pids)[:5]}"
     finally:
         _kill_everything(proc, pids)
+
+
+def _shared_memory(pids) -> list[str]:
+    """The torch shared-memory files (file_system sharing) that processes `pids` created."""
+    return [path for pid in pids for path in glob.glob(f"/dev/shm/torch_{pid}_*")]
 
 
 def test_a_terminated_benchmark_stops_its_swarm(tmp_path):

@@ -125,3 +125,28 @@ def test_a_resync_keeps_what_the_donors_step_did_not_count():
     donor.apply_step([torch.zeros_like(p) for p in donor.params], 4, 0, ["donor"], {"donor": (1, 1)})
     me.load_state(*donor.snapshot(), "me")
     assert me.samples_accumulated == 4 and me.stepped_seq == 0
+
+
+def test_a_state_sent_in_shards_is_one_step_even_if_the_donor_steps_meanwhile():
+    """A joiner asks for a big state in several shards of one step; the donor copies its state at the
+    first shard and serves the others from that copy, though it stepped in between."""
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    donor = StageRuntime(spec, 1)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 8, 32, generator=gen), torch.randint(0, 256, (3, 8), generator=gen)
+    donor.backward("a", x, None, y)
+    grads, samples = donor.take_gradients()
+    donor.apply_step(grads, samples, donor.taken_seq)
+    before = {f"param/{n}": p.detach().clone() for n, p in zip(donor.param_names, donor.params, strict=True)}
+    first_meta, first = donor.snapshot(0, 3, epoch=1)
+    donor.backward("b", x, None, y)  # the donor steps while the joiner fetches the other shards
+    grads, samples = donor.take_gradients()
+    donor.apply_step(grads, samples, donor.taken_seq)
+    parts = [first, donor.snapshot(1, 3, epoch=1)[1], donor.snapshot(2, 3, epoch=1)[1]]
+    assert first_meta["epoch"] == 1 and donor.epoch == 2
+    merged = {k: t for part in parts for k, t in part.items()}
+    assert len(merged) == sum(len(p) for p in parts) == first_meta["tensor_count"]
+    assert all(torch.equal(merged[k], t) for k, t in before.items())  # the step-1 weights, not step 2's
+    assert donor.snapshot(0, 3, epoch=2)[0]["epoch"] == 2  # a later request gets the state as it is now

@@ -52,6 +52,9 @@ class Archive:
                 )
             load = lambda name: checkpoint.load_part(path, manifest, name)  # noqa: E731
         self.manifest, self._load = manifest, load
+        # the part read last: a joiner asks for a big part's state in several shards at once, read once
+        self._last: tuple[str, dict, dict] | None = None
+        self._reading: asyncio.Lock | None = None  # made on the archive's own event loop
         self.endpoint = ""
         self.started = time.time()
         self._thread = LoopThread("archive")
@@ -95,7 +98,7 @@ class Archive:
                 f"the archive holds {name} at step {entry['epoch']}",
                 Reason.STALE_EPOCH,
             )
-        metadata, tensors = await asyncio.to_thread(self._load, name)
+        metadata, tensors = await self._part(name)
         num_shards = max(request.num_shards, 1)
         if request.shard >= num_shards:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist")
@@ -108,6 +111,17 @@ class Archive:
             response.tensors.add(name=key, tensor=header)
         for frame in framing.frames(response, payloads, self.cfg.server.chunk_bytes):
             yield frame
+
+    async def _part(self, name: str) -> tuple[dict, dict]:
+        """(metadata, tensors) of part `name`, read once for the shards asked for together (one part kept)."""
+        if self._reading is None:
+            self._reading = asyncio.Lock()
+        async with self._reading:
+            if self._last is None or self._last[0] != name:
+                self._last = None  # the previous part's tensors go before the next is read
+                metadata, tensors = await asyncio.to_thread(self._load, name)
+                self._last = (name, metadata, tensors)
+            return self._last[1], self._last[2]
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def _serve(self) -> None:

@@ -21,6 +21,7 @@ from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator import checkpoint
 from peer.model.moe import expert_uid
+from peer.model.pretrained import state_shards_needed
 from peer.net.client import StageClient
 
 logger = logging.getLogger(__name__)
@@ -59,15 +60,28 @@ class Checkpointer:
         serving = [(pid, r) for pid, r in records.items() if r.state == "serving" and r.expert == expert]
         for pid, record in sorted(serving, key=lambda item: (-item[1].epoch, -item[1].throughput)):
             try:
-                metadata, tensors = await client.get_state(
-                    record.endpoint, self.spec.name, stage, self.ccfg.checkpoint_timeout, expert=expert
-                )
+                metadata, tensors = await self._whole_state(client, record.endpoint, stage, expert)
             except Exception as e:  # a replica that went away: the next one
                 logger.warning("checkpoint: %s did not give its state: %s", record.endpoint, e)
                 continue
             name = f"expert {expert}" if expert else f"stage {stage}"
             return checkpoint.Part(name, metadata, tensors, peer=pid)
         return None
+
+    async def _whole_state(self, client: StageClient, endpoint: str, stage: int, expert: str) -> tuple[dict, dict]:
+        """One replica's whole state of a part, in shards of one step when it is big (see state_shards_needed)."""
+        timeout, run = self.ccfg.checkpoint_timeout, self.spec.name
+        n = state_shards_needed(self.spec, stage, expert, self.cfg.server.max_message_bytes)
+        metadata, tensors = await client.get_state(endpoint, run, stage, timeout, 0, n, expert=expert)
+        rest = await asyncio.gather(
+            *(
+                client.get_state(endpoint, run, stage, timeout, i, n, metadata["epoch"], expert=expert)
+                for i in range(1, n)
+            )
+        )
+        for _, part in rest:
+            tensors.update(part)
+        return metadata, tensors
 
     async def take(self, step: int) -> Path | None:
         """Pull every part and write a checkpoint at `step`; None (and a warning) if a part had no server."""

@@ -65,16 +65,30 @@ class PartState:
 
     # ---- state transfer -------------------------------------------------------------------
     @torch.no_grad()
-    def snapshot(self, shard: int = 0, num_shards: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+    def snapshot(
+        self, shard: int = 0, num_shards: int = 1, epoch: int | None = None
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         """Parameters and optimizer state (CPU copies) with metadata: what a joining replica loads.
 
-        With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that
-        several donors can each send a part.
+        With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that several
+        donors, or one donor in several messages, each send a part. The first shard's request copies
+        the whole state once, and the other shards of that step (`epoch`) come from that copy even if
+        this replica steps meanwhile: a big state takes longer to send than a step takes. One such
+        copy is kept, until all its shards were asked for or another request replaces it.
         """
-        everything = self.state_tensors()
-        part = state_shards(everything, max(num_shards, 1))[shard] if num_shards > 1 else set(everything)
-        tensors = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in everything.items() if n in part}
-        return self.state_metadata(len(everything)), tensors
+        num_shards = max(num_shards, 1)
+        shared = getattr(self, "_shared_snapshot", None)
+        if shared is not None and shared[0] == num_shards and epoch is not None and shared[1]["epoch"] == epoch:
+            _, metadata, everything, served = shared
+            served.add(shard)
+            if len(served) == num_shards:
+                self._shared_snapshot = None
+        else:
+            everything = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in self.state_tensors().items()}
+            metadata = self.state_metadata(len(everything))
+            self._shared_snapshot = (num_shards, metadata, everything, {shard}) if num_shards > 1 else None
+        part = state_shards(everything, num_shards)[shard] if num_shards > 1 else set(everything)
+        return metadata, {n: t for n, t in everything.items() if n in part}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a state holds, by name: parameters, optimizer state, and in local mode anchor and momentum."""

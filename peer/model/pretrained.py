@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -104,6 +105,16 @@ def expected_shapes(spec: RunSpec, stage: int | None = None) -> dict[str, list[i
     if stage is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".experts." not in name}
     return shapes
+
+
+def state_shards_needed(spec: RunSpec, stage: int, expert: str, max_message_bytes: int) -> int:
+    """Shards a part's state must come in so that none exceeds half of `max_message_bytes` (a state is at
+    most 5 float32 copies of the parameters: weights, 2 Adam moments, the outer anchor and momentum)."""
+    if expert:
+        params = 3 * spec.model.hidden_size * (spec.moe.expert_size or spec.model.intermediate_size)
+    else:
+        params = sum(math.prod(shape) for shape in expected_shapes(spec, stage).values())
+    return max(1, -(-5 * 4 * params // max(max_message_bytes // 2, 1)))
 
 
 def check(spec: RunSpec, weights: WeightFiles) -> None:

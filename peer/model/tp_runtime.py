@@ -281,7 +281,8 @@ class ShardedStageRuntime(StageRuntime):
     def restore_round(self, taken, samples, seq) -> None:
         self._call("restore_round", {"samples": samples, "seq": seq}, full=taken)
 
-    def snapshot(self, shard: int = 0, num_shards: int = 1):
+    def snapshot(self, shard: int = 0, num_shards: int = 1, epoch: int | None = None):
+        """Gathered from the ranks anew for each shard (a split donor keeps no copy: `epoch` is not used)."""
         return self._call("snapshot", {"shard": shard, "num_shards": num_shards})
 
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 
 SOCKET_FLAG = "-listen=/unix"  # how hivemind names a p2p daemon's unix socket on its command line
 SOCKET_DIR = "/tmp/hivemind-"  # where hivemind puts its unix sockets, whatever TMPDIR says
+# torch's shared-memory files (file_system sharing, which hivemind uses): torch_<creator pid>_<random>_<n>;
+# torch_shm_manager unlinks them when their users exit, but it dies with the peer's process group
+SHM_DIR = "/dev/shm"
 SOCKET_LOOKS = 4  # the sockets the peer's processes hold are noted every this many looks
 LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what it did to reaper-<peer pid>.log there
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
@@ -265,7 +268,19 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=_quiet
             with contextlib.suppress(OSError):
                 os.unlink(path)
         shutil.rmtree(runtime_dir, ignore_errors=True)
+        log(f"shared memory files removed: {remove_shared_memory([watch.peer, *watch.seen])}")
     log("done")
+
+
+def remove_shared_memory(pids, directory: str = SHM_DIR) -> int:
+    """Remove the torch shared-memory files that processes `pids` (all gone) created; how many."""
+    removed = 0
+    for pid in pids:
+        for path in glob.glob(os.path.join(directory, f"torch_{pid}_*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+    return removed
 
 
 def _bound_elsewhere(since: float, prefix: str = SOCKET_DIR) -> list[str]:

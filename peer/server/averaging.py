@@ -116,10 +116,16 @@ class GradientAverager:
         infos = {peer_name(pid): info for pid, info in (gathered or {}).items()}
         if not self._whole(infos, epoch):
             return None
+        total = sum(int(i.get("samples", 0)) for i in infos.values())
+        if total <= 0:  # the weights were all 0: the mean is 0/0; every member sees the same total and skips
+            logger.warning("averaging group for step %d brought no samples: nobody steps", epoch)
+            return None
         with self._averager.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
+        if not all(torch.isfinite(t).all() for t in averaged):  # the same mean on every member: all skip alike
+            logger.warning("averaging group for step %d produced a mean that is not finite: nobody steps", epoch)
+            return None
         coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
-        total = sum(int(i.get("samples", 0)) for i in infos.values())
         return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
 
     def _round(self, gradients, samples: int, epoch: int, expected: int, admitted, gather: dict) -> dict | None:

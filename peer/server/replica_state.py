@@ -34,14 +34,15 @@ class StateTransfer:
             )
             epoch = info.epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
-        n = len(same)
+        n = max(len(same), self._state_shards())
 
         def part(donor: ServerRecord, shard: int):
             return self.client.get_state(
                 donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
             )
 
-        results = await asyncio.gather(*(part(d, i) for i, d in enumerate(same)), return_exceptions=True)
+        # each donor sends every len(same)-th shard; a shard stays well under the largest message accepted
+        results = await asyncio.gather(*(part(same[i % len(same)], i) for i in range(n)), return_exceptions=True)
         for i, result in enumerate(results):
             for other in same:  # a part whose donor failed comes from another donor
                 if not isinstance(result, BaseException):
@@ -57,6 +58,12 @@ class StateTransfer:
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
+
+    def _state_shards(self) -> int:
+        """Shards the part's state must come in so that none exceeds half of server.max_message_bytes (the
+        state is at most 5 copies of the parameters: weights, 2 Adam moments, the outer anchor and momentum)."""
+        state = 5 * sum(p.numel() * p.element_size() for p in self.runtime.params)
+        return max(1, -(-state // max(self.cfg.server.max_message_bytes // 2, 1)))
 
     async def _load_from(self, donors: list[ServerRecord], attempts: int = 4) -> bool:
         for attempt in range(attempts):

@@ -230,7 +230,8 @@ class ServicerBase:
         self.server.inflight += 1
         try:
             try:
-                metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards)
+                epoch = request.epoch if request.HasField("epoch") else None
+                metadata, tensors = await replica.run_torch(replica.runtime.snapshot, request.shard, num_shards, epoch)
             except RankDied as e:
                 await refuse(context, grpc.StatusCode.UNAVAILABLE, f"this server is stopping: {e}")
         finally:
