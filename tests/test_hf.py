@@ -280,6 +280,16 @@ def test_the_coordinator_refuses_pickled_weights_in_one_line(tmp_path):
     assert "pytorch_model.bin: pickled weights are never loaded; convert them to safetensors" in done.stderr
 
 
+def pretrained_run(name: str, directory, stages: int) -> dict:
+    """The run spec of a small run that starts from the model directory's weights."""
+    return {
+        "name": name,
+        "model": {"path": str(directory), "max_seq_len": 32},
+        "stages": {"num_stages": stages},
+        "training": {"micro_batch_size": 2, "seq_len": 32, "target_batch_size": 4},
+    }
+
+
 def test_a_run_from_pretrained_weights_serves_each_stage_its_tensors_and_exports_them_bit_for_bit(swarm):
     """Only the coordinator has the model directory: each server loads its own stage's tensors from it,
     equal to the file's bit for bit, and a checkpoint of them exports to the same tensors."""
@@ -287,12 +297,7 @@ def test_a_run_from_pretrained_weights_serves_each_stage_its_tensors_and_exports
     hf, _ = hf_model("llama", directory, stages=2)
     hf.save_pretrained(directory)  # config.json and model.safetensors (float32)
     original = load_file(str(directory / "model.safetensors"))
-    spec = {
-        "name": "pretrained",
-        "model": {"path": str(directory), "max_seq_len": 32},
-        "stages": {"num_stages": 2},
-        "training": {"micro_batch_size": 2, "seq_len": 32, "target_batch_size": 4},
-    }
+    spec = pretrained_run("pretrained", directory, stages=2)
     swarm.coordinator(spec)
     swarm.peers[0].wait_for(r"Serving the pretrained weights of \S+ \(F32\)", 30)
     # stage 1's state (about 1.4 MB) must come in shards under a 200 kB message limit
@@ -352,12 +357,7 @@ def test_a_mixtral_run_from_pretrained_weights_gives_each_expert_host_its_expert
     directory = swarm.workdir / "mixtral"
     hf, _ = hf_model("mixtral", directory, stages=1, num_hidden_layers=2)
     original = on_disk(hf, directory)
-    spec = {
-        "name": "pretrained-moe",
-        "model": {"path": str(directory), "max_seq_len": 32},
-        "stages": {"num_stages": 1},
-        "training": {"micro_batch_size": 2, "seq_len": 32, "target_batch_size": 4},
-    }
+    spec = pretrained_run("pretrained-moe", directory, stages=1)
     swarm.coordinator(spec)
     host = swarm.start("experts", loopback_join(swarm.maddr, "experts", "--experts", "0.0,0.1,0.2,0.3,1.0,1.1,1.2,1.3"))
     endpoint = swarm.known(host.wait_for(r"Serving experts .* at (\S+:\d+)", 120).group(1), "experts")
