@@ -1,19 +1,23 @@
 """A ~125M-parameter Llama on this machine's CPUs: 3 stages x 2 replicas, a joiner, a checkpoint, a resume.
 
 The model is a Hugging Face model directory (config.json of LlamaForCausalLM: hidden 768, 12
-layers, 12 heads with 4 key/value heads, vocab 32000) that only the coordinator reads. One run:
+layers, 12 heads with 4 key/value heads, vocab 32000, and its weights in model.safetensors) that
+only the coordinator reads. One run:
 
-1. a coordinator (checkpoints every few steps), one server per stage, then a second for stages 0
-   and 1, each a `peer join` process with one torch thread;
+1. a coordinator (checkpoints every few steps), one server per stage, each loading its stage's
+   tensors from the coordinator, then a second for stages 0 and 1 loading them from the first; each
+   a `peer join` process with one torch thread;
 2. a trainer runs `--steps` optimizer steps; once it is under way a sixth server joins stage 2 and
    loads the stage's whole state (weights and Adam) from the serving replica: its join time;
 3. the swarm is killed; a coordinator started with `--resume` serves the newest checkpoint, and a
    server per stage loads it: resume time;
 4. the single-process loop trains the same model with as many torch threads as the machine has.
 
-Figures: peak RSS of each server (VmHWM) over its stage's state bytes (weights + Adam moments,
-float32), join and checkpoint and resume seconds, and samples/s of the swarm over the single
-process (goal >= 0.85; the swarm shares these cores among 6 servers, a trainer and a coordinator).
+Figures: what loading its weights took each server (its peak RSS by then less its RSS before it
+built the stage, over the weights' bytes: goal <= 1.5), peak RSS of each server over the whole run
+(VmHWM) over its stage's state bytes (weights + Adam moments, float32), join and checkpoint and
+resume seconds, and samples/s of the swarm over the single process (goal >= 0.85; the swarm shares
+these cores among 6 servers, a trainer and a coordinator).
 
     python benchmarks/scale.py [--steps 20] [--quick]
 """
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,7 +51,7 @@ QUICK = {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "vocab": 1024, "
 
 
 def model_directory(where: Path, size: dict) -> Path:
-    """A Llama model directory (config.json only: the run starts from its seed)."""
+    """A Llama model directory: config.json, and pretrained weights (see `write_weights`)."""
     where.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -63,6 +68,12 @@ def model_directory(where: Path, size: dict) -> Path:
     }
     (where / "config.json").write_text(json.dumps(config, indent=2))
     return where
+
+
+def write_weights(where: Path, spec: RunSpec) -> None:
+    """model.safetensors: the model's weights as transformers names them (here: our seed's), which only the
+    coordinator reads; each server gets its stage's tensors from it."""
+    save_file({n: t.contiguous() for n, t in StageModel(spec).state_dict().items()}, str(where / "model.safetensors"))
 
 
 def run_spec(model: Path, size: dict, steps: int) -> dict:
@@ -112,8 +123,23 @@ def serve(procs: Processes, maddr: str, servers: dict[str, int], loaded: bool = 
     sets = ["--set", "server.rebalance=never", "--set", "server.activation_cache_size=6"]
     for name, stage in servers.items():
         procs.start(name, loopback_join(maddr, name, "--stage", str(stage), *sets))
-    want = "Loaded the state" if loaded else "Serving stage"
-    procs.wait_until(lambda: all(want in procs.log(n) for n in servers), 300, f"benchmark: {list(servers)} serving")
+    want = "Loaded the state" if loaded else r"Serving stage \d+ at "  # not "Joined run ... Serving stage 0 of 3"
+    procs.wait_until(
+        lambda: all(re.search(want, procs.log(n)) for n in servers), 300, f"benchmark: {list(servers)} serving"
+    )
+
+
+def loading(procs: Processes, servers: list[str], figures: Figures) -> None:
+    """What loading its stage's weights took each server: its peak RSS by then less its RSS just before
+    they came (the runtime's baseline: gRPC server, averager, an unwritten stage), over the weights'
+    bytes (goal <= 1.5)."""
+    said = r"Memory: (\d+) MB at most by the time the stage's weights \((\d+) MB\) were in, (\d+) MB before they came"
+    ratios = []
+    for name in servers:
+        peak, weights, before = (float(x) for x in re.findall(said, procs.log(name))[-1])
+        ratios.append((peak - before) / weights)
+    figures["load_over_weights"] = "/".join(f"{r:.2f}" for r in ratios)
+    figures["load_over_weights_max"] = max(ratios)
 
 
 def train(procs: Processes, maddr: str, tmp: Path, spec: RunSpec, steps: int, figures: Figures) -> None:
@@ -149,8 +175,9 @@ def swarm(tmp: Path, spec_dict: dict, spec: RunSpec, steps: int, figures: Figure
     try:
         every = ["--checkpoints", "ckpt", "--set", f"coordinator.checkpoint_every_steps={max(steps // 2, 2)}"]
         maddr = start_coordinator(procs, tmp, every)
-        serve(procs, maddr, {f"s{stage}a": stage for stage in range(3)})
-        serve(procs, maddr, {f"s{stage}b": stage for stage in range(2)}, loaded=True)
+        serve(procs, maddr, {f"s{stage}a": stage for stage in range(3)})  # from the coordinator's weights
+        serve(procs, maddr, {f"s{stage}b": stage for stage in range(2)}, loaded=True)  # from s0a, s1a
+        loading(procs, ["s0a", "s1a", "s2a", "s0b", "s1b"], figures)
         train(procs, maddr, tmp, spec, steps, figures)
         servers = {n: stage for n, stage in (("s0a", 0), ("s1a", 1), ("s2a", 2), ("s0b", 0), ("s1b", 1), ("s2b", 2))}
         peaks = {n: peak_rss(procs.procs[n][0].pid) for n in servers}
@@ -188,6 +215,7 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     with workdir(args.workdir, "swarmtrain-scale-") as tmp:
         spec_dict = run_spec(model_directory(tmp / "model", size), size, steps)
         spec = resolve(RunSpec.from_dict(spec_dict))
+        write_weights(tmp / "model", spec)
         figures.update(params_m=count_parameters(StageModel(spec)) / 1e6, steps=steps, cpus=os.cpu_count())
         swarm(tmp, spec_dict, spec, steps, figures)
     torch.set_num_threads(os.cpu_count() or 1)

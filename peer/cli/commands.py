@@ -11,6 +11,7 @@ from peer.cli.options import load_identity, peer_config, place_device, split_ove
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override
 from peer.config.model_dir import resolve as resolve_model_dir
 from peer.coordinator.admission_files import create_invite, invites_file, revoke, revoked_file
+from peer.process import memory
 
 
 # ---- the commands -----------------------------------------------------------------------------
@@ -110,6 +111,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from peer.coordinator.pretrained import pin_weights
 
     set_threads(cfg.threads)
+    memory.limit_arenas(cfg.malloc_arenas)
     spec = pin_weights(spec)  # a model directory's weights: every tensor checked, their hash in the signed spec
     run_coordinator(
         spec, cfg, load_identity(cfg), info_file=args.info_file, resume=args.resume or "", initial=args.initial_peers
@@ -134,6 +136,7 @@ def _join(args: argparse.Namespace) -> int:
     from peer.cli.role_trainer import run_trainer
 
     set_threads(cfg.threads)
+    memory.limit_arenas(cfg.malloc_arenas)
     if args.experts is not None:
         if args.role != "server" or args.stage is not None:
             raise ConfigError("--experts makes this peer an expert host: leave out --role and --stage")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -236,7 +237,8 @@ def _start_servers(console: Console, procs: Processes, maddr: str, started: floa
     servers = [f"server{s}{chr(97 + r)}" for s in range(STAGES) for r in range(REPLICAS)]
     for name in servers:
         procs.start(name, loopback_join(maddr, name, "--stage", name[6]))
-    _wait(lambda: all("Serving stage" in procs.log(n) for n in servers), procs, servers, "the stage servers")
+    serving = re.compile(r"Serving stage \d+ at ")  # not "Joined run ... Serving stage 0 of 2", said first
+    _wait(lambda: all(serving.search(procs.log(n)) for n in servers), procs, servers, "the stage servers")
     console.print(
         f"{len(servers)} stage servers serving after {time.monotonic() - started:.0f} s; starting {TRAINERS} trainers."
     )

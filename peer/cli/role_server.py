@@ -16,6 +16,7 @@ from peer.model.runtime import COMPUTE_DTYPES, StageRuntime
 from peer.model.tp import TPGroup, check_degree
 from peer.model.tp_runtime import Ranks, ShardedStageRuntime, tp_devices
 from peer.net.metrics import open_metrics, serve_metrics
+from peer.process import memory
 from peer.server.averaging import GradientAverager
 from peer.server.dispatch import RemoteExperts
 from peer.server.stage import StageServer
@@ -72,8 +73,8 @@ def run_server(
                 f"(ranks 1.. are pids {', '.join(map(str, ranks.pids))}).",
                 flush=True,
             )
-        _set_throughput(runtime, cfg, spec, experts)
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
+        server.before_serving = lambda before: _loaded(runtime, cfg, spec, experts, before)
         server.allowed_stages = splittable
         server.metrics = open_metrics(cfg, "stage server", lambda: _server_levels(server))
         deadline = _serve(server, dht, cfg, experts, ranks)
@@ -111,6 +112,19 @@ def _remote_experts(spec: RunSpec, stage: int, cfg: PeerConfig, dht) -> RemoteEx
     experts = RemoteExperts(spec, stage, cfg, dht)
     print(f"Blocks {experts.layers} are mixture-of-experts layers; their experts live on expert hosts.")
     return experts
+
+
+def _loaded(runtime, cfg: PeerConfig, spec: RunSpec, experts, before: int) -> None:
+    """Torch thread, the stage's weights just in: what holding them took (`before`: bytes resident
+    before they came), then its throughput."""
+    weights = sum(p.numel() * p.element_size() for p in runtime.params)
+    mb = lambda n: f"{n / 2**20:.0f} MB"  # noqa: E731
+    print(
+        f"Memory: {mb(memory.peak())} at most by the time the stage's weights ({mb(weights)}) were in, "
+        f"{mb(before)} before they came.",
+        flush=True,
+    )
+    _set_throughput(runtime, cfg, spec, experts)
 
 
 def _set_throughput(runtime, cfg: PeerConfig, spec: RunSpec, experts) -> None:
@@ -184,8 +198,8 @@ def _stage_runtime(spec: RunSpec, stage: int, cfg: PeerConfig, experts):
         "dedup_history": cfg.server.dedup_history,
         "compute_dtype": cfg.server.compute_dtype,
     }
-    if pcfg.tp == 1:
-        return StageRuntime(spec, stage, experts=experts, device=devices[0], **sizes), None
+    if pcfg.tp == 1:  # its weights come from the replicas or the seed once it serves (StageServer.start)
+        return StageRuntime(spec, stage, experts=experts, device=devices[0], init=False, **sizes), None
     threads = cfg.threads
     if threads == 0 and devices[0] == "cpu":  # ranks on CPU share the cores rather than each take them all
         threads = max(1, (os.cpu_count() or 1) // pcfg.tp)

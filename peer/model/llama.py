@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from peer.config import ModelConfig, RunSpec
+from peer.model import allocation
 from peer.model.moe import ExpertBackend, LocalExperts, MoE, SwiGLU, make_expert
 from peer.model.tp import TPGroup, full_shape, shard, shard_dim
 
@@ -163,9 +164,11 @@ class StageModel(nn.Module):
         stage: int | None = None,
         experts: ExpertBackend | None = None,
         tp: TPGroup | None = None,
+        init: bool = True,
     ):
         super().__init__()
         self.tp = tp
+        self.seed = spec.seed
         world = tp.world if tp else 1
         cfg = spec.model
         num_stages = spec.stages.num_stages
@@ -199,9 +202,37 @@ class StageModel(nn.Module):
         cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._init_weights(spec.seed)
-        if cfg.tie_embeddings and self.is_first and self.is_last:  # validate refuses ties across stages
+        if init:
+            self._init_weights(spec.seed)
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.cfg.tie_embeddings and self.is_first and self.is_last:  # validate refuses ties across stages
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def unallocated(cls, spec: RunSpec, stage: int | None = None, experts: ExpertBackend | None = None) -> StageModel:
+        """The stage with its parameters zero and not yet in memory (pages the kernel fills when first
+        written): for a server that loads a state into them, or calls init_from_seed when there is none.
+        Not with local experts (each is initialised as it is built) nor tensor parallelism."""
+        if (
+            experts is None
+            and stage is not None
+            and any(layer in spec.stage_blocks(stage) for layer in spec.moe_layers())
+        ):
+            raise ValueError("an unallocated stage needs its experts remote (each local expert initialises itself)")
+        with torch.device("meta"):
+            model = cls(spec, stage, experts, init=False)
+        model.to_empty(device="cpu")  # allocated, never written (and untied: each module gets its own)
+        model._tie()
+        for p in model.parameters():  # zeros rather than whatever the allocator held; tied weights are one Parameter
+            p.data = allocation.zeros(p.shape, p.dtype)
+        model.rope_cos, model.rope_sin = rotary_tables(model.cfg)
+        return model
+
+    def init_from_seed(self) -> None:
+        """The run's initial weights (what the constructor gives), into an unallocated stage."""
+        self._init_weights(self.seed)
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -239,7 +270,8 @@ class StageModel(nn.Module):
         if self.is_last:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 999_999)
             self.model.norm.weight.fill_(1.0)
-            self._normal("lm_head.weight", self.lm_head.weight, std, gen)
+            if not (self.is_first and self.lm_head.weight is self.model.embed_tokens.weight):  # tied: the embedding's
+                self._normal("lm_head.weight", self.lm_head.weight, std, gen)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         tp = self.tp

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from peer.config import RunSpec
+from peer.model import allocation
 from peer.model.optim import build_optimizer, set_lr
 from peer.model.part_state import Fingerprint, PartState
 
@@ -68,14 +69,17 @@ class PartRuntime(PartState):
         module: torch.nn.Module,
         fingerprint_history: int = 64,
         dedup_history: int = 1024,
+        initialized: bool = True,
     ):
         self.spec, self.name, self.model = spec, name, module
+        # False: the parameters are zero pages not yet in memory, until load_state or init_from_seed
+        self.initialized = initialized
         self.tp_degree = 1  # ranks this part is split over (peer.model.tp); 1: unsplit
         self.devices: list[str] = []  # the torch devices it runs on, one per rank
         self.params = [p for _, p in module.named_parameters()]
         self.param_names = [n for n, _ in module.named_parameters()]
         self.optimizer = build_optimizer(self.params, spec.training)
-        self.accumulator = [torch.zeros_like(p) for p in self.params]
+        self.accumulator = [allocation.zeros_like(p) for p in self.params]  # in memory once backwards come
         self.epoch = 0  # optimizer steps taken (local mode: outer steps)
         self.version = 0  # changes whenever the parameters do: cached forwards on other weights are stale
         self.samples_accumulated = 0  # samples in the accumulator
@@ -101,8 +105,9 @@ class PartRuntime(PartState):
         # and the inner steps and samples since the last outer step
         self.local = spec.local_updates
         self.inner_steps = self.inner_samples = 0
-        self.anchor = [p.detach().clone() for p in self.params] if self.local else []
-        self.momentum = [torch.zeros_like(p) for p in self.params] if self.local else []
+        anchor = (lambda p: p.detach().clone()) if initialized else allocation.zeros_like  # noqa: E731
+        self.anchor = [anchor(p) for p in self.params] if self.local else []
+        self.momentum = [allocation.zeros_like(p) for p in self.params] if self.local else []
         self._taken: tuple[list[torch.Tensor], int, int] | None = None  # (params, inner steps, samples) at a take
         self.configure_clipping(10.0, 64)
         self.clipped = self.refused_gradients = 0  # backwards clipped, and refused as not finite
@@ -167,6 +172,16 @@ class PartRuntime(PartState):
         # a forward is ~1/3 and a backward ~2/3 of the work of one sample
         sample_rate = batch / max(seconds / weight, 1e-6)
         self.throughput = sample_rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * sample_rate
+
+    @torch.no_grad()
+    def init_from_seed(self) -> None:
+        """The run's initial weights into a part built without them (`initialized` False); else nothing."""
+        if self.initialized:
+            return
+        self.model.init_from_seed()
+        for a, p in zip(self.anchor, self.params, strict=False):
+            a.copy_(p)
+        self.initialized = True
 
     def _after_step(self) -> None:
         """Hook: the parameters just changed in place."""

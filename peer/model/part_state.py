@@ -134,7 +134,7 @@ class PartState:
                 t = tensors.get(f"{kind}/{name}")
                 if t is None or list(t.shape) != list(shape):
                     raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
-                if not torch.isfinite(t).all():
+                if not finite(t):
                     raise StateError(f"{kind} {name} in the state is not finite")
             for slot in ("exp_avg", "exp_avg_sq", "step"):
                 t = tensors.get(f"optim/{name}/{slot}")
@@ -148,7 +148,7 @@ class PartState:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
         for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
-            p.copy_(tensors[f"{source}/{name}"])
+            take(p, tensors[f"{source}/{name}"])
             if self.local:
                 self.anchor[i].copy_(p)
                 self.momentum[i].copy_(tensors[f"outer/momentum/{name}"])
@@ -156,9 +156,10 @@ class PartState:
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 t = tensors.get(f"optim/{name}/{key}")
                 if t is not None:
-                    state[key] = t.to(p.device).clone()
+                    state[key] = t.to(p.device) if whole(t) else t.to(p.device, copy=True)
             if state:
                 self.optimizer.state[p] = state
+        self.initialized = True
         steps = inherited_steps(metadata)
         if self.restored and self.restored[0].epoch < int(metadata["epoch"]):
             # the donor's step after a round that failed here may have had us in its group: the round
@@ -174,6 +175,27 @@ class PartState:
         self._stash = None
         self.version += 1
         self._after_load()
+
+
+def finite(t: torch.Tensor, block: int = 1 << 20) -> bool:
+    """Whether every element of `t` is finite, checked `block` elements at a time (isfinite of a whole
+    tensor makes temporaries as large as it)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(block))
+
+
+def whole(t: torch.Tensor) -> bool:
+    """Whether `t` is all of its memory (not a slice of a buffer it shares with other tensors)."""
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def take(p: torch.Tensor, t: torch.Tensor) -> None:
+    """Load `t` into the parameter `p`: its memory becomes the parameter's when it fits (a tensor decoded
+    from the wire is ours), so a load holds one copy of the state, not two; else a copy."""
+    if t.dtype == p.dtype and t.device == p.device and whole(t):
+        p.data = t
+    else:
+        p.copy_(t)
 
 
 def inherited_steps(metadata: dict) -> dict[int, Fingerprint]:

@@ -52,6 +52,10 @@ COMPUTE_DTYPES = {
 LATE_MARGIN = 0.25  # s: gradients finished closer than this to the deadline are not kept (the answer could come late)
 
 
+def _forget_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
 class StageRuntime(PartRuntime):
     def __init__(
         self,
@@ -64,7 +68,10 @@ class StageRuntime(PartRuntime):
         device: str = "cpu",
         tp=None,
         compute_dtype: str = "",
+        init: bool = True,
     ):
+        """`init` False: a server about to load a donor's state; its weights take no memory until that
+        load, or init_from_seed when no donor has one (on CPU, unsplit; elsewhere they start initialised)."""
         self.stage = stage
         self.device = torch.device(device)
         compute_dtype = compute_dtype or spec.training.dtype  # "": the run's
@@ -72,9 +79,13 @@ class StageRuntime(PartRuntime):
             raise ValueError(f"server.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         # experts: the remote backend of its MoE layers, if any; tp: this rank's place (peer.model.tp) when split
-        model = StageModel(spec, stage, experts, tp).to(self.device)
+        init = init or tp is not None or self.device.type != "cpu"
+        if init:
+            model = StageModel(spec, stage, experts, tp).to(self.device)
+        else:  # its weights come from a donor, or from init_from_seed: none in memory before
+            model = StageModel.unallocated(spec, stage, experts)
         model.train()
-        super().__init__(spec, f"stage {stage}", model, fingerprint_history, dedup_history)
+        super().__init__(spec, f"stage {stage}", model, fingerprint_history, dedup_history, initialized=init)
         self.devices = [str(self.device)]
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = activation_cache_size
@@ -279,7 +290,13 @@ class StageRuntime(PartRuntime):
             started = time.perf_counter()
             x, out, _ = self._graph(inputs, targets)
             objective = out if self.model.is_last else (out * out).mean()
-            torch.autograd.grad(objective, self.params, allow_unused=True)
+            # each parameter's gradient is dropped as soon as it is made: no second copy of the weights at once
+            hooks = [p.register_post_accumulate_grad_hook(_forget_grad) for p in self.params if p.requires_grad]
+            try:
+                objective.backward()
+            finally:
+                for hook in hooks:
+                    hook.remove()
             best = min(best, time.perf_counter() - started)
         self.throughput = batch / best
         return self.throughput

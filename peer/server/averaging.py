@@ -26,6 +26,7 @@ import torch
 
 from dht.node import SwarmDHT
 from peer.config import RunSpec
+from peer.model import allocation
 from peer.server.averaging_codec import averaging_codec
 from peer.server.hivemind_averager import StageAverager, peer_name
 
@@ -72,7 +73,8 @@ class GradientAverager:
         compression = averaging_codec(spec.compression.averaging, spec.compression.block_size)
         previous = signal.getsignal(signal.SIGINT)
         self._averager = StageAverager(
-            [torch.zeros_like(t, device="cpu") for t in template],  # hivemind forks: no CUDA tensors
+            # hivemind forks: no CUDA tensors; shared, in memory once a round writes them
+            [allocation.shared_zeros(t.shape, t.dtype) for t in template],
             dht=dht.dht,
             prefix=prefix,
             start=True,

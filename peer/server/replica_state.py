@@ -36,10 +36,13 @@ class StateTransfer:
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = max(len(same), self._state_shards())
 
-        def part(donor: ServerRecord, shard: int):
-            return self.client.get_state(
-                donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
-            )
+        at_once = asyncio.Semaphore(len(same))  # a shard per donor at a time: few shards in memory half-read
+
+        async def part(donor: ServerRecord, shard: int):
+            async with at_once:
+                return await self.client.get_state(
+                    donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
+                )
 
         # each donor sends every len(same)-th shard; a shard stays well under the largest message accepted
         results = await asyncio.gather(*(part(same[i % len(same)], i) for i in range(n)), return_exceptions=True)

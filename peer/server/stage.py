@@ -12,6 +12,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from peer.model.runtime import StageRuntime
 from peer.net.relay import add_relay, offered_relay
 from peer.net.serving import announce_host, grpc_server, listen
 from peer.net.uplink import Uplink
+from peer.process import memory
 from peer.process.status_lines import say
 from peer.server.averaging import GradientAverager
 from peer.server.replica import Part, Replica
@@ -73,6 +75,9 @@ class StageServer(Replica):
         self._next_balance = float("inf")  # set when serving starts: the cooldown counts from there
         self.claim: tuple[int, float] | None = None  # (stage, unix time) this server announced it moves to
         self._balance_task: asyncio.Task | None = None
+        # torch work once the stage's weights are in (loaded or from the seed), before it serves; it is
+        # given the bytes the process held before they came
+        self.before_serving: Callable[[int], None] | None = None
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
@@ -158,8 +163,12 @@ class StageServer(Replica):
         self.endpoint = await self.uplink.start()
         self.uplink.offer(relay)
         await self.publish(force=True)  # as 'joining': not routed to yet
+        before = memory.resident()
         if not await self.load_state_from_peers():
             say(f"No other server holds stage {self.stage} yet: starting from the run's seed.")
+            await self.run_torch(self.runtime.init_from_seed)
+        if self.before_serving is not None:
+            await self.run_torch(self.before_serving, before)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._next_balance = time.monotonic() + self.cfg.server.balance_cooldown
         self.start_progress()
