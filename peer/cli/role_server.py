@@ -34,6 +34,7 @@ def _server_levels(server) -> dict:
             rt.samples_stepped,
         ),
         "throughput": ("gauge", "Measured samples/s of forward+backward", rt.throughput),
+        "duplicates": ("counter", "Backwards a caller sent again, answered without being added twice", rt.duplicates),
         "queue_depth": ("gauge", "Requests running or queued", server.inflight),
         "steps_averaged": ("counter", "Steps averaged with other replicas", server.steps_averaged),
         "steps_alone": ("counter", "Steps taken alone", server.steps_alone),

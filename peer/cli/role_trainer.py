@@ -35,8 +35,14 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: st
                 if trainer.stopping:
                     task.cancel()  # a second signal: stop now
                 else:
-                    print("Stopping: finishing the micro-batches under way (again to stop at once)...", flush=True)
+                    bound = cfg.trainer.stop_timeout
+                    print(
+                        f"Stopping: finishing the micro-batches under way, at most {bound:g} s "
+                        "(again to stop at once)...",
+                        flush=True,
+                    )
                     trainer.request_stop()
+                    loop.call_later(bound, task.cancel)
 
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, on_signal)
@@ -48,7 +54,7 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: st
             summary = asyncio.run(main())
         except asyncio.CancelledError:
             trainer.progress.close()
-            print("Stopped.", flush=True)
+            _report_unplaced(trainer)
             return 1
         finally:
             trainer.progress.close()  # the terminal gets its cursor back, whatever happened
@@ -69,6 +75,20 @@ def _trainer_levels(trainer: Trainer) -> dict:
         "train_loss": ("gauge", "Recent mean training loss", trainer.train_loss() or 0.0),
         "receipts": ("gauge", "Backwards kept until their server steps them", len(trainer.ledger)),
     }
+
+
+def _report_unplaced(trainer: Trainer) -> None:
+    """Stopped before the end: the backwards no live server holds or stepped are lost to the run; say so."""
+    receipts = trainer.ledger.receipts
+    if receipts:
+        stages = sorted({r.stage for r in receipts})
+        print(
+            f"Stopped: {len(receipts)} backwards ({sum(r.samples for r in receipts)} samples) not yet stepped by "
+            f"stage(s) {', '.join(map(str, stages))}; those a gone server held are lost to the run.",
+            flush=True,
+        )
+    else:
+        print("Stopped.", flush=True)
 
 
 def _report(summary) -> None:

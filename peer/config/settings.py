@@ -81,6 +81,9 @@ class TrainerConfig:
         256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
     )
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
+    # s from the first SIGINT/SIGTERM to the process's end: the micro-batches under way finish and their
+    # receipts settle meanwhile; past it, it exits and says how many samples it could not place
+    stop_timeout: float = 60.0
     eval_every: int = 0  # steps between validation runs (0: never)
     eval_batches: int = 4  # micro-batches of held-out data per validation run
     log_file: str = ""  # JSON lines: one per finished micro-batch, validation, failed call and replay

@@ -39,20 +39,28 @@ class Calls:
     """Forwards and backwards on the stages' replicas (Trainer inherits it)."""
 
     # ---- calls with rerouting -------------------------------------------------------------
-    async def _wait_for_server(self, stage: int, pause: float) -> None:
-        """Every server of `stage` is banned or gone: say so (which stage, since when), wait, look again."""
-        if not self.router.servers[stage]:
-            since = self._no_server_since.setdefault(stage, time.time())
-            if self.tcfg.no_server_wait and time.time() - since > self.tcfg.no_server_wait:
-                raise MicroBatchFailed(f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s")
-            if time.monotonic() - self._said_unserved.get(stage, 0.0) > 5.0:
-                self._said_unserved[stage] = time.monotonic()
-                logger.warning(
-                    "stage %d has no live server since %s (%.0f s); waiting for one to come back",
-                    stage,
-                    time.strftime("%H:%M:%S", time.localtime(since)),
-                    time.time() - since,
-                )
+    async def _wait_for_server(self, stage: int, pause: float, excluded: int = 0) -> None:
+        """No server of `stage` can take the call (none live, or all banned, or the `excluded` ones: a replay
+        avoids the process that lost it): say so (which stage, why, since when), wait, look again."""
+        since = self._no_server_since.setdefault(stage, time.time())
+        waited = time.time() - since
+        if not self.router.servers[stage] and self.tcfg.no_server_wait and waited > self.tcfg.no_server_wait:
+            raise MicroBatchFailed(f"no server for stage {stage} answered for {self.tcfg.no_server_wait:.0f} s")
+        if time.monotonic() - self._said_unserved.get(stage, 0.0) > 5.0:
+            self._said_unserved[stage] = time.monotonic()
+            known = len(self.router.servers[stage])
+            why = (
+                "has no live server"
+                if not known
+                else f"has {known} server(s), {excluded} of them the process a replay must avoid and the rest banned"
+            )
+            logger.warning(
+                "stage %d %s since %s (%.0f s); waiting for one",
+                stage,
+                why,
+                time.strftime("%H:%M:%S", time.localtime(since)),
+                time.time() - since,
+            )
         await asyncio.sleep(pause)
         with contextlib.suppress(Exception):
             await self.router.refresh()
@@ -64,14 +72,15 @@ class Calls:
         request,
         payloads: dict | None = None,
         prefer: str | None = None,
-        exclude: set[str] | None = None,
+        exclude: set[tuple[str, int]] | None = None,
     ):
         """One forward or backward on some replica of `stage`; returns (response, payloads, peer id).
 
+        `exclude`: (peer id, incarnation) of processes not to use (a replay avoids the one that lost the
+        backward; the same peer restarted with the same key is a new incarnation, and welcome).
         Forwards give up after max_retries failures; backwards never do (a later stage has counted
         the micro-batch already), they wait for a replica instead.
         """
-        avoid = set(exclude or ())
         tried: set[str] = set()
         attempts, pause = 0, 0.25
         samples = request.inputs.shape[0] if request.inputs.shape else 1
@@ -79,10 +88,11 @@ class Calls:
         sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
         moved = self._call_bytes(stage, method, request, sent)
         while True:
+            avoid = {pid for pid, r in self.router.servers[stage].items() if (pid, r.incarnation) in (exclude or ())}
             try:
                 pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
             except NoServer:
-                await self._wait_for_server(stage, pause)
+                await self._wait_for_server(stage, pause, len(avoid))
                 pause, tried = min(pause * 2, 5.0), set()
                 continue
             if stage in self._no_server_since:

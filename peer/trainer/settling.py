@@ -51,7 +51,8 @@ class Settling:
                 receipt.peer_id[-8:],
                 receipt.samples,
             )
-            await self._backward(receipt.stage, receipt.request, receipt.payloads, exclude={receipt.peer_id})
+            gone = {(receipt.peer_id, receipt.incarnation)}  # that process; the same key restarted is welcome
+            await self._backward(receipt.stage, receipt.request, receipt.payloads, exclude=gone)
             self.ledger.remove(receipt)
             self.summary.replayed += 1
             self._write({"type": "replay", "stage": receipt.stage, "peer": receipt.peer_id, "time": time.time()})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -74,6 +75,8 @@ class Trainer(Calls, Settling, Reporting):
             maxlen=256
         )  # (time, samples, loss)
         self.started = time.time()
+        # in every micro-batch's uid: a restarted trainer (same key, same data order) is not taken for a retry
+        self.nonce = secrets.token_hex(4)
         self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
         self._last_eval_epoch = 0
         self._last_progress = 0.0
@@ -86,7 +89,7 @@ class Trainer(Calls, Settling, Reporting):
 
     # ---- one micro-batch ------------------------------------------------------------------
     async def _micro_batch(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{index}", self.num_stages
+        run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{self.nonce}-{index}", self.num_stages
         # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
         stage_inputs: list[tuple[tensor_pb2.Tensor, object]] = [(codec.encode(inputs.to(torch.int32)), None)]
         servers: list[str] = []

@@ -1,0 +1,72 @@
+"""Nothing lost, nothing counted twice, with real processes: trainers and servers that restart with
+the same key, and a trainer told to stop while a stage has nobody to take its backwards.
+
+Each test ends with the books: for each stage, the samples its servers stepped plus what waits in
+their accumulators equals the samples the trainers completed, exactly."""
+
+from __future__ import annotations
+
+import signal
+
+from helpers.calls import check_books, info
+from test_faults import completed, wait_micro_batches
+
+SPEC = {
+    "name": "lost",
+    "seed": 5,
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 32},
+    "stages": {"num_stages": 2},
+    # no step in these tests: every sample must still be in the accumulators at the end
+    "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 100000, "total_steps": 1000},
+}
+
+
+def two_stages(swarm) -> tuple[list, list[str]]:
+    swarm.coordinator(SPEC)
+    servers = [swarm.server(f"s{stage}", stage) for stage in range(2)]
+    return servers, [swarm.endpoint(s) for s in servers]
+
+
+def test_a_trainer_restarted_with_its_key_and_data_order_is_counted_again(swarm):
+    """Its micro-batches' uids are new (a nonce per start): the servers, which remember the first run's
+    uids, do not take the second run's backwards for retries of them."""
+    _, endpoints = two_stages(swarm)
+    for _ in range(2):  # the same key (t.pem) and the same seed: the same data, in the same order
+        trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "4"])
+        assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    samples = completed(swarm, ["t"])
+    assert samples == 2 * 4 * 4
+    for stage, endpoint in enumerate(endpoints):
+        check_books([info(endpoint)], samples, stage)
+
+
+def test_a_replay_goes_to_the_stages_only_server_restarted_with_its_key(swarm):
+    """The only server of stage 1 is SIGKILLed with backwards of ours in its accumulator and comes back
+    with the same key: the replay avoids the dead process, not the peer, and lands on the new one."""
+    (_, last), (first_end, _) = two_stages(swarm)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    wait_micro_batches(swarm, ["t"], 4, 120)
+    last.signal(signal.SIGKILL)
+    last.wait(30)
+    again = swarm.server("s1", 1)  # s1.pem: the same peer id, a new incarnation
+    last_end = swarm.endpoint(again)
+    trainer.wait_for(r"replaying them on another replica", 60)
+    wait_micro_batches(swarm, ["t"], len(swarm.log("t")) + 4, 120)  # and it trains on
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(90) == 0, trainer.output()[-3000:]
+    samples = completed(swarm, ["t"])
+    check_books([info(first_end)], samples, 0)
+    check_books([info(last_end)], samples, 1)
+
+
+def test_a_trainer_told_to_stop_ends_in_time_when_a_stage_has_no_server(swarm):
+    """Its backwards to a stage whose only server is gone can go nowhere: a SIGTERM still ends it, within
+    trainer.stop_timeout, saying how many backwards no server stepped."""
+    (_, last), _ = two_stages(swarm)
+    trainer = swarm.trainer("t", ["--seed", "0", "--set", "trainer.stop_timeout=5"])
+    wait_micro_batches(swarm, ["t"], 4, 120)
+    last.signal(signal.SIGKILL)
+    trainer.wait_for(r"stage 1 has no live server since", 60)
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(30) == 1, trainer.output()[-3000:]
+    assert "not yet stepped by stage(s) " in trainer.output()
