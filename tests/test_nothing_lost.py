@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-from helpers.calls import check_books, info
+from helpers.calls import check_books, info, settled_infos
 from test_faults import completed, wait_micro_batches
 
 SPEC = {
@@ -70,3 +70,49 @@ def test_a_trainer_told_to_stop_ends_in_time_when_a_stage_has_no_server(swarm):
     trainer.signal(signal.SIGTERM)
     assert trainer.wait(30) == 1, trainer.output()[-3000:]
     assert "not yet stepped by stage(s) " in trainer.output()
+
+
+STEPPING = {**SPEC, "training": {**SPEC["training"], "target_batch_size": 16}}
+
+
+def test_a_joiner_whose_donor_hangs_mid_download_waits_and_serves_the_stages_state(swarm):
+    """The only replica of stage 0 hangs (SIGSTOP) while a joiner asks it for its state: the joiner keeps
+    trying, saying why, and serves only once it holds the stage's state, never the seed's weights."""
+    swarm.coordinator(STEPPING)
+    ttl = ["--set", "network.record_ttl=30"]  # the frozen donor stays in the DHT meanwhile
+    donor, last = swarm.server("a", 0, ttl), swarm.server("s1", 1, ttl)
+    donor_end, _ = swarm.endpoint(donor), swarm.endpoint(last)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16", *ttl])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    step = info(donor_end).epoch
+    assert step >= 2
+
+    donor.signal(signal.SIGSTOP)  # hung (its DHT process still answers: its record stays)
+    try:
+        joiner = swarm.server("b", 0, [*ttl, "--set", "server.state_load_timeout=2"])
+        joiner.wait_for(r"Could not load the state of stage 0 from 1 peer\(s\) \(.+\); trying again in", 90)
+    finally:
+        donor.signal(signal.SIGCONT)
+    joined = joiner.wait_for(r"Serving stage 0 at (\S+) from step (\d+)", 90)
+    assert int(joined.group(2)) == step
+    assert "starting from the run's seed" not in joiner.output()
+    samples = completed(swarm, ["t"])
+    check_books(settled_infos([donor_end, swarm.known(joined.group(1), "b")]), samples, 0)
+
+
+def test_a_replica_behind_its_stage_is_not_routed_to():
+    """A replica more than `max_step_lag` steps behind the newest of its stage computes with old weights:
+    trainers leave it out until it resyncs (one step behind, as replicas are for a moment after a round,
+    is still routed to)."""
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.config.settings import TrainerConfig
+    from peer.swarm.router import Router
+
+    def record(epoch: int, state: str = "serving") -> ServerRecord:
+        return ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, epoch=epoch, state=state)
+
+    router = SimpleNamespace(cfg=TrainerConfig(), dead=set(), leaving=set(), distrusted=set())
+    records = {"new": record(7), "one-behind": record(6), "behind": record(4), "joining": record(9, "joining")}
+    assert set(Router._routable(router, records)) == {"new", "one-behind"}

@@ -51,8 +51,10 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, co
         host = ExpertHost(spec, cfg, dht, runtimes, averagers)
         metrics = open_metrics(cfg, "expert host", lambda: _host_levels(host))
         host.metrics = metrics
+        done = asyncio.Event()
         for replica in host.replicas.values():
             replica.metrics = metrics
+            replica.told_to_leave = done.is_set  # a signal while it loads: it stops trying
 
         async def start():
             follow_admission(dht, done.set)
@@ -65,7 +67,6 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, co
             print("Leaving the swarm...", flush=True)
             await host.stop()
 
-        done = asyncio.Event()
         asyncio.run(until_signalled(start, stop, done, cfg.server.leave_timeout))
     finally:
         for averager in averagers.values():

@@ -153,8 +153,8 @@ def _serve(server: StageServer, dht, cfg: PeerConfig, experts, ranks):
             await experts.bind()
         follow_admission(dht, server.done.set)
         serve_metrics(server.metrics, cfg)
-        await server.start()  # uplink.NoRelay: it cannot be dialled and no relay took it
-        print(f"Serving stage {server.stage} at {server.endpoint} from step {server.runtime.epoch}.", flush=True)
+        if await server.start():  # uplink.NoRelay: it cannot be dialled and no relay took it
+            print(f"Serving stage {server.stage} at {server.endpoint} from step {server.runtime.epoch}.", flush=True)
 
     async def stop():
         if server.move_to is None:

@@ -43,6 +43,7 @@ class ServerConfig:
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
+    state_retry_max: float = 10.0  # s: the longest pause between tries of a state download that failed
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
     # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
     # exits regardless of what still runs (a hung averaging round, a stuck DHT call)
@@ -92,6 +93,8 @@ class TrainerConfig:
     # gets a live progress bar)
     progress: bool = False
     refresh_period: float = 1.0  # s between refreshes of the server list (and settling of receipts)
+    # a replica more optimizer steps behind the newest of its stage than this is not routed to (it resyncs)
+    max_step_lag: int = 1
     spot_check: float = 0.05  # fraction of forwards re-sent to a second replica to compare (0: none)
     # outputs agree when their largest difference is within this fraction of their largest magnitude
     # (the activation codec's own error is added to it)
@@ -112,6 +115,7 @@ class ExpertsConfig:
     ban_time: float = 2.0  # s a failing expert host is avoided, doubling on each failure in a row
     max_ban: float = 60.0  # s: the longest ban
     max_tries: int = 3  # replicas one expert call tries before the expert is skipped for that call
+    max_step_lag: int = 1  # an expert's replica more steps behind its newest than this is not called (it resyncs)
     refresh_period: float = 1.0  # s between a stage server's reads of the expert records
 
 

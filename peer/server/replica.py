@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -118,6 +119,9 @@ class Replica(Stepping, Rounds, StateTransfer):
         self.samples_averaging = 0  # samples taken out of the accumulator for the running round
         self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
+        self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
+        self.last_load_error = ""  # why the last state download failed
+        self._partial_state: tuple[int, int, dict] | None = None  # (step, shards, shards in) of a download
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
         self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them

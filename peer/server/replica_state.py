@@ -10,10 +10,19 @@ import contextlib
 import logging
 import time
 
+import grpc
+
 from dht.records import ServerRecord
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
+
+
+def why(e: BaseException) -> str:
+    """A failure in one line: a gRPC status and its details, else the exception."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}"
 
 
 class StateTransfer:
@@ -21,7 +30,11 @@ class StateTransfer:
 
     # ---- state ----------------------------------------------------------------------------
     async def _fetch_state(self, donors: list[ServerRecord]) -> tuple[dict, dict]:
-        """The state of the part at one step, in parts from up to `state_donors` donors at once."""
+        """The state of the part at one step, in parts from up to `state_donors` donors at once.
+
+        Shards that came are kept until the whole state is in: a try after a failed one asks only for
+        those still missing, when the donors are still at the same step (a big state over a slow link
+        would otherwise never finish)."""
         timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=lambda r: r.epoch)
         if (
@@ -35,18 +48,23 @@ class StateTransfer:
             epoch = info.epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = max(len(same), self._state_shards())
-
+        if self._partial_state is None or self._partial_state[:2] != (epoch, n):
+            self._partial_state = (epoch, n, {})
+        have: dict[int, tuple[dict, dict]] = self._partial_state[2]
         at_once = asyncio.Semaphore(len(same))  # a shard per donor at a time: few shards in memory half-read
 
         async def part(donor: ServerRecord, shard: int):
             async with at_once:
-                return await self.client.get_state(
+                result = await self.client.get_state(
                     donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
                 )
+            have[shard] = result
+            return result
 
         # each donor sends every len(same)-th shard; a shard stays well under the largest message accepted
-        results = await asyncio.gather(*(part(same[i % len(same)], i) for i in range(n)), return_exceptions=True)
-        for i, result in enumerate(results):
+        missing = [i for i in range(n) if i not in have]
+        results = await asyncio.gather(*(part(same[i % len(same)], i) for i in missing), return_exceptions=True)
+        for i, result in zip(missing, results, strict=True):
             for other in same:  # a part whose donor failed comes from another donor
                 if not isinstance(result, BaseException):
                     break
@@ -54,10 +72,10 @@ class StateTransfer:
                     result = await part(other, i)
             if isinstance(result, BaseException):
                 raise result
-            results[i] = result
-        metadata, tensors = dict(results[0][0]), {}
-        for _, part in results:
-            tensors.update(part)
+        self._partial_state = None
+        metadata, tensors = dict(have[0][0]), {}
+        for i in range(n):
+            tensors.update(have[i][1])
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
@@ -81,7 +99,8 @@ class StateTransfer:
                 )
                 return True
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
-                logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, e)
+                self.last_load_error = why(e)
+                logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, why(e))
                 await asyncio.sleep(0.2 * (attempt + 1))
                 await self.refresh_peers()
                 fresh = self._donors()
@@ -96,10 +115,29 @@ class StateTransfer:
         return serving or [r for r in self.peers.values() if r.state == "archive"]
 
     async def load_state_from_peers(self) -> bool:
-        """Load parameters and optimizer state from serving replicas (or the run's archive); False if none answered."""
+        """Load parameters and optimizer state from serving replicas (or the run's archive).
+
+        False only when nobody holds the part. While somebody does, a failed download is tried again,
+        with a pause that doubles up to `server.state_retry_max`, and said (why, and when the next try
+        comes): a server never serves the seed's weights beside trained replicas. It gives up only
+        when told to leave (`told_to_leave`)."""
         await self.refresh_peers()
         donors = self._donors()
-        return bool(donors) and await self._load_from(donors)
+        pause = 1.0
+        while donors:
+            if await self._load_from(donors):
+                return True
+            if self.told_to_leave():
+                return False
+            say(
+                f"Could not load the state of {self.label} from {len(donors)} peer(s) "
+                f"({self.last_load_error}); trying again in {pause:.0f} s."
+            )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, self.cfg.server.state_retry_max)
+            await self.refresh_peers()
+            donors = self._donors()
+        return False
 
     async def _resync(self, ahead: list[ServerRecord]) -> None:
         """This replica fell behind (missed a round): take the state of those ahead of it, keeping its accumulator."""
@@ -113,6 +151,19 @@ class StateTransfer:
         )
         self.stepping = True
         try:
+            if leader.epoch - self.runtime.epoch > 1:
+                await self.run_torch(self._drop_stale, leader.epoch)
             await self._load_from([r for r in ahead if r.epoch == leader.epoch], attempts=1)
         finally:
             self.stepping = False
+
+    def _drop_stale(self, epoch: int) -> None:
+        """Torch thread: this replica is more than a step behind (its gradients are of weights the stage left
+        steps ago): its accumulator goes, under a new incarnation, and trainers replay what it held."""
+        dropped = self.runtime.drop_accumulator()
+        logger.warning(
+            "%s: %d steps behind its stage; %d accumulated samples, of old weights, are dropped (trainers replay them)",
+            self.label,
+            epoch - self.runtime.epoch,
+            dropped,
+        )

@@ -78,6 +78,7 @@ class StageServer(Replica):
         # torch work once the stage's weights are in (loaded or from the seed), before it serves; it is
         # given the bytes the process held before they came
         self.before_serving: Callable[[int], None] | None = None
+        self.told_to_leave = self.done.is_set  # a signal while it loads its state: it leaves without serving
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
         self._drop_if_expired()
@@ -154,7 +155,9 @@ class StageServer(Replica):
         self.endpoint = endpoint
         await self.publish(force=True)
 
-    async def start(self) -> None:
+    async def start(self) -> bool:
+        """Listen, load the stage's state (or start from the seed when nobody holds it), serve; False when
+        told to leave before it could serve."""
         relay = offered_relay(self.cfg, self.run_id, self.dht.security, "server")
         self.grpc_server, self.health, endpoint = await open_grpc_server(
             self.cfg, StageServicer(self), self.dht.security, relay
@@ -165,6 +168,8 @@ class StageServer(Replica):
         await self.publish(force=True)  # as 'joining': not routed to yet
         before = memory.resident()
         if not await self.load_state_from_peers():
+            if self.done.is_set():
+                return False
             say(f"No other server holds stage {self.stage} yet: starting from the run's seed.")
             await self.run_torch(self.runtime.init_from_seed)
         if self.before_serving is not None:
@@ -173,6 +178,7 @@ class StageServer(Replica):
         self._next_balance = time.monotonic() + self.cfg.server.balance_cooldown
         self.start_progress()
         await self.publish(force=True)
+        return True
 
     async def stop(self) -> None:
         """Leave cleanly: announce 'leaving', refuse new work, finish what runs, announce 'left', stop."""

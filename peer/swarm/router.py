@@ -86,18 +86,22 @@ class Router:
                     self.dead.discard(pid)  # the host restarted (same key, a new process) after it was marked
                     self.leaving.discard(pid)
                 present.add(pid)
-            self.servers[slot] = {
-                pid: r
-                for pid, r in records.items()
-                if r.state == "serving"
-                and pid not in self.dead
-                and pid not in self.leaving
-                and pid not in self.distrusted
-            }
+            self.servers[slot] = self._routable(records)
             for r in self.servers[slot].values():
                 self.max_epoch = max(self.max_epoch, r.step, r.epoch)
         self.present, self.endpoints = present, endpoints
         self._forget_old()
+
+    def _routable(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+        """The serving records of a part to route to: not dead, leaving or distrusted, and not more than
+        `max_step_lag` steps behind the part's newest (a replica catching up computes with old weights)."""
+        serving = {
+            pid: r
+            for pid, r in records.items()
+            if r.state == "serving" and pid not in self.dead and pid not in self.leaving and pid not in self.distrusted
+        }
+        newest = max((r.epoch for r in serving.values()), default=0)
+        return {pid: r for pid, r in serving.items() if r.epoch >= newest - self.cfg.max_step_lag}
 
     def note(self, pid: str, record: ServerRecord) -> None:
         """Remember a record (from the DHT or an Info answer) if it is newer than what we have."""
