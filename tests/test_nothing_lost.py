@@ -6,8 +6,10 @@ their accumulators equals the samples the trainers completed, exactly."""
 
 from __future__ import annotations
 
+import re
 import signal
 
+import torch
 from helpers.calls import check_books, info, settled_infos
 from test_faults import completed, wait_micro_batches
 
@@ -116,3 +118,68 @@ def test_a_replica_behind_its_stage_is_not_routed_to():
     router = SimpleNamespace(cfg=TrainerConfig(), dead=set(), leaving=set(), distrusted=set())
     records = {"new": record(7), "one-behind": record(6), "behind": record(4), "joining": record(9, "joining")}
     assert set(Router._routable(router, records)) == {"new", "one-behind"}
+
+
+def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:
+    """2 stages of one server each, trained a few steps. Returns the step stage 1 reached, stage 0's
+    endpoint and stage 1's server."""
+    swarm.coordinator(STEPPING, extra=["--set", "coordinator.report_period=0.5", *extra])
+    first, last = swarm.server("s0", 0), swarm.server("s1", 1)
+    first_end, last_end = swarm.endpoint(first), swarm.endpoint(last)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    step = info(last_end).epoch
+    assert step >= 2
+    return step, first_end, last
+
+
+def test_a_stage_left_with_no_server_and_no_checkpoint_is_waited_for_not_restarted_from_the_seed(swarm):
+    step, _, last = trained_then_emptied(swarm)
+    swarm.peers[0].wait_for(r"stage 1: 1 server\(s\) at step [1-9]", 30)  # the coordinator has seen it step
+    last.signal(signal.SIGKILL)
+    newcomer = swarm.server("n1", 1)
+    newcomer.wait_for(rf"Stage 1 was trained to step {step}, but no server and no checkpoint holds its state", 90)
+    newcomer.signal(signal.SIGTERM)
+    assert newcomer.wait(30) == 0, newcomer.output()[-3000:]
+    assert "starting from the run's seed" not in newcomer.output()
+    assert "Serving stage 1 at" not in newcomer.output()
+
+
+def test_a_stage_left_with_no_server_loads_the_coordinators_newest_checkpoint(swarm):
+    every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
+    root = swarm.workdir / "ckpt"
+    step, first_end, last = trained_then_emptied(swarm, ["--checkpoints", str(root), *every])
+    written = swarm.peers[0].wait_for(r"Wrote checkpoint \S+ \(step (\d+)", 60)
+    last.signal(signal.SIGKILL)
+    newcomer = swarm.server("n1", 1)
+    joined = newcomer.wait_for(r"Serving stage 1 at (\S+) from step (\d+)", 120)
+    assert 2 <= int(joined.group(2)) <= step and int(written.group(1)) >= 2
+    assert "starting from the run's seed" not in newcomer.output()
+    assert re.search(r"Loaded the state of stage 1 \(step [1-9]\d*\)", newcomer.output())
+
+
+def test_a_checkpoint_keeps_a_parts_newer_copy_when_its_servers_hold_an_older_step(tmp_path):
+    """A stage restarted from an older state (or with no server) never takes a checkpoint's copy of it back:
+    the previous checkpoint's copy is carried into the next, and pruning keeps it."""
+    from peer.config import PeerConfig, RunSpec
+    from peer.coordinator import checkpoint
+    from peer.coordinator.checkpointer import Checkpointer
+
+    spec = RunSpec.from_dict(STEPPING)
+
+    def part(stage: int, epoch: int) -> checkpoint.Part:
+        return checkpoint.Part(f"stage {stage}", {"epoch": epoch}, {"param/w": torch.full((3,), float(epoch))})
+
+    first = checkpoint.write(tmp_path, spec.to_dict(), spec.fingerprint(), 10, [part(0, 10), part(1, 10)], keep=1)
+    cfg = PeerConfig.from_dict({"coordinator": {"checkpoint_dir": str(tmp_path)}})
+    checkpointer = Checkpointer(spec, cfg, dht=None)
+    checkpointer.previous = first
+    before = checkpointer._previous_parts()
+    parts = [checkpointer._newest("stage 0", part(0, 12), before), checkpointer._newest("stage 1", part(1, 3), before)]
+    assert checkpointer._newest("stage 1", None, before).carried_from == first  # no server at all: carried too
+    second = checkpoint.write(tmp_path, spec.to_dict(), spec.fingerprint(), 12, parts, keep=1)
+    assert checkpoint.complete(tmp_path) == [second]  # the first is pruned; its copy of stage 1 lives on
+    manifest = checkpoint.read_manifest(second)
+    assert {n: e["epoch"] for n, e in manifest["parts"].items()} == {"stage 0": 12, "stage 1": 10}
+    _, tensors = checkpoint.load_part(second, manifest, "stage 1")
+    assert torch.equal(tensors["param/w"], torch.full((3,), 10.0))

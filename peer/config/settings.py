@@ -44,6 +44,8 @@ class ServerConfig:
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     state_retry_max: float = 10.0  # s: the longest pause between tries of a state download that failed
+    # start a stage the run has already stepped from the seed when nobody holds its state (else it waits)
+    seed_start: bool = False
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
     # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
     # exits regardless of what still runs (a hung averaging round, a stuck DHT call)

@@ -64,6 +64,19 @@ class Archive:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    def switch(self, path: Path) -> None:
+        """Serve the checkpoint at `path` from now on (the coordinator's newest: the state of last resort of
+        every part), at the same endpoint; a request under way finishes with what it read."""
+        manifest = checkpoint.read_manifest(path, verify=False)
+        self._thread.call(self._switch(path, manifest))
+
+    async def _switch(self, path: Path, manifest: dict) -> None:
+        if self._reading is None:
+            self._reading = asyncio.Lock()
+        async with self._reading:
+            load = lambda name: checkpoint.load_part(path, manifest, name)  # noqa: E731
+            self.path, self.manifest, self._load, self._last = path, manifest, load, None
+
     # ---- the calls ------------------------------------------------------------------------
     async def _info(self, request: stage_pb2.InfoRequest, context):
         name = f"expert {request.expert}" if request.expert else None

@@ -48,6 +48,9 @@ class Part:
     metadata: dict  # the state's metadata (PartRuntime.state_metadata)
     tensors: dict[str, torch.Tensor]
     peer: str = ""  # the peer id of the replica that gave it
+    # a checkpoint whose copy of this part goes on unchanged (no server held a newer one): its directory
+    carried_from: Path | None = None
+    entry: dict | None = None  # with carried_from: that checkpoint's manifest entry for the part
 
 
 def part_file(name: str) -> str:
@@ -80,19 +83,7 @@ def write(root: str | Path, spec: dict, fingerprint: str, step: int, parts: list
     try:
         entries = {}
         for part in parts:
-            path = tmp / part_file(part.name)
-            tensors = {k: t.detach().cpu().contiguous() for k, t in part.tensors.items()}
-            save_file(tensors, str(path))
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-            entries[part.name] = {
-                "file": path.name,
-                "peer": part.peer,
-                "epoch": int(part.metadata.get("epoch", 0)),
-                "metadata": part.metadata,
-                "sha256": _sha256(path),
-                "tensors": len(tensors),
-            }
+            entries[part.name] = _carry(part, tmp) if part.carried_from is not None else _save(part, tmp)
         manifest = {
             "format": FORMAT,
             "software": software_version(),  # the release that wrote it
@@ -107,15 +98,46 @@ def write(root: str | Path, spec: dict, fingerprint: str, step: int, parts: list
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # the same step again: the new one replaces it
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # the same step again: the new one replaces it, and a whole one is there at every moment
+            replaced = Path(tempfile.mkdtemp(prefix=f".old-{PREFIX}{step:08d}-", dir=root))
+            os.rename(final, replaced / final.name)
         os.rename(tmp, final)
         _fsync_dir(root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:  # removes the partial checkpoint, then re-raises whatever it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     prune(root, keep)
     return final
+
+
+def _save(part: Part, into: Path) -> dict:
+    """Write a pulled part's tensors; its manifest entry."""
+    path = into / part_file(part.name)
+    tensors = {k: t.detach().cpu().contiguous() for k, t in part.tensors.items()}
+    save_file(tensors, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return {
+        "file": path.name,
+        "peer": part.peer,
+        "epoch": int(part.metadata.get("epoch", 0)),
+        "metadata": part.metadata,
+        "sha256": _sha256(path),
+        "tensors": len(tensors),
+    }
+
+
+def _carry(part: Part, into: Path) -> dict:
+    """Take a part's file from an earlier checkpoint (a hard link where the filesystem allows); its entry."""
+    source, path = part.carried_from / part.entry["file"], into / part_file(part.name)
+    try:
+        os.link(source, path)
+    except OSError:
+        shutil.copy2(source, path)
+    return {**part.entry, "file": path.name, "carried_from": part.carried_from.name}
 
 
 def read_manifest(path: str | Path, verify: bool = True) -> dict:
@@ -171,10 +193,12 @@ def latest(root: str | Path) -> Path | None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints, and temporary directories of dead writers."""
+    """Remove all but the newest `keep` complete checkpoints, and temporary directories of dead writers.
+
+    The newest holds the newest copy of every part (a part no server held newer is carried into it)."""
     for path in complete(root, verify=False)[: -max(keep, 1)]:
         shutil.rmtree(path, ignore_errors=True)
-    for tmp in root.glob(f".tmp-{PREFIX}*"):
+    for tmp in [*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".old-{PREFIX}*")]:
         if time.time() - tmp.stat().st_mtime > 3600:  # a writer that died an hour ago
             shutil.rmtree(tmp, ignore_errors=True)
 

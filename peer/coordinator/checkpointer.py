@@ -35,6 +35,9 @@ class Checkpointer:
         self.last_step = -1  # the run's step at the last checkpoint written
         self.last_time = time.monotonic()
         self.written: list[Path] = []
+        # the checkpoint this run goes on from (the last it wrote, or the one it resumed; not an older run's
+        # in the same directory): a part whose servers all hold an older step (or none serves it) keeps its copy
+        self.previous: Path | None = None
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due at the run's `step` (the highest step a stage announced)."""
@@ -86,10 +89,11 @@ class Checkpointer:
     async def take(self, step: int) -> Path | None:
         """Pull every part and write a checkpoint at `step`; None (and a warning) if a part had no server."""
         client = StageClient.for_server(self.cfg.server, self.dht.security)
+        before = self._previous_parts()
         try:
             pulled = []
             for name, stage, expert in self.parts():
-                part = await self._pull(client, stage, expert)
+                part = self._newest(name, await self._pull(client, stage, expert), before)
                 if part is None:
                     logger.warning("checkpoint at step %d skipped: no serving replica of %s gave its state", step, name)
                     return None
@@ -107,4 +111,33 @@ class Checkpointer:
         )
         self.last_step, self.last_time = step, time.monotonic()
         self.written.append(path)
+        self.previous = path
         return path
+
+    def _previous_parts(self) -> dict[str, dict]:
+        """The previous checkpoint's manifest entries by part name (none when there is none, or it is gone)."""
+        if self.previous is None:
+            return {}
+        try:
+            return checkpoint.read_manifest(self.previous, verify=False)["parts"]
+        except checkpoint.CheckpointError as e:
+            logger.warning(
+                "checkpoint: the previous one, %s, cannot be read (%s): no part carried from it", self.previous, e
+            )
+            return {}
+
+    def _newest(self, name: str, pulled: checkpoint.Part | None, before: dict[str, dict]) -> checkpoint.Part | None:
+        """What goes into the checkpoint for part `name`: what its server gave, unless the previous checkpoint
+        holds a later step of it (its servers restarted from an older state, or none serves it): then that
+        copy, carried on. A part's step never goes down from one checkpoint to the next."""
+        entry = before.get(name)
+        if entry is None:
+            return pulled
+        epoch = int(pulled.metadata.get("epoch", 0)) if pulled is not None else -1
+        if epoch >= int(entry["epoch"]):
+            return pulled
+        why = "no server holds it" if pulled is None else f"its servers are at step {epoch}"
+        logger.warning(
+            "checkpoint: %s keeps its copy at step %s from %s (%s)", name, entry["epoch"], self.previous, why
+        )
+        return checkpoint.Part(name, entry["metadata"], {}, entry.get("peer", ""), self.previous, entry)

@@ -16,10 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+from dht import keys
 from dht.address import answering
 from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
-from dht.records import TrainerRecord
+from dht.records import ServerRecord, TrainerRecord
 from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.coordinator import checkpoint
 from peer.coordinator.admission_files import beside_key, invites_file, revoked_file
@@ -215,8 +216,9 @@ def report(
     checkpointer: Checkpointer,
     timeline: Timeline,
     about: dict,
-) -> None:
-    """Every report period: remember the peers, print the summary line, take a checkpoint when due."""
+) -> Path | None:
+    """Every report period: remember the peers, print the summary line, take a checkpoint when due (its
+    path, when it wrote one)."""
     try:
         remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
         timeline.save(timeline_file(cfg, identity, spec), spec.fingerprint())
@@ -228,19 +230,20 @@ def report(
     say(f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples")
     step = max(s["step"] for s in summary["stages"])
     if not checkpointer.due(step):
-        return
+        return None
     started = time.perf_counter()
     try:
         path = asyncio.run(checkpointer.take(step))
     except Exception as e:  # a failed checkpoint must not end the run: said, and the next one is tried
         logger.warning("checkpoint at step %d failed: %s", step, e)
         timeline.add("checkpoint", f"checkpoint at step {step} failed: {e}")
-        return
+        return None
     if path is not None:
         seconds = time.perf_counter() - started
         say(f"Wrote checkpoint {path} (step {step}, {len(checkpointer.parts())} parts) in {seconds:.1f} s.")
         timeline.add("checkpoint", f"wrote checkpoint {path} (step {step}) in {seconds:.1f} s")
         about["last_checkpoint"] = {"path": str(path), "step": step, "time": time.time()}
+    return path
 
 
 def run_coordinator(
@@ -293,6 +296,7 @@ class Coordinator:
         self.view: dict = {}  # the last summary of the swarm, for the metrics
         self.about: dict = {}  # what the dashboard shows of the coordinator itself
         self.last_publish = 0.0
+        self.trained: dict[int, int] = {}  # stage -> the highest step the coordinator has seen it at
 
     def start(self, resume: str, info_file: str, rejoined: bool) -> None:
         spec, cfg = self.spec, self.cfg
@@ -338,8 +342,8 @@ class Coordinator:
         newest = checkpoint.latest(cfg.coordinator.checkpoint_dir) if cfg.coordinator.checkpoint_dir else None
         if newest is not None:
             self.checkpointer.last_step = checkpoint.read_manifest(newest, verify=False)["step"]
-        if self.archive is not None and self.resumed:
-            self.checkpointer.last_step = max(self.checkpointer.last_step, self.archive.step)
+        if self.archive is not None and self.resumed:  # it goes on from there, even if the directory has newer
+            self.checkpointer.last_step, self.checkpointer.previous = self.archive.step, self.archive.path
             self.timeline.add("coordinator", f"resumed from {self.archive.path} (step {self.archive.step})")
         if cfg.coordinator.checkpoint_dir:
             say(f"Checkpoints go to {cfg.coordinator.checkpoint_dir}.")
@@ -354,7 +358,10 @@ class Coordinator:
             summary = self._look()
             if summary is not None and time.monotonic() - last_report >= period - 1e-3:
                 last_report = time.monotonic()
-                report(self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline, self.about)
+                args = (self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline, self.about)
+                written = report(*args)
+                if written is not None:
+                    self._offer(written)
             if stop.wait(tick):
                 return
 
@@ -377,6 +384,7 @@ class Coordinator:
             return None
         self.view.clear()
         self.view.update(summary)
+        self._remember_trained(summary)
         try:
             self.timeline.observe(look)
             if self.dashboard is not None:
@@ -384,6 +392,36 @@ class Coordinator:
         except Exception:  # the dashboard must never take the coordinator down
             logger.exception("the dashboard's update failed")
         return summary
+
+    def _remember_trained(self, summary: dict) -> None:
+        """The highest step each stage has reached. Without a checkpoint to offer, each stage that has
+        stepped is announced as `trained` (no state, only its step): a server that joins it when nobody
+        serves it waits for its state rather than start it from the seed (peer.server.stage)."""
+        for stage, s in enumerate(summary["stages"]):
+            self.trained[stage] = max(self.trained.get(stage, 0), s["step"])
+        if self.archive is not None:
+            return  # its records say where the state is
+        now = time.time()
+        for stage, epoch in self.trained.items():
+            if epoch > 0:
+                record = ServerRecord(
+                    stage=stage, endpoint="", throughput=0.0, epoch=epoch, step=epoch, state="trained", updated=now
+                )
+                with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
+                    self.dht.store(keys.servers_key(self.spec.name, stage), record, self.cfg.network.record_ttl * 3)
+
+    def _offer(self, path: Path) -> None:
+        """The checkpoint just written becomes the state of last resort of every part: a server that joins a
+        part nobody serves (all left, or all died) loads it rather than start from the seed."""
+        try:
+            if self.archive is None:
+                self.archive = Archive(path, self.spec, self.cfg, self.dht)
+                self.archive.start()
+            else:
+                self.archive.switch(path)
+            self.archive.announce()
+        except Exception as e:  # the run goes on; offered again at the next checkpoint
+            logger.warning("could not offer checkpoint %s to joiners: %s", path, e)
 
     def close(self) -> None:
         if self.timeline is not None:

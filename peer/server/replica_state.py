@@ -139,6 +139,38 @@ class StateTransfer:
             donors = self._donors()
         return False
 
+    async def load_or_wait(self) -> bool | None:
+        """Load the part's state; True once loaded. False: nobody holds it and the run never stepped it (or
+        `server.seed_start`): it starts from the seed. A part the run has stepped but nobody holds now (all
+        its servers left or died, and no checkpoint is offered) is waited for, never restarted from the
+        seed. None: told to leave meanwhile."""
+        said = 0.0
+        while True:
+            if await self.load_state_from_peers():
+                return True
+            if self.told_to_leave():
+                return None
+            trained = await self._trained_step()
+            if trained <= 0 or self.cfg.server.seed_start:
+                return False
+            if time.monotonic() - said > 30.0:
+                said = time.monotonic()
+                say(
+                    f"{self.label.capitalize()} was trained to step {trained}, but no server and no checkpoint holds "
+                    "its state now: waiting for one (server.seed_start = true would start it from the seed anew)."
+                )
+            await asyncio.sleep(self.cfg.server.state_retry_max / 5)
+
+    async def _trained_step(self) -> int:
+        """The highest step this part's records say the run reached: the coordinator's `trained` record, or
+        servers that left or are leaving (0 when the DHT cannot say)."""
+        try:
+            records = await self.dht.aget(self.part.key(self.run_id), ServerRecord)
+        except Exception:  # the DHT may be busy: asked again on the next look
+            return 0
+        past = [r.epoch for r in records.values() if self.part.matches(r) and r.state in ("trained", "left", "leaving")]
+        return max(past, default=0)
+
     async def _resync(self, ahead: list[ServerRecord]) -> None:
         """This replica fell behind (missed a round): take the state of those ahead of it, keeping its accumulator."""
         leader = max(ahead, key=lambda r: r.epoch)

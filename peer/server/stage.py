@@ -167,9 +167,10 @@ class StageServer(Replica):
         self.uplink.offer(relay)
         await self.publish(force=True)  # as 'joining': not routed to yet
         before = memory.resident()
-        if not await self.load_state_from_peers():
-            if self.done.is_set():
-                return False
+        loaded = await self.load_or_wait()
+        if loaded is None:
+            return False
+        if not loaded:
             say(f"No other server holds stage {self.stage} yet: starting from the run's seed.")
             await self.run_torch(self.runtime.init_from_seed)
         if self.before_serving is not None:
