@@ -36,6 +36,11 @@ def trainers_key(run_id: str) -> str:
     return f"swarmtrain/run/{run_id}/trainers"
 
 
+def books_key(run_id: str) -> str:
+    """The coordinator's books of the run: samples the trainers completed against what each stage accounts."""
+    return f"swarmtrain/run/{run_id}/books"
+
+
 def averaging_prefix(run_id: str, stage: int) -> str:
     """The prefix under which hivemind's averager matches the replicas of one stage."""
     return f"swarmtrain_{run_id}_stage{stage}"

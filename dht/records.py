@@ -37,6 +37,7 @@ class ServerRecord(Record):
     step: int = 0  # training steps: the epoch, or in local mode the inner steps of all outer steps so far
     samples: int = 0  # samples accumulated since the last step
     samples_stepped: int = 0  # samples accounted by finished steps
+    samples_averaging: int = 0  # samples taken out of the accumulator for the round under way
     averaging_epoch: int = -1  # the epoch this server is averaging for right now, else -1
     # joining (loading state, not routed to), serving, leaving (finishing its work, not routed to),
     # left (gone for good: the accumulator additions after stepped_seq were never stepped)
@@ -66,6 +67,8 @@ class TrainerRecord(Record):
     """A trainer's announcement: what it has done so far."""
 
     samples: int = 0  # micro-batch samples completed (forward and backward through every stage)
+    inflight: int = 0  # samples of the micro-batches under way (some stages may hold their backwards already)
+    replaying: list[int] = Field(default_factory=list)  # per stage: samples whose server went away unstepped
     micro_batches: int = 0
     samples_per_second: float = 0.0
     train_loss: float | None = None  # recent mean training loss
@@ -125,4 +128,13 @@ class SpotCheckReport(Record):
     """A trainer's report of servers its spot checks found in the minority (wrong answers)."""
 
     wrong: dict[str, int] = Field(default_factory=dict)  # peer id -> spot checks it failed
+    updated: float = 0.0
+
+
+class BooksRecord(Record):
+    """The coordinator's books, per stage: the samples trainers completed against what the stage accounts
+    (stepped by its rounds, pending in its servers' accumulators and rounds, waiting to be replayed)."""
+
+    stages: list[dict[str, int]] = Field(default_factory=list)  # completed, stepped, pending, replaying, inflight
+    since: float = 0.0  # unix time the books have disagreed since (0: they balance)
     updated: float = 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 
 import torch
 from helpers.calls import check_books, info, settled_infos
@@ -21,6 +22,20 @@ SPEC = {
     # no step in these tests: every sample must still be in the accumulators at the end
     "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 100000, "total_steps": 1000},
 }
+
+
+def books_balance(swarm, samples: int, stages: int = 2, timeout: float = 90) -> str:
+    """`peer status` until the coordinator's books balance for every stage at `samples` completed; its output."""
+    deadline, attempt = time.monotonic() + timeout, 0
+    while True:
+        attempt += 1
+        status = swarm.start(f"status{attempt}", ["status", swarm.maddr])
+        assert status.wait(60) == 0, status.output()[-3000:]
+        out = status.output()
+        if "they balance" in out and out.count(f": balanced ({samples} completed;") == stages:
+            return out
+        assert time.monotonic() < deadline, out[-3000:]
+        time.sleep(1.0)
 
 
 def two_stages(swarm) -> tuple[list, list[str]]:
@@ -40,6 +55,7 @@ def test_a_trainer_restarted_with_its_key_and_data_order_is_counted_again(swarm)
     assert samples == 2 * 4 * 4
     for stage, endpoint in enumerate(endpoints):
         check_books([info(endpoint)], samples, stage)
+    assert f"stage 1: balanced ({samples} completed; 0 stepped + {samples} pending" in books_balance(swarm, samples)
 
 
 def test_a_replay_goes_to_the_stages_only_server_restarted_with_its_key(swarm):
@@ -59,6 +75,7 @@ def test_a_replay_goes_to_the_stages_only_server_restarted_with_its_key(swarm):
     samples = completed(swarm, ["t"])
     check_books([info(first_end)], samples, 0)
     check_books([info(last_end)], samples, 1)
+    books_balance(swarm, samples)  # the coordinator's books agree: the replayed samples are in the new process
 
 
 def test_a_trainer_told_to_stop_ends_in_time_when_a_stage_has_no_server(swarm):
@@ -183,3 +200,25 @@ def test_a_checkpoint_keeps_a_parts_newer_copy_when_its_servers_hold_an_older_st
     assert {n: e["epoch"] for n, e in manifest["parts"].items()} == {"stage 0": 12, "stage 1": 10}
     _, tensors = checkpoint.load_part(second, manifest, "stage 1")
     assert torch.equal(tensors["param/w"], torch.full((3,), 10.0))
+
+
+def test_the_books_say_in_words_what_is_lost_or_counted_twice():
+    from dht.records import ServerRecord, TrainerRecord
+    from peer.swarm.books import Books
+
+    def server(stage: int, stepped: int, pending: int, state: str = "serving") -> ServerRecord:
+        return ServerRecord(
+            stage=stage, endpoint="h:1", throughput=1.0, samples_stepped=stepped, samples=pending, state=state
+        )
+
+    books = Books(2)
+    trainers = {"t": TrainerRecord(samples=40, inflight=4, replaying=[0, 8], started=1.0)}
+    stages = [{"a": server(0, 32, 8), "b": server(0, 32, 8)}, {"c": server(1, 16, 12)}]
+    first, second = books.observe(stages, trainers)
+    assert first.extra == 4 and not first.balanced  # 48 accounted: 40 completed and 4 under way explain 44
+    assert "4 samples are counted more than once" in first.words(0)
+    assert second.missing == 4 and "4 completed samples are in no step, accumulator or replay" in second.words(1)
+    assert books.since > 0
+    # the trainer leaves (its record expires): its samples stay counted
+    stages = [{"a": server(0, 40, 0)}, {"c": server(1, 40, 0), "gone": server(1, 99, 99, "left")}]
+    assert all(b.balanced for b in books.observe(stages, {})) and books.since == 0

@@ -163,6 +163,9 @@ class CoordinatorConfig:
     spec_republish: float = 30.0  # s between the coordinator's publications of the run spec
     relay: bool = True  # the coordinator relays for peers that cannot be dialled (bounded by relay.max_peers)
     relay_port: int = 0  # port of the coordinator's relay (gRPC); 0: any free one
+    # s the books (samples completed against what each stage accounts) may stay off before a warning: records
+    # lag the work by a few announce periods
+    books_grace: float = 30.0
 
 
 @dataclass

@@ -36,6 +36,7 @@ from peer.net.security import Security
 from peer.net.serving import announce_host
 from peer.process.lifetime import exit_within
 from peer.process.status_lines import say
+from peer.swarm.books import Books
 from peer.swarm.discovery import publish_spec
 from peer.swarm.status import gather
 
@@ -297,6 +298,8 @@ class Coordinator:
         self.about: dict = {}  # what the dashboard shows of the coordinator itself
         self.last_publish = 0.0
         self.trained: dict[int, int] = {}  # stage -> the highest step the coordinator has seen it at
+        self.books: Books | None = None  # the run's books (samples completed against each stage's accounts)
+        self._books_said = 0.0  # time.time() of the last warning that they disagree
 
     def start(self, resume: str, info_file: str, rejoined: bool) -> None:
         spec, cfg = self.spec, self.cfg
@@ -385,6 +388,7 @@ class Coordinator:
         self.view.clear()
         self.view.update(summary)
         self._remember_trained(summary)
+        self._keep_books(look)
         try:
             self.timeline.observe(look)
             if self.dashboard is not None:
@@ -392,6 +396,31 @@ class Coordinator:
         except Exception:  # the dashboard must never take the coordinator down
             logger.exception("the dashboard's update failed")
         return summary
+
+    def _keep_books(self, look: dict) -> None:
+        """The books of the run (peer.coordinator.books), announced for `peer status`; a warning, in words,
+        when they stay off past coordinator.books_grace."""
+        if self.books is None:
+            self.books = Books(self.spec.stages.num_stages, self._stepped_before())
+        books = self.books.observe(look["stages"], look["trainers"])
+        with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
+            self.dht.store(keys.books_key(self.spec.name), self.books.record(books), self.cfg.network.record_ttl * 3)
+        since = self.books.since
+        if since and time.time() - since > self.cfg.coordinator.books_grace and time.time() - self._books_said > 60:
+            self._books_said = time.time()
+            wrong = "; ".join(b.words(i) for i, b in enumerate(books) if not b.balanced)
+            logger.warning("the books disagree for %.0f s: %s", time.time() - since, wrong)
+            self.timeline.add("books", f"the books disagree: {wrong}")
+
+    def _stepped_before(self) -> dict[int, int]:
+        """Samples each stage had stepped at the checkpoint this run resumed from (the books count from there)."""
+        if self.archive is None or not self.resumed:
+            return {}
+        parts = self.archive.manifest["parts"]
+        stages = range(self.spec.stages.num_stages)
+        return {
+            s: int(parts[f"stage {s}"]["metadata"].get("samples_stepped", 0)) for s in stages if f"stage {s}" in parts
+        }
 
     def _remember_trained(self, summary: dict) -> None:
         """The highest step each stage has reached. Without a checkpoint to offer, each stage that has

@@ -175,6 +175,7 @@ class Replica(Stepping, Rounds, StateTransfer):
             step=rt.progress,
             samples=rt.samples_accumulated,
             samples_stepped=rt.samples_stepped,
+            samples_averaging=self.samples_averaging,
             averaging_epoch=self.averaging_epoch,
             state="left" if self.state == "left" else "leaving" if self.leaving else self.state,
             incarnation=rt.incarnation,

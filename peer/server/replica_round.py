@@ -105,7 +105,13 @@ class Rounds:
         # trainers must know what this round covers before it can succeed: if we die right after it,
         # they ask the survivors whether we were in the group instead of replaying what it stepped
         self.round_seq = seq
-        await self.publish(force=True)
+        if not await self._announce_round():
+            # trainers cannot learn what this round covers: were it to succeed here and this replica die, they
+            # would replay what its partners stepped. It stays out; its partners' group lacks it and fails alike
+            logger.warning("%s: could not announce the round for step %d in the DHT; sitting it out", self.label, epoch)
+            await self.run_torch(rt.restore_round, grads, samples, seq)
+            self.samples_averaging = 0
+            return samples, 0, time.perf_counter() - started
         await asyncio.sleep(stagger)
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         admitted = {self.dht.peer_id, *self.peers} if self.dht.gate is not None else None
@@ -146,6 +152,14 @@ class Rounds:
             self.samples_averaging = 0
         group_samples, members = outcome
         return group_samples, members, time.perf_counter() - started
+
+    async def _announce_round(self, tries: int = 3) -> bool:
+        """Publish the record that says what the round covers (`round_seq`); False if the DHT never took it."""
+        for attempt in range(tries):
+            if await self.publish(force=True):
+                return True
+            await asyncio.sleep(0.2 * (attempt + 1))
+        return False
 
     def join_round(self, epoch: int) -> bool:
         """A partner invites this replica to the round for `epoch`: True if it takes part."""

@@ -9,9 +9,10 @@ from rich.table import Table
 
 from dht import keys
 from dht.node import SwarmDHT
-from dht.records import RelayRecord, ServerRecord, TrainerRecord
+from dht.records import BooksRecord, RelayRecord, ServerRecord, TrainerRecord
 from peer.config import RunSpec
 from peer.model.moe import expert_uid
+from peer.swarm.books import from_record
 from protocols.version import software_version
 
 
@@ -24,7 +25,8 @@ def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
         for e in range(spec.moe.num_experts)
     }
     relays = dht.get(keys.relays_key(spec.name), RelayRecord)
-    return {"stages": stages, "trainers": trainers, "experts": experts, "relays": relays}
+    books = dht.get(keys.books_key(spec.name), BooksRecord)
+    return {"stages": stages, "trainers": trainers, "experts": experts, "relays": relays, "books": books}
 
 
 def coverage(spec: RunSpec, experts: dict[str, dict[str, ServerRecord]]) -> list[dict]:
@@ -75,6 +77,20 @@ def render(spec: RunSpec, state: dict, console: Console | None = None) -> None:
     if relays:
         console.print(_relays_table(relays))
     console.print(_trainers_table(trainers, now))
+    _print_books(console, state.get("books", {}), now)
+
+
+def _print_books(console: Console, found: dict[str, BooksRecord], now: float) -> None:
+    """The coordinator's books of the run (peer.swarm.books), in words, per stage."""
+    if not found:
+        console.print("Books: the coordinator has not announced any (yet).")
+        return
+    record = max(found.values(), key=lambda r: r.updated)
+    books = from_record(record)
+    state = "balance" if all(b.balanced for b in books) else f"disagree (for {now - record.since:.0f} s)"
+    console.print(f"[bold]Books[/bold] (samples; as of {now - record.updated:.0f} s ago): they {state}")
+    for stage, b in enumerate(books):
+        console.print(f"  {b.words(stage)}")
 
 
 def _table(title: str, columns: tuple[str, ...]) -> Table:

@@ -59,10 +59,20 @@ class Reporting:
         if self._log:
             self._log.write(json.dumps(entry) + "\n")
 
+    def _replaying(self) -> list[int]:
+        """Per stage: samples of backwards whose server went away before stepping them (to be replayed)."""
+        out = [0] * self.num_stages
+        for r in self.ledger.receipts:
+            if self.router.gone(r.peer_id, r.incarnation, r.heard):
+                out[r.stage] += r.samples
+        return out
+
     async def _announce(self) -> None:
         s = self.summary
         record = TrainerRecord(
             samples=s.samples,
+            inflight=self.inflight_samples,
+            replaying=self._replaying(),
             micro_batches=s.micro_batches,
             samples_per_second=self.samples_per_second(),
             train_loss=self.train_loss(),

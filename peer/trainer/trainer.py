@@ -77,6 +77,7 @@ class Trainer(Calls, Settling, Reporting):
         self.started = time.time()
         # in every micro-batch's uid: a restarted trainer (same key, same data order) is not taken for a retry
         self.nonce = secrets.token_hex(4)
+        self.inflight_samples = 0  # samples of the micro-batches under way (the books: some stages may hold them)
         self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
         self._last_eval_epoch = 0
         self._last_progress = 0.0
@@ -157,6 +158,7 @@ class Trainer(Calls, Settling, Reporting):
                     task = asyncio.create_task(self._micro_batch(index, inputs, targets))
                     task.index, task.samples = index, inputs.shape[0]
                     inflight.add(task)
+                    self.inflight_samples += task.samples
                     index += 1
                 if not inflight:
                     if self._done(index):
@@ -190,6 +192,7 @@ class Trainer(Calls, Settling, Reporting):
         return self.summary
 
     def _finished(self, task: asyncio.Task) -> None:
+        self.inflight_samples -= task.samples
         if task.exception() is not None:
             self.summary.failed_micro_batches += 1
             logger.error("micro-batch %d given up: %s", task.index, task.exception())

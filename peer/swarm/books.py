@@ -1,0 +1,103 @@
+"""The run's books, kept by the coordinator and shown by `peer status`: for each stage, the samples the
+trainers completed against what the stage accounts for them. Every completed sample is in one finished step of each stage, or
+waits in a live server's accumulator (or its round), or waits to be replayed by its trainer (its
+server went away before stepping it). Samples of micro-batches under way may already sit in some
+stages; so the books balance when
+
+    stepped + pending + replaying - in flight  <=  completed  <=  stepped + pending + replaying
+
+Less than completed: samples were lost; more: some were counted twice. Records lag a little behind
+the work, so the coordinator warns only of books that stay off for `coordinator.books_grace`.
+Trainers are remembered after they leave (by peer id and start), so their samples stay counted; a
+run resumed from a checkpoint counts from the samples its stages had stepped at that checkpoint."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dht.records import BooksRecord, ServerRecord, TrainerRecord
+
+LIVE = ("joining", "serving", "leaving")
+
+
+@dataclass
+class StageBooks:
+    completed: int
+    stepped: int
+    pending: int
+    replaying: int
+    inflight: int
+    servers: int  # live servers of the stage: without any, the stage's pending samples cannot be known
+
+    @property
+    def accounted(self) -> int:
+        return self.stepped + self.pending + self.replaying
+
+    @property
+    def missing(self) -> int:
+        """Completed samples the stage does not account for (lost), 0 if none."""
+        return max(0, self.completed - self.accounted)
+
+    @property
+    def extra(self) -> int:
+        """Samples the stage accounts beyond what trainers completed or have under way (counted twice)."""
+        return max(0, self.accounted - self.inflight - self.completed)
+
+    @property
+    def balanced(self) -> bool:
+        return self.servers == 0 or (self.missing == 0 and self.extra == 0)
+
+    def words(self, stage: int) -> str:
+        sums = (
+            f"{self.completed} completed; {self.stepped} stepped + {self.pending} pending + "
+            f"{self.replaying} to replay (+{self.inflight} under way)"
+        )
+        if self.servers == 0:
+            return f"stage {stage}: no live server, its pending samples unknown ({sums})"
+        if self.missing:
+            return f"stage {stage}: {self.missing} completed samples are in no step, accumulator or replay ({sums})"
+        if self.extra:
+            return f"stage {stage}: {self.extra} samples are counted more than once ({sums})"
+        return f"stage {stage}: balanced ({sums})"
+
+
+class Books:
+    def __init__(self, num_stages: int, stepped_before: dict[int, int] | None = None):
+        self.num_stages = num_stages
+        self.before = stepped_before or {}  # stage -> samples stepped at the resumed checkpoint
+        self.trainers: dict[tuple[str, float], int] = {}  # (peer id, start) -> samples it completed
+        self.since = 0.0  # time.time() the books have disagreed since; 0 while they balance
+
+    def observe(self, stages: list[dict[str, ServerRecord]], trainers: dict[str, TrainerRecord]) -> list[StageBooks]:
+        for pid, t in trainers.items():
+            key = (pid, t.started)
+            self.trainers[key] = max(self.trainers.get(key, 0), t.samples)
+        completed = sum(self.trainers.values())
+        inflight = sum(t.inflight for t in trainers.values())
+        books = []
+        for stage in range(self.num_stages):
+            live = [r for r in stages[stage].values() if r.state in LIVE and r.stage == stage and not r.expert]
+            books.append(
+                StageBooks(
+                    completed=completed,
+                    stepped=max((r.samples_stepped for r in live), default=0) - self.before.get(stage, 0),
+                    pending=sum(r.samples + r.samples_averaging for r in live),
+                    replaying=sum(t.replaying[stage] for t in trainers.values() if len(t.replaying) > stage),
+                    inflight=inflight,
+                    servers=len(live),
+                )
+            )
+        balanced = all(b.balanced for b in books)
+        self.since = 0.0 if balanced else (self.since or time.time())
+        return books
+
+    def record(self, books: list[StageBooks]) -> BooksRecord:
+        fields = ("completed", "stepped", "pending", "replaying", "inflight", "servers")
+        return BooksRecord(
+            stages=[{f: getattr(b, f) for f in fields} for b in books], since=self.since, updated=time.time()
+        )
+
+
+def from_record(record: BooksRecord) -> list[StageBooks]:
+    return [StageBooks(**{k: int(v) for k, v in s.items()}) for s in record.stages]
