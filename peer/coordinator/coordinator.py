@@ -116,7 +116,12 @@ def open_archive(resume: str, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT):
     except OSError as e:
         raise checkpoint.CheckpointError(f"--resume {resume}: {e}") from None
     archive.announce()
-    parts = ", ".join(sorted(archive.manifest["parts"]))
+    entries = archive.manifest["parts"]
+    epochs = {int(e["epoch"]) for e in entries.values()}
+    if len(epochs) == 1:
+        parts = ", ".join(sorted(entries))
+    else:  # its parts were pulled one after another, while stages stepped: each goes on from its own step
+        parts = ", ".join(f"{name} at step {entries[name]['epoch']}" for name in sorted(entries))
     say(f"Resuming from {path} (step {archive.step}; {parts}), served at {archive.endpoint}.")
     return archive
 
@@ -216,10 +221,8 @@ def report(
     summary: dict,
     checkpointer: Checkpointer,
     timeline: Timeline,
-    about: dict,
-) -> Path | None:
-    """Every report period: remember the peers, print the summary line, take a checkpoint when due (its
-    path, when it wrote one)."""
+) -> int | None:
+    """Every report period: remember the peers, print the summary line; the run's step when a checkpoint is due."""
     try:
         remember_peers(peers_file(cfg, identity, spec), spec, summary["dht_maddrs"])
         timeline.save(timeline_file(cfg, identity, spec), spec.fingerprint())
@@ -230,8 +233,11 @@ def report(
     )
     say(f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples")
     step = max(s["step"] for s in summary["stages"])
-    if not checkpointer.due(step):
-        return None
+    return step if checkpointer.due(step) else None
+
+
+def take_checkpoint(step: int, checkpointer: Checkpointer, timeline: Timeline, about: dict) -> Path | None:
+    """Pull every part and write a checkpoint at `step`; its path (None, said, when it failed or was skipped)."""
     started = time.perf_counter()
     try:
         path = asyncio.run(checkpointer.take(step))
@@ -300,6 +306,7 @@ class Coordinator:
         self.trained: dict[int, int] = {}  # stage -> the highest step the coordinator has seen it at
         self.books: Books | None = None  # the run's books (samples completed against each stage's accounts)
         self._books_said = 0.0  # time.time() of the last warning that they disagree
+        self._checkpointing: threading.Thread | None = None  # the checkpoint being taken, if any
 
     def start(self, resume: str, info_file: str, rejoined: bool) -> None:
         spec, cfg = self.spec, self.cfg
@@ -361,10 +368,13 @@ class Coordinator:
             summary = self._look()
             if summary is not None and time.monotonic() - last_report >= period - 1e-3:
                 last_report = time.monotonic()
-                args = (self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline, self.about)
-                written = report(*args)
-                if written is not None:
-                    self._offer(written)
+                due = report(self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline)
+                if due is not None and (self._checkpointing is None or not self._checkpointing.is_alive()):
+                    # in a thread: the looks (and the archive's announcements) go on while a big part downloads
+                    self._checkpointing = threading.Thread(
+                        target=self._checkpoint, args=(due,), name="checkpoint", daemon=True
+                    )
+                    self._checkpointing.start()
             if stop.wait(tick):
                 return
 
@@ -438,6 +448,12 @@ class Coordinator:
                 )
                 with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
                     self.dht.store(keys.servers_key(self.spec.name, stage), record, self.cfg.network.record_ttl * 3)
+
+    def _checkpoint(self, step: int) -> None:
+        """The checkpoint thread: take one, and offer it to joiners."""
+        path = take_checkpoint(step, self.checkpointer, self.timeline, self.about)
+        if path is not None:
+            self._offer(path)
 
     def _offer(self, path: Path) -> None:
         """The checkpoint just written becomes the state of last resort of every part: a server that joins a
