@@ -222,3 +222,31 @@ def test_the_books_say_in_words_what_is_lost_or_counted_twice():
     # the trainer leaves (its record expires): its samples stay counted
     stages = [{"a": server(0, 40, 0)}, {"c": server(1, 40, 0), "gone": server(1, 99, 99, "left")}]
     assert all(b.balanced for b in books.observe(stages, {})) and books.since == 0
+
+
+def test_a_resumed_run_checkpoints_on_from_its_step_and_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    """Resumed from step 4 into a directory that holds step 8 (a later, abandoned history): checkpoints are
+    due again from step 4 on, carry parts from the resumed one, and the one of step 8 is replaced whole."""
+    from types import SimpleNamespace
+
+    from peer.config import PeerConfig, RunSpec
+    from peer.coordinator import checkpoint
+    from peer.coordinator.coordinator import Coordinator
+    from peer.coordinator.timeline import Timeline
+
+    spec = RunSpec.from_dict(STEPPING)
+
+    def write(step: int, value: float):
+        parts = [checkpoint.Part(f"stage {s}", {"epoch": step}, {"param/w": torch.full((2,), value)}) for s in (0, 1)]
+        return checkpoint.write(tmp_path, spec.to_dict(), spec.fingerprint(), step, parts, keep=5)
+
+    resumed, later = write(4, 4.0), write(8, 8.0)
+    cfg = PeerConfig.from_dict({"coordinator": {"checkpoint_dir": str(tmp_path), "checkpoint_every_steps": 2}})
+    run = Coordinator(spec, cfg, identity=None, dht=None)
+    run.archive, run.resumed, run.timeline = SimpleNamespace(step=4, path=resumed), True, Timeline()
+    run._open_checkpoints()
+    assert run.checkpointer.due(6) and run.checkpointer.previous == resumed
+    again = write(8, 9.0)  # step 8 of this history replaces the abandoned one
+    assert again == later and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000008"]
+    _, tensors = checkpoint.load_part(again, checkpoint.read_manifest(again), "stage 1")
+    assert torch.equal(tensors["param/w"], torch.full((2,), 9.0))
