@@ -126,7 +126,9 @@ class Bench:
         """Serve stage 1 from host `name`; the trainer's samples/s over a window; then stop that server."""
         args = self.args
         before = len(self.log(name))
-        self.start(name, ["--stage", "1"])
+        # each turn replaces the stage's only server, which leaves first: what is measured is throughput, not
+        # that stage's training, so it starts from the seed again (else it would wait for the state: peer.server.stage)
+        self.start(name, ["--stage", "1", "--set", "server.seed_start=true"])
         wait_for(
             f"stage 1 on {name}",
             lambda: self.serving(name) and len(self.log(name)) > before,
