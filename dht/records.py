@@ -61,6 +61,9 @@ class ServerRecord(Record):
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
     relay: str = ""  # peer id of the relay that carries its calls (it cannot be dialled: NAT); empty: direct
+    # per parameter, its sum then its sum of squares after step `epoch` (empty: not known): replicas at one
+    # epoch must agree (peer.model.fingerprint)
+    fingerprint: list[float] = Field(default_factory=list)
 
 
 class TrainerRecord(Record):
@@ -136,5 +139,6 @@ class BooksRecord(Record):
     (stepped by its rounds, pending in its servers' accumulators and rounds, waiting to be replayed)."""
 
     stages: list[dict[str, int]] = Field(default_factory=list)  # completed, stepped, pending, replaying, inflight
+    apart: list[str] = Field(default_factory=list)  # per stage: replicas at one step that differ, in words
     since: float = 0.0  # unix time the books have disagreed since (0: they balance)
     updated: float = 0.0

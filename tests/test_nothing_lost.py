@@ -250,3 +250,54 @@ def test_a_resumed_run_checkpoints_on_from_its_step_and_replaces_a_checkpoint_of
     assert again == later and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000008"]
     _, tensors = checkpoint.load_part(again, checkpoint.read_manifest(again), "stage 1")
     assert torch.equal(tensors["param/w"], torch.full((2,), 9.0))
+
+
+def test_replicas_at_one_step_that_hold_different_parameters_unbalance_the_books():
+    from dht.records import ServerRecord, TrainerRecord
+    from peer.model.fingerprint import first_difference
+    from peer.swarm.books import Books, from_record
+
+    assert first_difference([1.0, 4.0, 2.0, 9.0], [1.0, 4.0, 2.0, 9.0 * (1 + 1e-6)]) is None  # rounding
+    assert first_difference([1.0, 4.0, 2.0, 9.0], [1.0, 4.0, 2.0, 9.1]) == 1
+    assert first_difference([1.0, 4.0], [1.5, 4.0]) == 0 and first_difference([], [1.0, 4.0]) is None
+
+    def server(endpoint: str, epoch: int, fingerprint: list[float]) -> ServerRecord:
+        return ServerRecord(stage=0, endpoint=endpoint, throughput=1.0, epoch=epoch, fingerprint=fingerprint)
+
+    books = Books(1)
+    trainers = {"t": TrainerRecord(samples=0, started=1.0)}
+    same = {"a": server("a:1", 3, [1.0, 4.0]), "b": server("b:1", 3, [1.0, 4.0]), "c": server("c:1", 2, [9.0, 81.0])}
+    (stage,) = books.observe([same], trainers)
+    assert stage.balanced and not stage.apart  # c is a step behind: nothing to compare it with
+    apart = {**same, "c": server("c:1", 3, [1.0, 4.5])}
+    (stage,) = books.observe([apart], trainers)
+    assert not stage.balanced and books.since > 0
+    words = from_record(books.record([stage]))[0].words(0)
+    assert "replicas at step 3 hold different parameters: a:1" in words and "c:1" in words, words
+
+
+def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused():
+    """Shards mixed from replicas that went apart (or damaged on the way) do not load: the part keeps its
+    parameters and the joiner tries again."""
+    from peer.config import RunSpec
+    from peer.model.part_state import StateError
+    from peer.model.runtime import StageRuntime
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    donor, joiner = StageRuntime(spec, 1), StageRuntime(spec, 1)
+    donor.apply_step([torch.full_like(p, 0.1) for p in donor.params], 4, 0, ["donor"], {})
+    metadata, tensors = donor.snapshot()
+    assert len(metadata["fingerprint"]) == 2 * len(donor.params)
+    name = f"param/{donor.param_names[3]}"
+    damaged = {**tensors, name: tensors[name] + 0.01}
+    before = [p.detach().clone() for p in joiner.params]
+    try:
+        joiner.load_state(metadata, damaged, "joiner")
+        raise AssertionError("a state that does not match its fingerprint was loaded")
+    except StateError as e:
+        assert donor.param_names[3] in str(e) and "fingerprint" in str(e)
+    assert joiner.epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, joiner.params, strict=True))
+    joiner.load_state(metadata, tensors, "joiner")
+    assert joiner.epoch == 1 and joiner.history[-1].values == donor.history[-1].values

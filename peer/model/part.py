@@ -85,6 +85,7 @@ class PartRuntime(PartState):
         self.samples_accumulated = 0  # samples in the accumulator
         self.samples_stepped = 0  # samples accounted by finished steps (whole averaging group)
         self.history: deque[Fingerprint] = deque(maxlen=fingerprint_history)
+        self._checked_values: list[float] | None = None  # a loading state's fingerprint, checked (part_state)
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
         self.fixed_throughput = False  # announced as configured, not measured
         self._stash: tuple[int, list[torch.Tensor]] | None = None  # (version, weights) before the last step

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.model.fingerprint import first_difference
+
 
 class StateError(ValueError):
     """A downloaded state that does not fit this part."""
@@ -50,7 +52,8 @@ class PartState:
         kept = [f for f in self.history if f.epoch < first]
         inherited = [own.get(e, f) for e, f in sorted(steps.items()) if e < self.epoch]
         loaded = steps.get(self.epoch, Fingerprint(self.epoch, 0, []))
-        loaded.samples, loaded.values = last_samples, self.fingerprint_values()
+        checked, self._checked_values = self._checked_values, None
+        loaded.samples, loaded.values = last_samples, checked or self.fingerprint_values()
         self.history.clear()
         self.history.extend([*kept, *inherited, loaded])
 
@@ -59,9 +62,13 @@ class PartState:
         """Per parameter: sum, then sum of squares; of the anchor in local mode (the replicas' common point)."""
         values = []
         for p in self.anchor if self.local else self.params:
-            d = p.double()
-            values += [d.sum().item(), d.pow(2).sum().item()]
+            values += tensor_fingerprint(p)
         return values
+
+    def latest_fingerprint(self) -> list[float]:
+        """The fingerprint of the parameters at this epoch, if known (empty: not known, e.g. mid-step)."""
+        last = self.history[-1] if self.history else None
+        return list(last.values) if last is not None and last.epoch == self.epoch else []
 
     # ---- state transfer -------------------------------------------------------------------
     @torch.no_grad()
@@ -118,6 +125,8 @@ class PartState:
                 for f in list(self.history)[-STEP_MEMBERS:]
             },
             "step_samples": {str(f.epoch): f.samples for f in list(self.history)[-STEP_MEMBERS:]},
+            # the parameters' fingerprint at this epoch: a joiner checks what it loads against it
+            "fingerprint": self.latest_fingerprint(),
         }
 
     def check_state(self, metadata: dict, tensors: dict[str, torch.Tensor], shapes: list[list[int]]) -> str:
@@ -143,10 +152,28 @@ class PartState:
                     raise StateError(f"optim/{name}/{slot} in the state has shape {list(t.shape)}, not {want}")
         return source
 
+    def check_fingerprint(self, metadata: dict, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """The whole parameters a state brings match the fingerprint its donor announced for them (StateError
+        if not: shards mixed from replicas that went apart, or damaged). Kept for the history, so that an
+        unsplit part's load does not sum its parameters twice (a split one sums its ranks' shards anew)."""
+        parameters = [tensors[f"{source}/{name}"] for name in self.param_names]
+        values = [x for t in parameters for x in tensor_fingerprint(t)]
+        announced = [float(x) for x in metadata.get("fingerprint") or []]
+        index = first_difference(announced, values)
+        if index is not None:
+            name = self.param_names[index] if index < len(self.param_names) else "?"
+            raise StateError(
+                f"the state's {name} does not match the fingerprint its donor announced for step "
+                f"{metadata.get('epoch')} (its shards disagree)"
+            )
+        self._checked_values = values if self.tp_degree == 1 else None
+
     @torch.no_grad()
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
+        if self.tp_degree == 1:  # a split part's ranks load shards: checked whole on rank 0 (peer.model.tp_runtime)
+            self.check_fingerprint(metadata, tensors, source)
         for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
             take(p, tensors[f"{source}/{name}"])
             if self.local:
@@ -172,9 +199,21 @@ class PartState:
         self._taken = None
         if self.epoch > 0:  # the parameters after this step are now the donor's
             self._inherit_history(steps, int(metadata.get("last_step_samples", 0)))
+        self._checked_values = None
         self._stash = None
         self.version += 1
         self._after_load()
+
+
+@torch.no_grad()
+def tensor_fingerprint(t: torch.Tensor, block: int = 1 << 20) -> list[float]:
+    """[sum, sum of squares] of `t` in float64, `block` elements at a time (no float64 copy of all of it)."""
+    total = squares = 0.0
+    for part in t.detach().reshape(-1).split(block):
+        d = part.double()
+        total += d.sum().item()
+        squares += d.pow(2).sum().item()
+    return [total, squares]
 
 
 def finite(t: torch.Tensor, block: int = 1 << 20) -> bool:

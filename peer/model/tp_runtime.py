@@ -360,6 +360,7 @@ class ShardedStageRuntime(StageRuntime):
     def _check_state(self, metadata: dict, tensors: dict[str, torch.Tensor]) -> dict:
         """Rank 0, before anything is sent: the donor's full state fits this stage; the shapes of what loads."""
         source = self.check_state(metadata, tensors, self.full_shapes)
+        self.check_fingerprint(metadata, tensors, source)
         reads = {f"{source}/{n}" for n in self.param_names}
         reads |= {f"outer/momentum/{n}" for n in self.param_names} if self.local else set()
         reads |= {f"optim/{n}/{s}" for n in self.param_names for s in ("step", "exp_avg", "exp_avg_sq")}

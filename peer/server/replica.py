@@ -193,6 +193,7 @@ class Replica(Stepping, Rounds, StateTransfer):
             last_round_seconds=self.last_round[1],
             rounds_failed=self.rounds_failed,
             relay=self.uplink.relay if self.uplink is not None else "",
+            fingerprint=rt.latest_fingerprint(),
         )
 
     async def publish(self, force: bool = False) -> bool:

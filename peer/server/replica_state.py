@@ -13,6 +13,7 @@ import time
 import grpc
 
 from dht.records import ServerRecord
+from peer.model.fingerprint import first_difference
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class StateTransfer:
                 result = await self.client.get_state(
                     donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
                 )
+            result[0]["from"] = donor.endpoint  # which donor sent it (this copy of the metadata only)
             have[shard] = result
             return result
 
@@ -72,6 +74,7 @@ class StateTransfer:
                     result = await part(other, i)
             if isinstance(result, BaseException):
                 raise result
+        await self._agree(have, same[0], part)
         self._partial_state = None
         metadata, tensors = dict(have[0][0]), {}
         for i in range(n):
@@ -79,6 +82,27 @@ class StateTransfer:
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
+
+    async def _agree(self, have: dict[int, tuple[dict, dict]], lead: ServerRecord, part) -> None:
+        """Shards whose donor's parameters differ from the lead's at the same step (by the fingerprints the
+        donors sent) come again from the lead: a state is never mixed from replicas that went apart."""
+        announced = {i: [float(x) for x in meta.get("fingerprint") or []] for i, (meta, _) in sorted(have.items())}
+        leads = [fp for i, fp in announced.items() if fp and have[i][0].get("from") == lead.endpoint]
+        reference = leads[0] if leads else next((fp for fp in announced.values() if fp), [])
+        for i, fp in announced.items():
+            index = first_difference(reference, fp)
+            if index is None:
+                continue
+            logger.warning(
+                "%s: two donors of step %s hold different parameters (fingerprints differ at parameter %d); "
+                "shard %d comes from %s instead",
+                self.label,
+                have[i][0].get("epoch"),
+                index,
+                i,
+                lead.endpoint,
+            )
+            await part(lead, i)
 
     def _state_shards(self) -> int:
         """Shards the part's state must come in so that none exceeds half of server.max_message_bytes (the

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from dht.records import BooksRecord, ServerRecord, TrainerRecord
+from peer.model.fingerprint import first_difference, short
 
 LIVE = ("joining", "serving", "leaving")
 
@@ -29,6 +30,7 @@ class StageBooks:
     replaying: int
     inflight: int
     servers: int  # live servers of the stage: without any, the stage's pending samples cannot be known
+    apart: str = ""  # replicas at one step whose parameters differ, in words; empty: none
 
     @property
     def accounted(self) -> int:
@@ -46,13 +48,15 @@ class StageBooks:
 
     @property
     def balanced(self) -> bool:
-        return self.servers == 0 or (self.missing == 0 and self.extra == 0)
+        return not self.apart and (self.servers == 0 or (self.missing == 0 and self.extra == 0))
 
     def words(self, stage: int) -> str:
         sums = (
             f"{self.completed} completed; {self.stepped} stepped + {self.pending} pending + "
             f"{self.replaying} to replay (+{self.inflight} under way)"
         )
+        if self.apart:
+            return f"stage {stage}: {self.apart} ({sums})"
         if self.servers == 0:
             return f"stage {stage}: no live server, its pending samples unknown ({sums})"
         if self.missing:
@@ -86,6 +90,7 @@ class Books:
                     replaying=sum(t.replaying[stage] for t in trainers.values() if len(t.replaying) > stage),
                     inflight=inflight,
                     servers=len(live),
+                    apart=apart([r for r in live if r.state == "serving"]),
                 )
             )
         balanced = all(b.balanced for b in books)
@@ -95,9 +100,34 @@ class Books:
     def record(self, books: list[StageBooks]) -> BooksRecord:
         fields = ("completed", "stepped", "pending", "replaying", "inflight", "servers")
         return BooksRecord(
-            stages=[{f: getattr(b, f) for f in fields} for b in books], since=self.since, updated=time.time()
+            stages=[{f: getattr(b, f) for f in fields} for b in books],
+            apart=[b.apart for b in books],
+            since=self.since,
+            updated=time.time(),
         )
 
 
+def apart(replicas: list[ServerRecord]) -> str:
+    """Replicas of one part at one step whose announced fingerprints differ, in words ("" if none do)."""
+    by_epoch: dict[int, list[ServerRecord]] = {}
+    for r in replicas:
+        if r.fingerprint:
+            by_epoch.setdefault(r.epoch, []).append(r)
+    for epoch, same in sorted(by_epoch.items()):
+        first = same[0]
+        for other in same[1:]:
+            index = first_difference(first.fingerprint, other.fingerprint)
+            if index is not None:
+                return (
+                    f"replicas at step {epoch} hold different parameters: {first.endpoint} "
+                    f"(fingerprint {short(first.fingerprint)}) and {other.endpoint} ({short(other.fingerprint)}), "
+                    f"first at parameter {index}"
+                )
+    return ""
+
+
 def from_record(record: BooksRecord) -> list[StageBooks]:
-    return [StageBooks(**{k: int(v) for k, v in s.items()}) for s in record.stages]
+    aparts = record.apart or [""] * len(record.stages)
+    return [
+        StageBooks(**{k: int(v) for k, v in s.items()}, apart=a) for s, a in zip(record.stages, aparts, strict=False)
+    ]
