@@ -64,6 +64,9 @@ class ServerRecord(Record):
     # per parameter, its sum then its sum of squares after step `epoch` (empty: not known): replicas at one
     # epoch must agree (peer.model.fingerprint)
     fingerprint: list[float] = Field(default_factory=list)
+    # the coordinator's `trained` and `archive` records: it checkpoints a part at once when its last server
+    # leaves, and that server waits for it (peer.server.replica_handover)
+    takes_handover: bool = False
 
 
 class TrainerRecord(Record):

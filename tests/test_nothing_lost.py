@@ -175,6 +175,24 @@ def test_a_stage_left_with_no_server_loads_the_coordinators_newest_checkpoint(sw
     assert re.search(r"Loaded the state of stage 1 \(step [1-9]\d*\)", newcomer.output())
 
 
+def test_the_last_server_of_a_stage_hands_its_state_to_the_coordinator_as_it_leaves(swarm):
+    """No checkpoint is due, yet the only server of stage 1 leaving (SIGTERM) waits until the coordinator has
+    checkpointed its state, and a newcomer goes on from that very step: nothing the stage learned is lost."""
+    never = ["--set", "coordinator.checkpoint_every_steps=1000", "--set", "coordinator.checkpoint_every_minutes=0"]
+    step, _, last = trained_then_emptied(swarm, ["--checkpoints", str(swarm.workdir / "ckpt"), *never])
+    before = info(swarm.endpoint(last))
+    last.signal(signal.SIGTERM)
+    last.wait_for(r"Stage 1: the last server of it is leaving; waiting up to \d+ s for the coordinator", 30)
+    swarm.peers[0].wait_for(rf"The last server of stage 1 is leaving at step {step}: checkpointing its state", 30)
+    assert last.wait(60) == 0, last.output()[-3000:]
+    assert f"Stage 1: its state (step {step}) is held; leaving." in last.output()
+    newcomer = swarm.server("n1", 1)
+    joined = newcomer.wait_for(r"Serving stage 1 at (\S+) from step (\d+)", 120)
+    assert int(joined.group(2)) == step
+    after = info(swarm.known(joined.group(1), "n1"))
+    assert (after.epoch, after.samples_stepped) == (before.epoch, before.samples_stepped)
+
+
 def test_a_checkpoint_keeps_a_parts_newer_copy_when_its_servers_hold_an_older_step(tmp_path):
     """A stage restarted from an older state (or with no server) never takes a checkpoint's copy of it back:
     the previous checkpoint's copy is carried into the next, and pruning keeps it."""

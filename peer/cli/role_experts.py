@@ -67,7 +67,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, co
             print("Leaving the swarm...", flush=True)
             await host.stop()
 
-        asyncio.run(until_signalled(start, stop, done, cfg.server.leave_timeout))
+        asyncio.run(until_signalled(start, stop, done, cfg.server.leave_timeout + cfg.server.handover_timeout))
     finally:
         for averager in averagers.values():
             averager.shutdown()

@@ -166,7 +166,9 @@ def _serve(server: StageServer, dht, cfg: PeerConfig, experts, ranks):
             await experts.close()
 
     moving = lambda: server.move_to is not None  # noqa: E731
-    return asyncio.run(until_signalled(start, stop, server.done, cfg.server.leave_timeout, moving))
+    return asyncio.run(
+        until_signalled(start, stop, server.done, cfg.server.leave_timeout + cfg.server.handover_timeout, moving)
+    )
 
 
 def _rejoin(stage: int, deadline) -> None:

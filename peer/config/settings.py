@@ -47,6 +47,9 @@ class ServerConfig:
     # start a stage the run has already stepped from the seed when nobody holds its state (else it waits)
     seed_start: bool = False
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
+    # s the last server of a part waits as it leaves, when the coordinator keeps checkpoints, for the
+    # coordinator to checkpoint its state (the process's leave_timeout grows by as much); 0: it does not wait
+    handover_timeout: float = 60.0
     # s from being told to leave (a signal, a revocation, a move) to the process's end: past it, it
     # exits regardless of what still runs (a hung averaging round, a stuck DHT call)
     leave_timeout: float = 10.0

@@ -57,6 +57,8 @@ class Archive:
         self._reading: asyncio.Lock | None = None  # made on the archive's own event loop
         self.endpoint = ""
         self.started = time.time()
+        # announced: the coordinator checkpoints a part whose last server leaves (false once it stops)
+        self.takes_handover = bool(cfg.coordinator.checkpoint_dir)
         self._thread = LoopThread("archive")
         self._server: grpc.aio.Server | None = None
 
@@ -174,6 +176,7 @@ class Archive:
                 step=int(entry["epoch"]),
                 samples_stepped=int(entry["metadata"].get("samples_stepped", 0)),
                 state="archive",
+                takes_handover=self.takes_handover,
                 started=self.started,
                 updated=time.time(),
             )

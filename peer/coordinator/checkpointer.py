@@ -60,8 +60,10 @@ class Checkpointer:
     async def _pull(self, client: StageClient, stage: int, expert: str) -> checkpoint.Part | None:
         key = keys.expert_key(self.spec.name, expert) if expert else keys.servers_key(self.spec.name, stage)
         records = await self.dht.aget(key, ServerRecord)
-        serving = [(pid, r) for pid, r in records.items() if r.state == "serving" and r.expert == expert]
-        for pid, record in sorted(serving, key=lambda item: (-item[1].epoch, -item[1].throughput)):
+        # a leaving server still gives its state (the last one of a part waits for this: peer.server.replica_handover)
+        holders = [(pid, r) for pid, r in records.items() if r.state in ("serving", "leaving") and r.expert == expert]
+        ranked = sorted(holders, key=lambda item: (-item[1].epoch, item[1].state != "serving", -item[1].throughput))
+        for pid, record in ranked:
             try:
                 metadata, tensors = await self._whole_state(client, record.endpoint, stage, expert)
             except Exception as e:  # a replica that went away: the next one

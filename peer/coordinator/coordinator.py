@@ -6,7 +6,6 @@ on while the coordinator is down.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -16,17 +15,17 @@ import threading
 import time
 from pathlib import Path
 
-from dht import keys
 from dht.address import answering
 from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
-from dht.records import ServerRecord, TrainerRecord
+from dht.records import TrainerRecord
 from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.coordinator import checkpoint
 from peer.coordinator.admission_files import beside_key, invites_file, revoked_file
 from peer.coordinator.archive import Archive
 from peer.coordinator.authority import Authority
 from peer.coordinator.checkpointer import Checkpointer
+from peer.coordinator.custody import Custody
 from peer.coordinator.dashboard import Dashboard, swarm_state
 from peer.coordinator.pretrained import open_pretrained
 from peer.coordinator.timeline import Timeline
@@ -236,23 +235,6 @@ def report(
     return step if checkpointer.due(step) else None
 
 
-def take_checkpoint(step: int, checkpointer: Checkpointer, timeline: Timeline, about: dict) -> Path | None:
-    """Pull every part and write a checkpoint at `step`; its path (None, said, when it failed or was skipped)."""
-    started = time.perf_counter()
-    try:
-        path = asyncio.run(checkpointer.take(step))
-    except Exception as e:  # a failed checkpoint must not end the run: said, and the next one is tried
-        logger.warning("checkpoint at step %d failed: %s", step, e)
-        timeline.add("checkpoint", f"checkpoint at step {step} failed: {e}")
-        return None
-    if path is not None:
-        seconds = time.perf_counter() - started
-        say(f"Wrote checkpoint {path} (step {step}, {len(checkpointer.parts())} parts) in {seconds:.1f} s.")
-        timeline.add("checkpoint", f"wrote checkpoint {path} (step {step}) in {seconds:.1f} s")
-        about["last_checkpoint"] = {"path": str(path), "step": step, "time": time.time()}
-    return path
-
-
 def run_coordinator(
     spec: RunSpec,
     cfg: PeerConfig,
@@ -292,7 +274,7 @@ def announce(spec: RunSpec, identity: Identity, maddrs: list[str], join: str, in
         os.replace(info_file + ".tmp", info_file)
 
 
-class Coordinator:
+class Coordinator(Custody):
     """What a running coordinator holds: the DHT node, admission, the archive it resumes from, a relay,
     the timeline and dashboard, checkpoints; `watch` looks at the swarm every tick until stopped."""
 
@@ -307,6 +289,8 @@ class Coordinator:
         self.books: Books | None = None  # the run's books (samples completed against each stage's accounts)
         self._books_said = 0.0  # time.time() of the last warning that they disagree
         self._checkpointing: threading.Thread | None = None  # the checkpoint being taken, if any
+        # it checkpoints a part whose last server leaves (peer.coordinator.custody), while it keeps checkpoints
+        self.takes_handover = bool(cfg.coordinator.checkpoint_dir)
 
     def start(self, resume: str, info_file: str, rejoined: bool) -> None:
         spec, cfg = self.spec, self.cfg
@@ -369,12 +353,8 @@ class Coordinator:
             if summary is not None and time.monotonic() - last_report >= period - 1e-3:
                 last_report = time.monotonic()
                 due = report(self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline)
-                if due is not None and (self._checkpointing is None or not self._checkpointing.is_alive()):
-                    # in a thread: the looks (and the archive's announcements) go on while a big part downloads
-                    self._checkpointing = threading.Thread(
-                        target=self._checkpoint, args=(due,), name="checkpoint", daemon=True
-                    )
-                    self._checkpointing.start()
+                if due is not None:
+                    self._start_checkpoint(due)
             if stop.wait(tick):
                 return
 
@@ -398,6 +378,7 @@ class Coordinator:
         self.view.clear()
         self.view.update(summary)
         self._remember_trained(summary)
+        self._take_handovers(look)
         self._keep_books(look)
         try:
             self.timeline.observe(look)
@@ -407,68 +388,8 @@ class Coordinator:
             logger.exception("the dashboard's update failed")
         return summary
 
-    def _keep_books(self, look: dict) -> None:
-        """The books of the run (peer.coordinator.books), announced for `peer status`; a warning, in words,
-        when they stay off past coordinator.books_grace."""
-        if self.books is None:
-            self.books = Books(self.spec.stages.num_stages, self._stepped_before())
-        books = self.books.observe(look["stages"], look["trainers"])
-        with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
-            self.dht.store(keys.books_key(self.spec.name), self.books.record(books), self.cfg.network.record_ttl * 3)
-        since = self.books.since
-        if since and time.time() - since > self.cfg.coordinator.books_grace and time.time() - self._books_said > 60:
-            self._books_said = time.time()
-            wrong = "; ".join(b.words(i) for i, b in enumerate(books) if not b.balanced)
-            logger.warning("the books disagree for %.0f s: %s", time.time() - since, wrong)
-            self.timeline.add("books", f"the books disagree: {wrong}")
-
-    def _stepped_before(self) -> dict[int, int]:
-        """Samples each stage had stepped at the checkpoint this run resumed from (the books count from there)."""
-        if self.archive is None or not self.resumed:
-            return {}
-        parts = self.archive.manifest["parts"]
-        stages = range(self.spec.stages.num_stages)
-        return {
-            s: int(parts[f"stage {s}"]["metadata"].get("samples_stepped", 0)) for s in stages if f"stage {s}" in parts
-        }
-
-    def _remember_trained(self, summary: dict) -> None:
-        """The highest step each stage has reached. Without a checkpoint to offer, each stage that has
-        stepped is announced as `trained` (no state, only its step): a server that joins it when nobody
-        serves it waits for its state rather than start it from the seed (peer.server.stage)."""
-        for stage, s in enumerate(summary["stages"]):
-            self.trained[stage] = max(self.trained.get(stage, 0), s["step"])
-        if self.archive is not None:
-            return  # its records say where the state is
-        now = time.time()
-        for stage, epoch in self.trained.items():
-            if epoch > 0:
-                record = ServerRecord(
-                    stage=stage, endpoint="", throughput=0.0, epoch=epoch, step=epoch, state="trained", updated=now
-                )
-                with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
-                    self.dht.store(keys.servers_key(self.spec.name, stage), record, self.cfg.network.record_ttl * 3)
-
-    def _checkpoint(self, step: int) -> None:
-        """The checkpoint thread: take one, and offer it to joiners."""
-        path = take_checkpoint(step, self.checkpointer, self.timeline, self.about)
-        if path is not None:
-            self._offer(path)
-
-    def _offer(self, path: Path) -> None:
-        """The checkpoint just written becomes the state of last resort of every part: a server that joins a
-        part nobody serves (all left, or all died) loads it rather than start from the seed."""
-        try:
-            if self.archive is None:
-                self.archive = Archive(path, self.spec, self.cfg, self.dht)
-                self.archive.start()
-            else:
-                self.archive.switch(path)
-            self.archive.announce()
-        except Exception as e:  # the run goes on; offered again at the next checkpoint
-            logger.warning("could not offer checkpoint %s to joiners: %s", path, e)
-
     def close(self) -> None:
+        self.retract_handovers()
         if self.timeline is not None:
             with contextlib.suppress(Exception):
                 self.timeline.save(timeline_file(self.cfg, self.identity, self.spec), self.spec.fingerprint())

@@ -45,6 +45,7 @@ from peer.config import PeerConfig, RunSpec
 from peer.model.part import PartRuntime
 from peer.net.client import StageClient
 from peer.server.averaging import GradientAverager
+from peer.server.replica_handover import Handover
 from peer.server.replica_round import Rounds
 from peer.server.replica_state import StateTransfer
 from peer.server.replica_step import Stepping
@@ -75,7 +76,7 @@ class Part:
         return record.stage == self.stage and record.expert == self.expert
 
 
-class Replica(Stepping, Rounds, StateTransfer):
+class Replica(Stepping, Rounds, StateTransfer, Handover):
     """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
 
     def __init__(
@@ -277,6 +278,10 @@ class Replica(Stepping, Rounds, StateTransfer):
         deadline = time.monotonic() + self.cfg.server.shutdown_grace
         while (self.inflight or self.stepping) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        try:
+            await self.hand_over()
+        except Exception as e:  # the DHT may be busy: it leaves all the same, said
+            logger.warning("%s: could not hand its state over: %s", self.label, e)
         # final word: what is not in a finished step by now never will be; trainers replay it elsewhere
         self.state = "left"
         with contextlib.suppress(Exception):

@@ -73,14 +73,24 @@ class ServicerBase:
         """The replica an Info request names (answered while leaving too)."""
         raise NotImplementedError
 
-    def _check_run(self, run_id: str) -> None:
+    def _state_of(self, run_id: str, stage: int, expert: str) -> Replica:
+        """The replica a state request names, served while leaving too: the last server of a part hands its
+        state over (to the coordinator's checkpoint, or a joiner) before it goes (peer.server.handover)."""
+        self._check_run(run_id, leaving=True)
+        replica = self._described(expert)
+        if replica.stage != stage:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"this server holds stage {replica.stage}, not {stage}")
+        return replica
+
+    def _check_run(self, run_id: str, leaving: bool = False) -> None:
+        """The request is for this server's run, and (unless `leaving` is allowed) the server is not leaving."""
         if run_id != self.server.run_id:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this server belongs to run {self.server.run_id!r}, not {run_id!r}",
                 Reason.WRONG_RUN,
             )
-        if self.server.leaving:
+        if self.server.leaving and not leaving:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "this server is leaving the swarm", Reason.LEAVING)
 
     def _decode(self, message: tensor_pb2.Tensor, field: str, present: bool, payloads: dict):
@@ -215,7 +225,7 @@ class ServicerBase:
         except DecodeError as e:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"not a StateRequest: {e}")
         try:
-            replica = self._replica(request.run_id, request.stage, request.expert)
+            replica = self._state_of(request.run_id, request.stage, request.expert)
         except Refused as e:
             await refuse(context, e.code, e.message, e.reason)
         if self.server.inflight >= self.limits.max_concurrent_requests:

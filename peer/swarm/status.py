@@ -109,6 +109,11 @@ def _servers_table(spec: RunSpec, stages: list[dict[str, ServerRecord]], now: fl
             row = [str(stage), f"{blocks.start}-{blocks.stop - 1}", "[red]none[/red]"]
             table.add_row(*row, *[""] * 9)
         for pid, r in sorted(servers.items(), key=lambda kv: kv[1].endpoint):
+            if r.state in ("archive", "trained"):  # the coordinator's: its checkpoint of the stage, or its step
+                what = "checkpoint offered" if r.state == "archive" else "trained (no copy offered)"
+                row = [str(stage), f"{blocks.start}-{blocks.stop - 1}", "coordinator", r.endpoint or "-", what]
+                table.add_row(*row, "", "", "", "", str(r.epoch), "", r.software or "?")
+                continue
             table.add_row(
                 str(stage),
                 f"{blocks.start}-{blocks.stop - 1}",
