@@ -74,6 +74,9 @@ class TrainerRecord(Record):
 
     samples: int = 0  # micro-batch samples completed (forward and backward through every stage)
     inflight: int = 0  # samples of the micro-batches under way (some stages may hold their backwards already)
+    # [start time, samples completed] of this peer's earlier starts as a trainer (its journal): one that was
+    # killed announced fewer than it completed
+    predecessors: list[list[float]] = Field(default_factory=list)
     replaying: list[int] = Field(default_factory=list)  # per stage: samples whose server went away unstepped
     micro_batches: int = 0
     samples_per_second: float = 0.0

@@ -6,6 +6,7 @@ their accumulators equals the samples the trainers completed, exactly."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -56,6 +57,25 @@ def test_a_trainer_restarted_with_its_key_and_data_order_is_counted_again(swarm)
     for stage, endpoint in enumerate(endpoints):
         check_books([info(endpoint)], samples, stage)
     assert f"stage 1: balanced ({samples} completed; 0 stepped + {samples} pending" in books_balance(swarm, samples)
+
+
+def test_a_trainer_killed_mid_run_and_started_again_with_its_key_finishes_its_micro_batches_once(swarm):
+    """SIGKILLed with micro-batches under way (some stages hold their backwards, others not) and the rest
+    unsettled: started again with the same key, it runs them again from its journal under their uids.
+    Every stage then holds each micro-batch once, and the coordinator's books balance, counting what the
+    killed start completed (it never announced all of it)."""
+    _, endpoints = two_stages(swarm)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    wait_micro_batches(swarm, ["t"], 12, 120)
+    trainer.signal(signal.SIGKILL)
+    trainer.wait(30)
+    again = swarm.trainer("t", ["--seed", "1", "--max-micro-batches", "4"])
+    assert again.wait(120) == 0, again.output()[-3000:]
+    assert re.search(r"the last start of this trainer left \d+ micro-batches unsettled", again.output())
+    samples = completed(swarm, ["t"])
+    for stage, endpoint in enumerate(endpoints):
+        check_books([info(endpoint)], samples, stage)
+    books_balance(swarm, samples)
 
 
 def test_a_replay_goes_to_the_stages_only_server_restarted_with_its_key(swarm):
@@ -240,6 +260,9 @@ def test_the_books_say_in_words_what_is_lost_or_counted_twice():
     # the trainer leaves (its record expires): its samples stay counted
     stages = [{"a": server(0, 40, 0)}, {"c": server(1, 40, 0), "gone": server(1, 99, 99, "left")}]
     assert all(b.balanced for b in books.observe(stages, {})) and books.since == 0
+    # a restarted coordinator goes on with the books it saved: the trainer that left is still counted
+    again = Books.from_dict(2, json.loads(json.dumps(books.to_dict())))
+    assert all(b.balanced and b.completed == 40 for b in again.observe(stages, {}))
 
 
 def test_a_resumed_run_checkpoints_on_from_its_step_and_replaces_a_checkpoint_of_the_same_step(tmp_path):
@@ -319,3 +342,34 @@ def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused
     assert joiner.epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, joiner.params, strict=True))
     joiner.load_state(metadata, tensors, "joiner")
     assert joiner.epoch == 1 and joiner.history[-1].values == donor.history[-1].values
+
+
+def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsettled(tmp_path):
+    from peer.trainer.journal import Entry, Journal
+
+    path = tmp_path / "t.run.journal.jsonl"
+    first = Journal(path, compact_after=5)
+    assert first.open(100.0) == []
+    tokens = torch.arange(8).reshape(2, 4)
+    for i in range(4):
+        first.begin(Entry(f"u{i}", tokens + i, tokens))
+        first.sent(f"u{i}", 1, "peer-b")
+    for i in range(3):
+        first.done(f"u{i}", 2)
+    first.settled("u0")  # every stage stepped it
+    first.sent("u1", 0, "peer-a")
+    # killed here: u1 and u2 completed but are not settled; u3 is under way
+    with path.open("a") as f:
+        f.write('{"done": "u3", "sam')  # a line the kill cut off
+    second = Journal(path)
+    left = {e.uid: e for e in second.open(200.0)}
+    assert sorted(left) == ["u1", "u2", "u3"]
+    assert left["u1"].sent == {1: "peer-b", 0: "peer-a"} and torch.equal(left["u3"].inputs, tokens + 3)
+    assert left["u1"].done_before and not left["u3"].done_before  # u3 counts when this start completes it
+    assert second.predecessors == [[100.0, 6]]
+    second.done("u1", 2)
+    second.done("u3", 2)
+    assert second.completed == 2
+    second.close(clean=True)  # a clean stop: what is done is the live servers'; u2 never ran again
+    third = Journal(path)
+    assert [e.uid for e in third.open(300.0)] == ["u2"] and third.predecessors == [[100.0, 6], [200.0, 2]]

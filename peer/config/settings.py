@@ -87,6 +87,9 @@ class TrainerConfig:
         256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
     )
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
+    # where the trainer keeps its micro-batches not yet settled, so a start after a kill finishes them once;
+    # empty: KEY.RUN.journal.jsonl beside its identity key
+    journal_file: str = ""
     # s from the first SIGINT/SIGTERM to the process's end: the micro-batches under way finish and their
     # receipts settle meanwhile; past it, it exits and says how many samples it could not place
     stop_timeout: float = 60.0
@@ -169,6 +172,9 @@ class CoordinatorConfig:
     # s the books (samples completed against what each stage accounts) may stay off before a warning: records
     # lag the work by a few announce periods
     books_grace: float = 30.0
+    # where the coordinator keeps the books (the trainers it has seen and what they completed), so a restarted
+    # one goes on with them; empty: RUN.books.json beside its identity key
+    books_file: str = ""
 
 
 @dataclass

@@ -90,6 +90,7 @@ class Checkpointer:
 
     async def take(self, step: int) -> Path | None:
         """Pull every part and write a checkpoint at `step`; None (and a warning) if a part had no server."""
+        logger.info("checkpoint at step %d: pulling %d parts", step, len(self.parts()))
         client = StageClient.for_server(self.cfg.server, self.dht.security)
         before = self._previous_parts()
         try:

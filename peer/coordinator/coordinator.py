@@ -317,6 +317,8 @@ class Coordinator(Custody):
         # rejoining its swarm: the dashboard goes on from the run's past (only this run's, by fingerprint)
         history = timeline_file(cfg, self.identity, spec)
         restarted = rejoined and self.timeline.load(history, spec.fingerprint()) > 0
+        if rejoined and self.load_books():  # its swarm went on meanwhile: so do its books
+            say("Went on with the books of this run from before the restart.")
         self.about = {
             "started": time.time(),  # this coordinator's start: a page that sees it change loads anew
             "peer_id": self.identity.peer_id,
@@ -353,6 +355,7 @@ class Coordinator(Custody):
             if summary is not None and time.monotonic() - last_report >= period - 1e-3:
                 last_report = time.monotonic()
                 due = report(self.spec, self.cfg, self.identity, summary, self.checkpointer, self.timeline)
+                self.save_books()
                 if due is not None:
                     self._start_checkpoint(due)
             if stop.wait(tick):
@@ -390,6 +393,7 @@ class Coordinator(Custody):
 
     def close(self) -> None:
         self.retract_handovers()
+        self.save_books()
         if self.timeline is not None:
             with contextlib.suppress(Exception):
                 self.timeline.save(timeline_file(self.cfg, self.identity, self.spec), self.spec.fingerprint())

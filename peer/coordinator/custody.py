@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
 from dht import keys
 from dht.records import ServerRecord
+from peer.coordinator.admission_files import beside_key
 from peer.coordinator.archive import Archive
 from peer.coordinator.checkpointer import Checkpointer
 from peer.coordinator.timeline import Timeline
@@ -85,6 +88,32 @@ class Custody:
             wrong = "; ".join(b.words(i) for i, b in enumerate(books) if not b.balanced)
             logger.warning("the books disagree for %.0f s: %s", time.time() - since, wrong)
             self.timeline.add("books", f"the books disagree: {wrong}")
+
+    def _books_path(self) -> Path:
+        return beside_key(self.cfg.coordinator.books_file, self.identity, self.spec, "books.json")
+
+    def save_books(self) -> None:
+        """Write the books (atomically): a coordinator restarted with the same key goes on with them."""
+        if self.books is None:
+            return
+        path = self._books_path()
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"run": self.spec.fingerprint(), **self.books.to_dict()}))
+            os.replace(tmp, path)
+        except OSError as e:  # written again at the next report
+            logger.warning("could not save the books to %s: %s", path, e)
+
+    def load_books(self) -> bool:
+        """The books this run's coordinator saved before a restart, if any (True then)."""
+        try:
+            data = json.loads(self._books_path().read_text())
+            if data.get("run") != self.spec.fingerprint():
+                return False
+            self.books = Books.from_dict(self.spec.stages.num_stages, data)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return False
+        return True
 
     def _stepped_before(self) -> dict[int, int]:
         """Samples each stage had stepped at the checkpoint this run resumed from (the books count from there)."""

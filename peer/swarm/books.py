@@ -75,8 +75,8 @@ class Books:
 
     def observe(self, stages: list[dict[str, ServerRecord]], trainers: dict[str, TrainerRecord]) -> list[StageBooks]:
         for pid, t in trainers.items():
-            key = (pid, t.started)
-            self.trainers[key] = max(self.trainers.get(key, 0), t.samples)
+            for key, samples in [((pid, t.started), t.samples), *(((pid, p[0]), int(p[1])) for p in t.predecessors)]:
+                self.trainers[key] = max(self.trainers.get(key, 0), samples)
         completed = sum(self.trainers.values())
         inflight = sum(t.inflight for t in trainers.values())
         books = []
@@ -95,6 +95,20 @@ class Books:
             )
         balanced = all(b.balanced for b in books)
         self.since = 0.0 if balanced else (self.since or time.time())
+        return books
+
+    def to_dict(self) -> dict:
+        """What a restarted coordinator needs to go on with these books (JSON): the trainers seen, the base."""
+        return {
+            "before": {str(stage): n for stage, n in self.before.items()},
+            "trainers": [[pid, started, samples] for (pid, started), samples in self.trainers.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, num_stages: int, data: dict) -> Books:
+        """Books saved by `to_dict`; ValueError (or KeyError, TypeError) if they are not."""
+        books = cls(num_stages, {int(stage): int(n) for stage, n in data["before"].items()})
+        books.trainers = {(str(pid), float(started)): int(samples) for pid, started, samples in data["trainers"]}
         return books
 
     def record(self, books: list[StageBooks]) -> BooksRecord:

@@ -12,6 +12,7 @@ counted once.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from peer.swarm.router import Router
@@ -46,9 +47,11 @@ class Check:
 
 
 class Ledger:
-    def __init__(self) -> None:
+    def __init__(self, on_empty=None) -> None:
         self.receipts: list[Receipt] = []
         self.nbytes = 0  # memory the kept requests hold
+        self.held: Counter[str] = Counter()  # micro-batch uid -> its receipts kept
+        self.on_empty = on_empty or (lambda uid: None)  # called with a uid whose last receipt went
 
     def __len__(self) -> int:
         return len(self.receipts)
@@ -57,17 +60,19 @@ class Ledger:
         receipt.nbytes = receipt.request.ByteSize() + sum(len(memoryview(p)) for p in receipt.payloads.values())
         self.receipts.append(receipt)
         self.nbytes += receipt.nbytes
+        self.held[receipt.request.uid] += 1
 
     def confirm(self, peer_id: str, incarnation: int, stepped_seq: int) -> None:
         """A server said its additions up to `stepped_seq` are stepped: those receipts are done."""
-        kept = [
-            r
-            for r in self.receipts
-            if not (r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq)
-        ]
-        if len(kept) != len(self.receipts):
-            self.nbytes = sum(r.nbytes for r in kept)
-        self.receipts = kept
+        kept, done = [], []
+        for r in self.receipts:
+            stepped = r.peer_id == peer_id and r.incarnation == incarnation and r.seq <= stepped_seq
+            (done if stepped else kept).append(r)
+        if done:
+            self.receipts = kept
+            self.nbytes -= sum(r.nbytes for r in done)
+            for receipt in done:
+                self._release(receipt)
 
     def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
         """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors)."""
@@ -96,3 +101,11 @@ class Ledger:
         if receipt in self.receipts:
             self.receipts.remove(receipt)
             self.nbytes -= receipt.nbytes
+            self._release(receipt)
+
+    def _release(self, receipt: Receipt) -> None:
+        uid = receipt.request.uid
+        self.held[uid] -= 1
+        if self.held[uid] <= 0:
+            del self.held[uid]
+            self.on_empty(uid)

@@ -85,6 +85,7 @@ class Reporting:
             bytes_received=s.bytes_received,
             metrics=self.metrics.endpoint if self.metrics else "",
             started=self.started,
+            predecessors=self.journal.predecessors,
             updated=time.time(),
         )
         try:

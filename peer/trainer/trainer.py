@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from peer.data.corpus import Corpus, Sampler, validation_batches
 from peer.net.client import StageClient
 from peer.swarm.router import Router
 from peer.trainer.calls import Calls
+from peer.trainer.journal import Entry, Journal
 from peer.trainer.ledger import Ledger
 from peer.trainer.reporting import Reporting
 from peer.trainer.settling import Settling
@@ -58,7 +60,10 @@ class Trainer(Calls, Settling, Reporting):
         t = spec.training
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
-        self.ledger = Ledger()
+        self.ledger = Ledger(on_empty=self._receipts_gone)
+        # micro-batches not settled, on disk: a start after a kill finishes the last one's (peer.trainer.journal)
+        self.journal = Journal(journal_path(cfg, dht, spec))
+        self._recovered: collections.deque[Entry] = collections.deque()
         self.client = StageClient.for_server(cfg.server, dht.security)
         seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
         self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
@@ -89,8 +94,13 @@ class Trainer(Calls, Settling, Reporting):
         self.spot = SpotChecker(self)
 
     # ---- one micro-batch ------------------------------------------------------------------
-    async def _micro_batch(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        run, uid, n = self.spec.name, f"{self.dht.peer_id[-10:]}-{self.nonce}-{index}", self.num_stages
+    async def _micro_batch(self, entry: Entry, index: int) -> tuple[float, int]:
+        """One micro-batch forward through the stages, then backward. A backward goes first to the server
+        that did its stage's forward, or, for a micro-batch an earlier start left, to the server that start
+        sent it to (which answers it again without adding it, if it had)."""
+        self.journal.begin(entry)
+        run, uid, n = self.spec.name, entry.uid, self.num_stages
+        inputs, targets = entry.inputs, entry.targets
         # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
         stage_inputs: list[tuple[tensor_pb2.Tensor, object]] = [(codec.encode(inputs.to(torch.int32)), None)]
         servers: list[str] = []
@@ -106,14 +116,17 @@ class Trainer(Calls, Settling, Reporting):
         request = stage_pb2.BackwardRequest(
             run_id=run, stage=n - 1, uid=uid, targets=codec.encode(targets.to(torch.int32)), output_codec=self.codec
         )
-        response, returned = await self._backward(n - 1, *_with(request, "inputs", *stage_inputs[-1]))
+        response, returned = await self._backward(
+            n - 1, *_with(request, "inputs", *stage_inputs[-1]), prefer=entry.sent.get(n - 1)
+        )
         loss, epoch = response.loss, max(epoch, response.epoch)
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
             request = stage_pb2.BackwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec)
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
-            response, returned = await self._backward(stage, request, payloads, prefer=servers[stage])
+            prefer = entry.sent.get(stage, servers[stage])
+            response, returned = await self._backward(stage, request, payloads, prefer=prefer)
             grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
 
@@ -142,26 +155,34 @@ class Trainer(Calls, Settling, Reporting):
             return True
         return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
 
+    def _next(self, index: int) -> tuple[Entry, int]:
+        """The next micro-batch: one an earlier start left unsettled, else new data; its index (-1: recovered)."""
+        if self._recovered:
+            return self._recovered.popleft(), -1
+        inputs, targets = self.sampler.next()
+        return Entry(f"{self.dht.peer_id[-10:]}-{self.nonce}-{index}", inputs, targets), index
+
     async def run(self) -> TrainerSummary:
+        self._recovered.extend(self.journal.open(self.started))
         await self.router.refresh()
         refresher = asyncio.create_task(self._refresh_loop())
         inflight: set[asyncio.Task] = set()
-        index = 0
+        index, clean = 0, False
         try:
             while True:
                 while (
                     len(inflight) < max(1, self.tcfg.max_inflight)
                     and self.ledger.nbytes < self.tcfg.max_receipt_mb * 2**20
-                    and not self._done(index)
+                    and not (self._done(index) and (self.stopping or not self._recovered))
                 ):
-                    inputs, targets = self.sampler.next()
-                    task = asyncio.create_task(self._micro_batch(index, inputs, targets))
-                    task.index, task.samples = index, inputs.shape[0]
+                    entry, number = self._next(index)
+                    task = asyncio.create_task(self._micro_batch(entry, number))
+                    task.index, task.entry, task.samples = number, entry, entry.inputs.shape[0]
                     inflight.add(task)
                     self.inflight_samples += task.samples
-                    index += 1
+                    index += number >= 0
                 if not inflight:
-                    if self._done(index):
+                    if self._done(index) and (self.stopping or not self._recovered):
                         break
                     await asyncio.sleep(0.2)  # too many unstepped backwards: wait for the servers to step
                     continue
@@ -176,7 +197,9 @@ class Trainer(Calls, Settling, Reporting):
             if self._settle_task is not None:
                 await self._settle_task
             await self.drain()
+            clean = True
         finally:
+            self.journal.close(clean)
             refresher.cancel()
             if self._settle_task is not None:
                 self._settle_task.cancel()
@@ -191,14 +214,28 @@ class Trainer(Calls, Settling, Reporting):
                 self._log.close()
         return self.summary
 
+    def _receipts_gone(self, uid: str) -> None:
+        """The last receipt of micro-batch `uid` left the ledger: if it completed, it is settled."""
+        entry = self.journal.entries.get(uid)
+        if entry is not None and entry.done:
+            self.journal.settled(uid)
+
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight_samples -= task.samples
+        entry = task.entry
         if task.exception() is not None:
             self.summary.failed_micro_batches += 1
+            self.journal.settled(entry.uid)  # given up: what stages took stays there (docs: known limits)
             logger.error("micro-batch %d given up: %s", task.index, task.exception())
             self._write({"type": "failed", "index": task.index, "error": str(task.exception())})
             return
         loss, epoch = task.result()
+        self.journal.done(entry.uid, task.samples)
+        if not self.ledger.held[entry.uid]:
+            self.journal.settled(entry.uid)
+        if entry.done_before:  # an earlier start completed it (and counted it): now every stage has it
+            self._write({"type": "recovered", "uid": entry.uid, "samples": task.samples, "time": time.time()})
+            return
         s = self.summary
         s.samples += task.samples
         s.micro_batches += 1
@@ -215,6 +252,14 @@ class Trainer(Calls, Settling, Reporting):
                 "time": time.time(),
             }
         )
+
+
+def journal_path(cfg: PeerConfig, dht: SwarmDHT, spec: RunSpec) -> Path:
+    """trainer.journal_file, or KEY.RUN.journal.jsonl beside the trainer's identity key."""
+    if cfg.trainer.journal_file:
+        return Path(cfg.trainer.journal_file)
+    key = Path(dht.identity.path or "trainer.pem").resolve()
+    return key.with_name(f"{key.stem}.{spec.name}.journal.jsonl")
 
 
 def _with(request, field: str, header: tensor_pb2.Tensor, payload, payloads: dict | None = None):
