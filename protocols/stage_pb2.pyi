@@ -38,7 +38,7 @@ class ForwardResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "uid", "inputs", "grad_outputs", "targets", "output_codec")
+    __slots__ = ("run_id", "stage", "uid", "inputs", "grad_outputs", "targets", "output_codec", "dry")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class BackwardRequest(_message.Message):
     GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    DRY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     uid: str
@@ -53,7 +54,8 @@ class BackwardRequest(_message.Message):
     grad_outputs: _tensor_pb2.Tensor
     targets: _tensor_pb2.Tensor
     output_codec: _tensor_pb2.Codec
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ...) -> None: ...
+    dry: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., dry: _Optional[bool] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("grad_inputs", "has_loss", "loss", "epoch", "seq", "incarnation", "stepped_seq")

@@ -40,7 +40,9 @@ def serving(peer) -> tuple[int, str] | None:
 
 
 def completed(swarm, trainers) -> int:
-    return sum(e["samples"] for t in trainers for e in swarm.log(t) if e["type"] == "micro_batch")
+    """Samples the trainers completed, by micro-batch uid (one killed between its log line and its journal's
+    says a micro-batch twice: its next start runs it again, and the stages count it once)."""
+    return sum({e["uid"]: e["samples"] for t in trainers for e in swarm.log(t) if e["type"] == "micro_batch"}.values())
 
 
 def calls(swarm, trainer: str) -> list[dict]:

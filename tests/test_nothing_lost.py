@@ -63,8 +63,10 @@ def test_a_trainer_killed_mid_run_and_started_again_with_its_key_finishes_its_mi
     """SIGKILLed with micro-batches under way (some stages hold their backwards, others not) and the rest
     unsettled: started again with the same key, it runs them again from its journal under their uids.
     Every stage then holds each micro-batch once, and the coordinator's books balance, counting what the
-    killed start completed (it never announced all of it)."""
-    _, endpoints = two_stages(swarm)
+    killed start completed (it never announced all of it). The stages step meanwhile: a micro-batch a stage
+    had stepped goes to it dry (input gradients only), one it holds is answered again without being added."""
+    swarm.coordinator(STEPPING)
+    endpoints = [swarm.endpoint(swarm.server(f"s{stage}", stage)) for stage in range(2)]
     trainer = swarm.trainer("t", ["--seed", "0"])
     wait_micro_batches(swarm, ["t"], 12, 120)
     trainer.signal(signal.SIGKILL)
@@ -358,6 +360,7 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
         first.done(f"u{i}", 2)
     first.settled("u0")  # every stage stepped it
     first.sent("u1", 0, "peer-a")
+    first.stepped("u1", 1)  # stage 1 stepped u1: it gets u1 dry next time
     # killed here: u1 and u2 completed but are not settled; u3 is under way
     with path.open("a") as f:
         f.write('{"done": "u3", "sam')  # a line the kill cut off
@@ -365,6 +368,7 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
     left = {e.uid: e for e in second.open(200.0)}
     assert sorted(left) == ["u1", "u2", "u3"]
     assert left["u1"].sent == {1: "peer-b", 0: "peer-a"} and torch.equal(left["u3"].inputs, tokens + 3)
+    assert left["u1"].stepped == {1} and left["u2"].stepped == set()
     assert left["u1"].done_before and not left["u3"].done_before  # u3 counts when this start completes it
     assert second.predecessors == [[100.0, 6]]
     second.done("u1", 2)
@@ -373,3 +377,25 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
     second.close(clean=True)  # a clean stop: what is done is the live servers'; u2 never ran again
     third = Journal(path)
     assert [e.uid for e in third.open(300.0)] == ["u2"] and third.predecessors == [[100.0, 6], [200.0, 2]]
+
+
+def test_a_dry_backward_adds_nothing_and_a_dropped_accumulator_still_knows_what_it_stepped():
+    """What a trainer started again after a kill relies on: a stage that stepped a micro-batch answers it dry
+    (input gradients only), and a replica that dropped its accumulator still answers a stepped uid again
+    (as stepped) instead of adding it twice, while an unstepped one it dropped is added anew."""
+    from peer.config import RunSpec
+    from peer.model.runtime import StageRuntime
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    rt = StageRuntime(spec, 0)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 32)
+    _, _, seq = rt.backward("a", x, g, None, count=False)
+    assert seq == 0 and rt.samples_accumulated == 0 and rt.seq == 0
+    rt.backward("a", x, g, None)
+    rt.apply_step(rt.take_gradients()[0], 2, rt.taken_seq, ["me"], {})  # "a" is stepped
+    rt.backward("b", x, g, None)  # "b" is not
+    assert rt.drop_accumulator() == 2
+    assert rt.backward("a", x, g, None)[2] == 0 and rt.samples_accumulated == 0  # answered as stepped
+    assert rt.backward("b", x, g, None)[2] == 1 and rt.samples_accumulated == 2  # replayed: added

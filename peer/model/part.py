@@ -212,9 +212,12 @@ class PartRuntime(PartState):
             acc.zero_()
         self.samples_accumulated = 0
         self.restored = []
+        # the uids of stepped additions stay known, as stepped (seq 0 is in every finished step): a trainer
+        # started again after a kill that sends one of them again is answered, not counted twice
+        stepped = OrderedDict((uid, 0) for uid, seq in self.counted.items() if seq <= self.stepped_seq)
         self.incarnation = next_incarnation(self.incarnation)
         self.seq = self.stepped_seq = self.taken_seq = 0
-        self.counted.clear()
+        self.counted = stepped
         return dropped
 
     def restore_gradients(self, grads: list[torch.Tensor], samples: int, seq: int) -> None:

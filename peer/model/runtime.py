@@ -194,8 +194,11 @@ class StageRuntime(PartRuntime):
         grad_outputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         deadline: float | None = None,
+        count: bool = True,
     ) -> tuple[torch.Tensor | None, float | None, int]:
         """Accumulate this micro-batch's parameter gradients; return (grad of inputs, loss on the last stage, seq).
+
+        `count` False (a dry backward): the gradients are computed and nothing is added; seq 0.
 
         The objective is the micro-batch's summed per-sample loss, so the accumulator holds
         sum-of-sample gradients and the step divides by the samples it accounts. With a `deadline`
@@ -214,6 +217,8 @@ class StageRuntime(PartRuntime):
         grad_inputs, param_grads, loss = self._gradients(x, out, aux, params, grad_outputs, batch)
         if self._agree(deadline is not None and time.monotonic() > deadline - LATE_MARGIN):
             raise Late("the request's deadline passed during its backward")
+        if not count:  # the caller knows this stage stepped this micro-batch: its input gradients only
+            return None if grad_inputs is None else grad_inputs.cpu(), loss, 0
         if uid and uid in self.counted:
             # a retry of a backward already added (its answer reached the caller too late): answer it
             # again with the first addition's number, and do not count it twice

@@ -252,11 +252,12 @@ class ShardedStageRuntime(StageRuntime):
         self.check_targets(inputs, targets, required=False)
         return self._call("forward", {"uid": uid, "train": train}, [inputs, targets])
 
-    def backward(self, uid, inputs, grad_outputs, targets, deadline=None):
+    def backward(self, uid, inputs, grad_outputs, targets, deadline=None, count=True):
         self.check_inputs(inputs)
         self.check_targets(inputs, targets, required=self.model.is_last)
         self.check_grad_outputs(inputs, grad_outputs)
-        return self._call("backward", {"uid": uid, "deadline": deadline}, [inputs, grad_outputs, targets])
+        meta = {"uid": uid, "deadline": deadline, "count": count}
+        return self._call("backward", meta, [inputs, grad_outputs, targets])
 
     def benchmark(self, batch: int, seq_len: int, repeats: int = 2) -> float:
         return self._call("benchmark", {"batch": batch, "seq_len": seq_len, "repeats": repeats})
@@ -295,7 +296,7 @@ class ShardedStageRuntime(StageRuntime):
 
     def _op_backward(self, meta, tensors, full):
         deadline = meta["deadline"] if self.ranks is not None else None  # the clock is rank 0's
-        return StageRuntime.backward(self, meta["uid"], *tensors, deadline)
+        return StageRuntime.backward(self, meta["uid"], *tensors, deadline, meta.get("count", True))
 
     def _op_benchmark(self, meta, tensors, full):
         return StageRuntime.benchmark(self, meta["batch"], meta["seq_len"], meta["repeats"])

@@ -39,7 +39,12 @@ class Handover:
             return
         await self.refresh_peers()
         if self._held_elsewhere():
-            return
+            # replicas told to leave together each see the others serving at first: look again once their
+            # 'leaving' is out
+            await asyncio.sleep(HANDOVER_LOOK)
+            await self.refresh_peers()
+            if self._held_elsewhere():
+                return
         if not any(r.takes_handover for r in self.peers.values()):
             logger.warning(
                 "%s: the last server of it leaves at step %d and the coordinator keeps no checkpoints: a newcomer "

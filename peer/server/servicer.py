@@ -319,7 +319,7 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         grad_inputs, loss, epoch, seq, incarnation, stepped_seq = await self.server.backward(
-            request.uid, inputs, grad_outputs, targets, deadline
+            request.uid, inputs, grad_outputs, targets, deadline, count=not request.dry
         )
         response = stage_pb2.BackwardResponse(epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq)
         out = {}

@@ -80,15 +80,16 @@ class StageServer(Replica):
         self.before_serving: Callable[[int], None] | None = None
         self.told_to_leave = self.done.is_set  # a signal while it loads its state: it leaves without serving
 
-    def _backward_job(self, uid, inputs, grad_outputs, targets, deadline):
+    def _backward_job(self, uid, inputs, grad_outputs, targets, deadline, count):
         self._drop_if_expired()
         rt = self.runtime
         epoch = rt.progress
-        grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline)
+        grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline, count)
         return grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq
 
-    async def backward(self, uid, inputs, grad_outputs, targets, deadline=None):
-        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline)
+    async def backward(self, uid, inputs, grad_outputs, targets, deadline=None, count=True):
+        """`count` False: the input gradients only, nothing added (a dry backward)."""
+        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline, count)
         self._maybe_step()  # queued on the torch thread before this response leaves
         return result
 

@@ -185,8 +185,10 @@ class Calls:
             self._write(entry)
 
     async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None):
-        """A backward, with its receipt kept until the server steps it."""
+        """A backward, with its receipt kept until the server steps it (a dry one adds nothing: no receipt)."""
         response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude)
+        if request.dry:
+            return response, returned
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         self.ledger.add(
             Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, time.time())

@@ -8,7 +8,8 @@ one left: how many samples it completed (for the books: `TrainerRecord.predecess
 micro-batches not settled. It runs each of them again under its uid, each stage's backward first to
 the server the last start sent it to: a server that counted that uid answers with its first receipt
 and adds nothing (peer.model.runtime); one that never got it, or lost it (it died, or dropped its
-accumulator), adds it. Every stage thus counts each micro-batch once.
+accumulator), adds it. A stage whose step already counted it (its receipt there settled: `stepped`)
+gets it dry: it answers the input gradients and adds nothing. Every stage thus counts each micro-batch once.
 
 Lines are appended and flushed: a killed process loses nothing the kernel has. When the file grows,
 it is rewritten with only what is unsettled. A clean stop leaves no micro-batch in it.
@@ -37,6 +38,7 @@ class Entry:
     inputs: torch.Tensor  # token ids
     targets: torch.Tensor
     sent: dict[int, str] = field(default_factory=dict)  # stage -> peer id its backward went to last
+    stepped: set[int] = field(default_factory=set)  # stages whose step counted it: run again dry (adding nothing)
     done: bool = False  # completed (its samples are counted in some start's completed samples)
     recovered: bool = False  # an earlier start's, run again by this one
     done_before: bool = False  # an earlier start completed it: this start does not count it again
@@ -47,6 +49,7 @@ class Entry:
             "inputs": _tokens(self.inputs),
             "targets": _tokens(self.targets),
             "sent": {str(s): pid for s, pid in self.sent.items()},
+            "stepped": sorted(self.stepped),
             "done_before": self.done_before,
         }
 
@@ -108,10 +111,11 @@ class Journal:
                 _tensor(line["inputs"]),
                 _tensor(line["targets"]),
                 sent,
-                False,
-                False,
-                line["done_before"],
+                {int(s) for s in line.get("stepped", [])},
+                done_before=line["done_before"],
             )
+        elif "stepped" in line:
+            entries[line["uid"]].stepped.add(int(line["stepped"]))
         elif "sent" in line:
             entries[line["uid"]].sent[int(line["stage"])] = line["sent"]
         elif "done" in line:
@@ -133,6 +137,13 @@ class Journal:
         if entry is not None and entry.sent.get(stage) != peer_id:
             entry.sent[stage] = peer_id
             self._append({"uid": uid, "stage": stage, "sent": peer_id})
+
+    def stepped(self, uid: str, stage: int) -> None:
+        """Stage `stage` has this micro-batch in a finished step (its receipt there settled)."""
+        entry = self.entries.get(uid)
+        if entry is not None and stage not in entry.stepped:
+            entry.stepped.add(stage)
+            self._append({"uid": uid, "stepped": stage})
 
     def done(self, uid: str, samples: int) -> None:
         entry = self.entries.get(uid)

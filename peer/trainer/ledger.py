@@ -47,11 +47,12 @@ class Check:
 
 
 class Ledger:
-    def __init__(self, on_empty=None) -> None:
+    def __init__(self, on_empty=None, on_stepped=None) -> None:
         self.receipts: list[Receipt] = []
         self.nbytes = 0  # memory the kept requests hold
         self.held: Counter[str] = Counter()  # micro-batch uid -> its receipts kept
         self.on_empty = on_empty or (lambda uid: None)  # called with a uid whose last receipt went
+        self.on_stepped = on_stepped or (lambda receipt: None)  # called with a receipt its server stepped
 
     def __len__(self) -> int:
         return len(self.receipts)
@@ -72,6 +73,7 @@ class Ledger:
             self.receipts = kept
             self.nbytes -= sum(r.nbytes for r in done)
             for receipt in done:
+                self.on_stepped(receipt)
                 self._release(receipt)
 
     def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:

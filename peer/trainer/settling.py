@@ -41,6 +41,7 @@ class Settling:
                 verdicts[key] = await self._covered_by_round(check)
             covered = verdicts[key]
             if covered is not None and check.receipt.seq <= covered:
+                self.journal.stepped(check.receipt.request.uid, check.receipt.stage)
                 self.ledger.remove(check.receipt)  # the survivors' step counted it
             elif covered is not None and check.decisive:
                 replay.append(check.receipt)

@@ -60,7 +60,9 @@ class Trainer(Calls, Settling, Reporting):
         t = spec.training
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
-        self.ledger = Ledger(on_empty=self._receipts_gone)
+        self.ledger = Ledger(
+            on_empty=self._receipts_gone, on_stepped=lambda r: self.journal.stepped(r.request.uid, r.stage)
+        )
         # micro-batches not settled, on disk: a start after a kill finishes the last one's (peer.trainer.journal)
         self.journal = Journal(journal_path(cfg, dht, spec))
         self._recovered: collections.deque[Entry] = collections.deque()
@@ -114,7 +116,12 @@ class Trainer(Calls, Settling, Reporting):
             servers.append(pid)
             epoch = max(epoch, response.epoch)
         request = stage_pb2.BackwardRequest(
-            run_id=run, stage=n - 1, uid=uid, targets=codec.encode(targets.to(torch.int32)), output_codec=self.codec
+            run_id=run,
+            stage=n - 1,
+            uid=uid,
+            targets=codec.encode(targets.to(torch.int32)),
+            output_codec=self.codec,
+            dry=n - 1 in entry.stepped,
         )
         response, returned = await self._backward(
             n - 1, *_with(request, "inputs", *stage_inputs[-1]), prefer=entry.sent.get(n - 1)
@@ -122,7 +129,9 @@ class Trainer(Calls, Settling, Reporting):
         loss, epoch = response.loss, max(epoch, response.epoch)
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
-            request = stage_pb2.BackwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec)
+            request = stage_pb2.BackwardRequest(
+                run_id=run, stage=stage, uid=uid, output_codec=self.codec, dry=stage in entry.stepped
+            )
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
             prefer = entry.sent.get(stage, servers[stage])
@@ -230,12 +239,20 @@ class Trainer(Calls, Settling, Reporting):
             self._write({"type": "failed", "index": task.index, "error": str(task.exception())})
             return
         loss, epoch = task.result()
+        if entry.done_before:  # an earlier start completed it (and counted it): now every stage has it
+            dry = sorted(entry.stepped)  # the stages that had stepped it (they got it dry)
+            self._write(
+                {"type": "recovered", "uid": entry.uid, "samples": task.samples, "dry": dry, "time": time.time()}
+            )
+        else:
+            self._count(task, loss, epoch)
+        # after the log line: a kill in between runs it again under its uid, and the log says it twice
+        # with that uid (the stages count it once), rather than not at all
         self.journal.done(entry.uid, task.samples)
         if not self.ledger.held[entry.uid]:
             self.journal.settled(entry.uid)
-        if entry.done_before:  # an earlier start completed it (and counted it): now every stage has it
-            self._write({"type": "recovered", "uid": entry.uid, "samples": task.samples, "time": time.time()})
-            return
+
+    def _count(self, task: asyncio.Task, loss: float, epoch: int) -> None:
         s = self.summary
         s.samples += task.samples
         s.micro_batches += 1
@@ -246,6 +263,7 @@ class Trainer(Calls, Settling, Reporting):
             {
                 "type": "micro_batch",
                 "index": task.index,
+                "uid": task.entry.uid,
                 "loss": loss,
                 "samples": task.samples,
                 "epoch": epoch,
