@@ -12,6 +12,7 @@ import re
 import signal
 import time
 
+import pytest
 from helpers.calls import check_books, settled_infos
 
 from dht.identity import Identity
@@ -161,6 +162,7 @@ def test_kill_between_forward_and_backward(swarm):
     check_books(settled_infos([last_end]), samples, 1)
 
 
+@pytest.mark.slow
 def test_chaos_kills_and_joins(swarm):
     """2 stages x 2 replicas, 2 trainers; a random server is SIGKILLed about every 5 s, twice, and a fresh
     one joins for each at once (the second kill may come while the first joiner is still starting).

@@ -110,7 +110,7 @@ def _servers_table(spec: RunSpec, stages: list[dict[str, ServerRecord]], now: fl
             table.add_row(*row, *[""] * 9)
         for pid, r in sorted(servers.items(), key=lambda kv: kv[1].endpoint):
             if r.state in ("archive", "trained"):  # the coordinator's: its checkpoint of the stage, or its step
-                what = "checkpoint offered" if r.state == "archive" else "trained (no copy offered)"
+                what = "checkpoint" if r.state == "archive" else "trained"  # "trained": its step, no copy
                 row = [str(stage), f"{blocks.start}-{blocks.stop - 1}", "coordinator", r.endpoint or "-", what]
                 table.add_row(*row, "", "", "", "", str(r.epoch), "", r.software or "?")
                 continue
