@@ -1,6 +1,7 @@
 """The coordinator of a run: its DHT's first node, the signed spec, admission, checkpoints, dashboard.
 
 - coordinator: the run loop (publish the spec, look at the swarm, report, checkpoint);
+- custody: checkpoints taken in a thread and offered to joiners, handovers, trained records, the books;
 - authority, admission_files: who is admitted (credentials, invites, revocations);
 - checkpoint, checkpointer, archive: checkpoints on disk (safetensors + JSON), pulling them from
   servers, and serving one to joiners on `--resume`;

@@ -2,8 +2,9 @@
 
 - stage: the stage server (gRPC server, backward that may step, moving to another stage);
 - servicer, expert_service: gRPC handlers of the stage and expert services;
-- replica (with replica_step, replica_round, replica_state): one replica of a part and its step
-  protocol with the other replicas: when to step, the averaging round, state transfer;
+- replica (with replica_step, replica_round, replica_state, replica_handover): one replica of a part
+  and its step protocol with the other replicas: when to step, the averaging round, state transfer,
+  the last server's handover as it leaves;
 - averaging, averaging_codec: hivemind's averager for the replicas of one part, and its compression;
 - expert_host, batcher: hosting experts, with dynamic batching;
 - dispatch: a stage's calls to the expert hosts of its MoE layers.
