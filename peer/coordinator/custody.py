@@ -20,6 +20,7 @@ from peer.coordinator.admission_files import beside_key
 from peer.coordinator.archive import Archive
 from peer.coordinator.checkpointer import Checkpointer
 from peer.coordinator.timeline import Timeline
+from peer.model.fingerprint import tolerance
 from peer.process.status_lines import say
 from peer.swarm.books import Books
 
@@ -78,7 +79,7 @@ class Custody:
         """The books of the run (peer.coordinator.books), announced for `peer status`; a warning, in words,
         when they stay off past coordinator.books_grace."""
         if self.books is None:
-            self.books = Books(self.spec.stages.num_stages, self._stepped_before())
+            self.books = Books(self.spec.stages.num_stages, self._stepped_before(), self._tolerance())
         books = self.books.observe(look["stages"], look["trainers"])
         with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
             self.dht.store(keys.books_key(self.spec.name), self.books.record(books), self.cfg.network.record_ttl * 3)
@@ -88,6 +89,9 @@ class Custody:
             wrong = "; ".join(b.words(i) for i, b in enumerate(books) if not b.balanced)
             logger.warning("the books disagree for %.0f s: %s", time.time() - since, wrong)
             self.timeline.add("books", f"the books disagree: {wrong}")
+
+    def _tolerance(self) -> float:
+        return tolerance(self.spec.compression.averaging)
 
     def _books_path(self) -> Path:
         return beside_key(self.cfg.coordinator.books_file, self.identity, self.spec, "books.json")
@@ -110,7 +114,7 @@ class Custody:
             data = json.loads(self._books_path().read_text())
             if data.get("run") != self.spec.fingerprint():
                 return False
-            self.books = Books.from_dict(self.spec.stages.num_stages, data)
+            self.books = Books.from_dict(self.spec.stages.num_stages, data, self._tolerance())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return False
         return True

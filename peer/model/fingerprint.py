@@ -13,6 +13,14 @@ from __future__ import annotations
 import math
 
 TOLERANCE = 1e-4  # relative difference of a parameter's sum of squares (or its sum, against its norm) allowed
+# with a lossy averaging codec, each replica applies the average with its own codec error, and in local mode
+# that adds up over outer steps (docs/architecture.md, known limits): only replicas that went far apart differ
+LOSSY_TOLERANCE = 5e-2
+
+
+def tolerance(averaging_codec: str) -> float:
+    """How far apart replicas at one step may be, with the run's `compression.averaging` codec."""
+    return TOLERANCE if averaging_codec in ("", "none") else LOSSY_TOLERANCE
 
 
 def first_difference(a: list[float], b: list[float], tolerance: float = TOLERANCE) -> int | None:

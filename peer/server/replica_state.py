@@ -13,7 +13,7 @@ import time
 import grpc
 
 from dht.records import ServerRecord
-from peer.model.fingerprint import first_difference
+from peer.model.fingerprint import first_difference, tolerance
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class StateTransfer:
         leads = [fp for i, fp in announced.items() if fp and have[i][0].get("from") == lead.endpoint]
         reference = leads[0] if leads else next((fp for fp in announced.values() if fp), [])
         for i, fp in announced.items():
-            index = first_difference(reference, fp)
+            index = first_difference(reference, fp, tolerance(self.spec.compression.averaging))
             if index is None:
                 continue
             logger.warning(

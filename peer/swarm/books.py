@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from dht.records import BooksRecord, ServerRecord, TrainerRecord
-from peer.model.fingerprint import first_difference, short
+from peer.model.fingerprint import TOLERANCE, first_difference, short
 
 LIVE = ("joining", "serving", "leaving")
 
@@ -67,8 +67,9 @@ class StageBooks:
 
 
 class Books:
-    def __init__(self, num_stages: int, stepped_before: dict[int, int] | None = None):
+    def __init__(self, num_stages: int, stepped_before: dict[int, int] | None = None, tolerance: float = TOLERANCE):
         self.num_stages = num_stages
+        self.tolerance = tolerance  # how far apart replicas' fingerprints at one step may be (peer.model.fingerprint)
         self.before = stepped_before or {}  # stage -> samples stepped at the resumed checkpoint
         self.trainers: dict[tuple[str, float], int] = {}  # (peer id, start) -> samples it completed
         self.since = 0.0  # time.time() the books have disagreed since; 0 while they balance
@@ -90,7 +91,7 @@ class Books:
                     replaying=sum(t.replaying[stage] for t in trainers.values() if len(t.replaying) > stage),
                     inflight=inflight,
                     servers=len(live),
-                    apart=apart([r for r in live if r.state == "serving"]),
+                    apart=apart([r for r in live if r.state == "serving"], self.tolerance),
                 )
             )
         balanced = all(b.balanced for b in books)
@@ -105,9 +106,9 @@ class Books:
         }
 
     @classmethod
-    def from_dict(cls, num_stages: int, data: dict) -> Books:
+    def from_dict(cls, num_stages: int, data: dict, tolerance: float = TOLERANCE) -> Books:
         """Books saved by `to_dict`; ValueError (or KeyError, TypeError) if they are not."""
-        books = cls(num_stages, {int(stage): int(n) for stage, n in data["before"].items()})
+        books = cls(num_stages, {int(stage): int(n) for stage, n in data["before"].items()}, tolerance)
         books.trainers = {(str(pid), float(started)): int(samples) for pid, started, samples in data["trainers"]}
         return books
 
@@ -121,7 +122,7 @@ class Books:
         )
 
 
-def apart(replicas: list[ServerRecord]) -> str:
+def apart(replicas: list[ServerRecord], tolerance: float = TOLERANCE) -> str:
     """Replicas of one part at one step whose announced fingerprints differ, in words ("" if none do)."""
     by_epoch: dict[int, list[ServerRecord]] = {}
     for r in replicas:
@@ -130,7 +131,7 @@ def apart(replicas: list[ServerRecord]) -> str:
     for epoch, same in sorted(by_epoch.items()):
         first = same[0]
         for other in same[1:]:
-            index = first_difference(first.fingerprint, other.fingerprint)
+            index = first_difference(first.fingerprint, other.fingerprint, tolerance)
             if index is not None:
                 return (
                     f"replicas at step {epoch} hold different parameters: {first.endpoint} "

@@ -39,6 +39,7 @@ class Entry:
     targets: torch.Tensor
     sent: dict[int, str] = field(default_factory=dict)  # stage -> peer id its backward went to last
     stepped: set[int] = field(default_factory=set)  # stages whose step counted it: run again dry (adding nothing)
+    dry: set[int] = field(default_factory=set)  # the stages this start sends it to dry (not written down)
     done: bool = False  # completed (its samples are counted in some start's completed samples)
     recovered: bool = False  # an earlier start's, run again by this one
     done_before: bool = False  # an earlier start completed it: this start does not count it again

@@ -101,6 +101,7 @@ class Trainer(Calls, Settling, Reporting):
         that did its stage's forward, or, for a micro-batch an earlier start left, to the server that start
         sent it to (which answers it again without adding it, if it had)."""
         self.journal.begin(entry)
+        entry.dry = set(entry.stepped)  # the stages that stepped it already: they get it dry
         run, uid, n = self.spec.name, entry.uid, self.num_stages
         inputs, targets = entry.inputs, entry.targets
         # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
@@ -121,7 +122,7 @@ class Trainer(Calls, Settling, Reporting):
             uid=uid,
             targets=codec.encode(targets.to(torch.int32)),
             output_codec=self.codec,
-            dry=n - 1 in entry.stepped,
+            dry=n - 1 in entry.dry,
         )
         response, returned = await self._backward(
             n - 1, *_with(request, "inputs", *stage_inputs[-1]), prefer=entry.sent.get(n - 1)
@@ -130,7 +131,7 @@ class Trainer(Calls, Settling, Reporting):
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
             request = stage_pb2.BackwardRequest(
-                run_id=run, stage=stage, uid=uid, output_codec=self.codec, dry=stage in entry.stepped
+                run_id=run, stage=stage, uid=uid, output_codec=self.codec, dry=stage in entry.dry
             )
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
@@ -240,7 +241,7 @@ class Trainer(Calls, Settling, Reporting):
             return
         loss, epoch = task.result()
         if entry.done_before:  # an earlier start completed it (and counted it): now every stage has it
-            dry = sorted(entry.stepped)  # the stages that had stepped it (they got it dry)
+            dry = sorted(entry.dry)  # the stages that had stepped it: they got it dry
             self._write(
                 {"type": "recovered", "uid": entry.uid, "samples": task.samples, "dry": dry, "time": time.time()}
             )
