@@ -139,8 +139,14 @@ def test_kill_between_forward_and_backward(swarm):
     # hold the micro-batches in flight at stage 1, after their stage-0 forward and before its backward
     last.signal(signal.SIGSTOP)
     time.sleep(1.0)
-    forwards = [c for c in calls(swarm, "t0") if c["stage"] == 0 and c["method"] == "forward" and "error" not in c]
-    victim = next(name for name, e in ends.items() if e == forwards[-1]["endpoint"])
+    log = calls(swarm, "t0")
+    backwards = {c["uid"] for c in log if c["stage"] == 0 and c["method"] == "backward"}
+    # the server of the forward of a micro-batch that waits at stage 1 now (one that finished since has
+    # its stage-0 backward logged: the last forward logged may be such a one)
+    held = [c for c in log if c["stage"] == 0 and c["method"] == "forward" and "error" not in c]
+    held = [c for c in held if c["uid"] not in backwards]
+    assert held, "no micro-batch is held at stage 1"
+    victim = next(name for name, e in ends.items() if e == held[-1]["endpoint"])
     killed = time.time()
     first[victim].signal(signal.SIGKILL)
     last.signal(signal.SIGCONT)

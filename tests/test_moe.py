@@ -254,6 +254,7 @@ def test_remote_moe_matches_local_refuses_bad_input_and_trains(swarm):
     assert steps and max(steps) >= 20, steps
 
 
+@pytest.mark.slow
 def test_killed_expert_host_training_continues_and_a_newcomer_takes_its_experts(swarm):
     swarm.coordinator(SPEC)
     host_a = _expert_host(swarm, "experts-a", "1.0,1.1,1.2")

@@ -226,6 +226,7 @@ def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object
     return step, first_end, last
 
 
+@pytest.mark.slow
 def test_a_stage_left_with_no_server_and_no_checkpoint_is_waited_for_not_restarted_from_the_seed(swarm):
     step, _, last = trained_then_emptied(swarm)
     swarm.peers[0].wait_for(r"stage 1: 1 server\(s\) at step [1-9]", 30)  # the coordinator has seen it step

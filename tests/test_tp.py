@@ -85,6 +85,7 @@ def test_degree_must_divide_the_stage():
     assert plan_move([30.0, 5.0, 10.0], [3, 1, 1], stage=0, throughput=10.0, margin=0.2, allowed={0, 2}) is None
 
 
+@pytest.mark.slow
 def test_split_and_whole_replicas_train_together_then_a_rank_dies(swarm):
     swarm.coordinator(SPEC)
     split = swarm.server("split", 0, ["--tp", "2"])

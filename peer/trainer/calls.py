@@ -106,7 +106,7 @@ class Calls:
             answer, reason, blame = await self._attempt(stage, method, request, payloads, pid, record, timeout, kind)
             if answer is not None:
                 return answer
-            if await self._failed(stage, method, pid, record.endpoint, started, reason, blame):
+            if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
                 tried.add(pid)
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
@@ -124,7 +124,7 @@ class Calls:
             self.router.report_success(pid, kind, time.monotonic() - started)
             if method == "backward":
                 self.router.report_answer(pid, response.incarnation, response.stepped_seq)
-            self._write_call(stage, method, pid, record.endpoint, started, None)
+            self._write_call(stage, method, pid, record.endpoint, started, None, request.uid)
             return (response, returned, pid), "", True
         except grpc.aio.AioRpcError as e:
             if e.code() in _CALLER_FAULTS:
@@ -141,7 +141,7 @@ class Calls:
             return None, str(e), True
 
     async def _failed(
-        self, stage: int, method: str, pid: str, endpoint: str, started: float, reason: str, blame: bool
+        self, stage: int, method: str, pid: str, endpoint: str, started: float, reason: str, blame: bool, uid: str = ""
     ) -> bool:
         """Account a failed try: ban the server when it is to blame (True), else wait a ban's time."""
         if blame:
@@ -153,7 +153,7 @@ class Calls:
             ban = 0.0
             await asyncio.sleep(self.tcfg.ban_time)
         self.summary.failed_calls += 1
-        self._write_call(stage, method, pid, endpoint, started, reason)
+        self._write_call(stage, method, pid, endpoint, started, reason, uid)
         logger.warning(
             "stage %d %s on %s failed after %.1f s (%s); banned %.0f s, trying another replica",
             stage,
@@ -173,12 +173,14 @@ class Calls:
         if self.metrics is not None:
             self.metrics.bytes.labels(direction, "activations").inc(n)
 
-    def _write_call(self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None):
+    def _write_call(
+        self, stage: int, method: str, pid: str, endpoint: str, started: float, error: str | None, uid: str = ""
+    ):
         if self.metrics is not None:
             self.metrics.calls.labels(method, "ok" if error is None else "error").inc()
             self.metrics.call_seconds.labels(method).observe(time.monotonic() - started)
         if self.tcfg.log_calls or error is not None:
-            entry = {"type": "call", "stage": stage, "method": method, "peer": pid, "endpoint": endpoint}
+            entry = {"type": "call", "stage": stage, "method": method, "peer": pid, "endpoint": endpoint, "uid": uid}
             entry.update(time=time.time(), seconds=time.monotonic() - started)
             if error is not None:
                 entry["error"] = error
