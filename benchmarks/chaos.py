@@ -159,10 +159,7 @@ class Swarm:
 
     def _trainer(self, rng: random.Random) -> None:
         name = rng.choice(["t0", "t1"])
-        self.signal(name, signal.SIGTERM)
-        code = self.ended(name, 120)
-        if code != 0:
-            raise SystemExit(f"{name} ended with exit code {code} when told to stop")
+        self.stop_cleanly([name])
         self.trainer(name)  # the same key and seed: the same data, in the same order
 
     def _trainer_kill(self, rng: random.Random) -> None:
@@ -172,12 +169,7 @@ class Swarm:
         self.trainer(name)  # the same key: its journal gives it what the killed start left unsettled
 
     def _empty(self, rng: random.Random) -> None:
-        for name in ("s1a", "s1b"):
-            self.signal(name, signal.SIGTERM)
-        for name in ("s1a", "s1b"):
-            code = self.ended(name, 120)
-            if code != 0:
-                raise SystemExit(f"{name} ended with exit code {code} when told to leave")
+        self.stop_cleanly(["s1a", "s1b"])  # together: the last to go hands the stage's state over
         self.figures["handed_over"] += any("is held; leaving" in self.procs.log(n) for n in ("s1a", "s1b"))
         for name in ("s1a", "s1b"):
             self.server(name)
@@ -218,10 +210,11 @@ class Swarm:
         self.coordinator(resume=checkpoint.latest(self.root / "ckpt") is not None)
 
     # ---- the books --------------------------------------------------------------------------
-    def stop_trainers(self) -> None:
-        for name in ("t0", "t1"):
+    def stop_cleanly(self, names: list[str]) -> None:
+        """SIGTERM to each of `names` at once; each must end with exit code 0 (SystemExit otherwise)."""
+        for name in names:
             self.signal(name, signal.SIGTERM)
-        for name in ("t0", "t1"):
+        for name in names:
             code = self.ended(name, 120)
             if code != 0:
                 raise SystemExit(f"{name} ended with exit code {code} when told to stop")
@@ -300,7 +293,7 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
             figures["seconds"] = round(time.monotonic() - started)
             figures["faults"] = sum(swarm.figures[k] for k in KINDS)
             figures.update(swarm.figures)
-            swarm.stop_trainers()
+            swarm.stop_cleanly(["t0", "t1"])
             check(swarm, figures)
         finally:
             swarm.procs.stop()
