@@ -195,6 +195,30 @@ def test_a_replica_whose_dht_hangs_fails_rounds_resyncs_and_loses_nothing(swarm)
     books_balance(swarm, samples)
 
 
+@pytest.mark.slow
+def test_a_replica_whose_round_announcement_the_dht_refuses_sits_the_round_out_and_its_death_loses_nothing(swarm):
+    """The DHT refuses replica a's announcement of what its round covers (a failpoint, while all else works):
+    a sits that round out and puts its gradients back, so no step counts what trainers cannot look up. It is
+    SIGKILLed right then: the trainer asks the survivor's step records, replays what no step counted, and the
+    books are exact."""
+    swarm.coordinator(STEPPING)
+    refused = {"SWARMTRAIN_FAILPOINTS": "round.announce=3"}  # the announcement's three tries
+    a, b, last = swarm.server("a", 0, env=refused), swarm.server("b", 0), swarm.server("s1", 1)
+    b_end, last_end = swarm.endpoint(b), swarm.endpoint(last)
+    swarm.endpoint(a)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    a.wait_for(r"could not announce the round for step \d+ in the DHT; sitting it out", 120)
+    a.signal(signal.SIGKILL)
+    a.wait(30)
+    wait_micro_batches(swarm, ["t"], len(swarm.log("t")) + 8, 120)  # the stage goes on with b
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(90) == 0, trainer.output()[-3000:]
+    samples = completed(swarm, ["t"])
+    check_books(settled_infos([b_end]), samples, 0)
+    check_books(settled_infos([last_end]), samples, 1)
+    books_balance(swarm, samples)
+
+
 def test_a_replica_behind_its_stage_is_not_routed_to():
     """A replica more than `max_step_lag` steps behind the newest of its stage computes with old weights:
     trainers leave it out until it resyncs (one step behind, as replicas are for a moment after a round,
@@ -249,6 +273,69 @@ def test_a_stage_left_with_no_server_loads_the_coordinators_newest_checkpoint(sw
     joined = newcomer.wait_for(r"Serving stage 1 at (\S+) from step (\d+)", 120)
     assert 2 <= int(joined.group(2)) <= step and int(written.group(1)) >= 2
     assert "starting from the run's seed" not in newcomer.output()
+    assert re.search(r"Loaded the state of stage 1 \(step [1-9]\d*\)", newcomer.output())
+
+
+@pytest.mark.slow
+def test_a_coordinator_resumed_from_an_older_checkpoint_into_its_directory_checkpoints_on_and_serves_the_newest(
+    swarm,
+):
+    """The coordinator is SIGKILLed and resumed from an older checkpoint of its own directory (`--resume
+    D/older --checkpoints D`) while the swarm trains on. It says each part's step; checkpoints stay due;
+    the one it resumed from is pruned (checkpoint_keep 2) while it serves the newest instead; and a newcomer
+    to a stage left with no server loads that newest checkpoint, not the one the coordinator started from."""
+    from helpers.processes import descendants
+
+    from peer.coordinator import checkpoint
+
+    root = swarm.workdir / "ckpt"
+    every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
+    extra = ["--checkpoints", str(root), "--set", "coordinator.checkpoint_keep=2", *every]
+    swarm.coordinator(STEPPING, extra=extra)
+    first, last = swarm.server("s0", 0), swarm.server("s1", 1)
+    swarm.endpoint(first), swarm.endpoint(last)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    coordinator = swarm.peers[0]
+    deadline = time.monotonic() + 120
+    while len(checkpoint.complete(root)) < 2:
+        assert time.monotonic() < deadline, coordinator.output()[-3000:]
+        time.sleep(0.2)
+    coordinator.known_pids.update(descendants(coordinator.proc.pid))
+    os.killpg(coordinator.proc.pid, signal.SIGKILL)  # its process and its DHT
+    older = checkpoint.complete(root)[0]  # (a write prunes only once it is whole: two are left)
+    older_step = checkpoint.read_manifest(older)["step"]
+    newest_before = max(checkpoint.read_manifest(p)["step"] for p in checkpoint.complete(root))
+
+    (swarm.workdir / "coordinator.json").unlink()
+    swarm.coordinator(STEPPING, extra=[*extra, "--resume", str(older)])
+    resumed = swarm.peers[-1]
+    said = resumed.wait_for(r"Resuming from (\S+) \(step (\d+); (.*)\), served at", 60)
+    assert (
+        int(said.group(2)) == older_step and "stage 0 at step" in said.group(3) and "stage 1 at step" in said.group(3)
+    )
+    # checkpoints stay due from the step it resumed from: two more, past the newest before, prune the older
+    deadline = time.monotonic() + 120
+    while (
+        older.exists() or max(checkpoint.read_manifest(p)["step"] for p in checkpoint.complete(root)) <= newest_before
+    ):
+        assert time.monotonic() < deadline and trainer.proc.poll() is None, resumed.output()[-3000:]
+        time.sleep(0.3)
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(90) == 0, trainer.output()[-3000:]
+    while True:  # no step comes any more: let the checkpoint under way, if any, be written
+        log = resumed.output()
+        begun = re.findall(r"checkpoint at step (\d+): pulling", log)
+        n = begun[-1] if begun else None
+        if n is None or re.search(rf"Wrote checkpoint \S+ \(step {n},|checkpoint at step {n} (skipped|failed)", log):
+            break
+        assert time.monotonic() < deadline, log[-3000:]
+        time.sleep(0.3)
+    newest = checkpoint.read_manifest(checkpoint.latest(root))
+    last.signal(signal.SIGKILL)  # no handover: the stage's state of last resort is the newest checkpoint
+    last.wait(30)
+    newcomer = swarm.server("n1", 1)
+    joined = newcomer.wait_for(r"Serving stage 1 at (\S+) from step (\d+)", 120)
+    assert int(joined.group(2)) == newest["parts"]["stage 1"]["epoch"] > older_step
     assert re.search(r"Loaded the state of stage 1 \(step [1-9]\d*\)", newcomer.output())
 
 
@@ -454,3 +541,101 @@ def test_a_dry_backward_adds_nothing_and_a_dropped_accumulator_still_knows_what_
     assert rt.drop_accumulator() == 2
     assert rt.backward("a", x, g, None)[2] == 0 and rt.samples_accumulated == 0  # answered as stepped
     assert rt.backward("b", x, g, None)[2] == 1 and rt.samples_accumulated == 2  # replayed: added
+
+
+def test_a_replica_resynced_from_a_partner_that_stepped_alone_settles_the_partners_receipts():
+    """A server steps alone, its partner resyncs from it, then it dies before the trainer heard it stepped:
+    the trainer's receipts are not in an announced round, yet the partner holds the step that counted them.
+    The survivors' step records say so (any step), and the trainer settles them instead of replaying."""
+    from types import SimpleNamespace
+
+    from peer.config import RunSpec
+    from peer.model.runtime import StageRuntime
+    from peer.trainer.ledger import ANY_STEP, Ledger, Receipt
+    from peer.trainer.settling import _coverage
+    from protocols import stage_pb2
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    donor, partner = StageRuntime(spec, 0), StageRuntime(spec, 0)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 32)
+    donor.backward("a", x, g, None)
+    donor.backward("b", x, g, None)
+    grads, samples = donor.take_gradients()
+    donor.apply_step(grads, samples, donor.taken_seq, ["donor"], {"donor": (donor.incarnation, donor.taken_seq)})
+    donor.backward("d", x, g, None)
+    grads, samples = donor.take_gradients()
+    donor.apply_step(grads, samples, donor.taken_seq, ["donor"], {"donor": (donor.incarnation, donor.taken_seq)})
+    partner.backward("c", x, g, None)  # the partner stepped alone too, apart: its own step 1 is not the donor's
+    grads, samples = partner.take_gradients()
+    partner.apply_step(grads, samples, partner.taken_seq, ["partner"], {"partner": (partner.incarnation, 1)})
+    partner.load_state(*donor.snapshot(), "partner")
+    history = [
+        stage_pb2.StepFingerprint(
+            epoch=f.epoch,
+            members=f.members,
+            coverage=[stage_pb2.Coverage(peer_id=p, incarnation=i, seq=s) for p, (i, s) in f.coverage.items()],
+        )
+        for f in partner.history
+    ]
+    assert _coverage(history, "donor", donor.incarnation) == 3
+    assert [(f.epoch, f.members) for f in partner.history] == [(1, ["donor"]), (2, ["donor"])]
+    assert _coverage(history, "donor", donor.incarnation + 1) == -1  # another life of it: nothing
+    assert _coverage(history, "partner", partner.incarnation) == -1  # its own step 1 was replaced
+
+    ledger = Ledger()
+    request = stage_pb2.BackwardRequest(uid="a")
+    ledger.add(Receipt(0, "donor", donor.incarnation, 1, request, {}, 2, heard=1.0))
+    router = SimpleNamespace(last={}, answered={}, gone=lambda pid, incarnation, heard: True)
+    replay, checks = ledger.review(router)
+    assert replay == [] and [(c.epoch, c.decisive) for c in checks] == [(ANY_STEP, True)]
+
+
+def test_a_gone_servers_receipts_wait_while_a_survivor_is_silent_and_settle_by_any_step_that_counted_them():
+    """What the trainer asks the survivors before a replay: any step of theirs that counted the gone server's
+    additions settles them; a survivor that does not answer (hung, as a stopped donor) makes it wait, never
+    replay (its step may hold them); a round not finished on a survivor waits too."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import grpc
+
+    from peer.trainer.ledger import ANY_STEP, Check, Receipt
+    from peer.trainer.settling import Settling
+    from protocols import stage_pb2
+
+    def step(epoch: int, seq: int | None) -> stage_pb2.StepFingerprint:
+        coverage = [] if seq is None else [stage_pb2.Coverage(peer_id="gone", incarnation=7, seq=seq)]
+        return stage_pb2.StepFingerprint(epoch=epoch, members=["b"], coverage=coverage)
+
+    answers = {}
+
+    async def info(endpoint, timeout):
+        answer = answers[endpoint]
+        if answer is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, None, "deadline")
+        return answer
+
+    def verdict(epoch: int, **servers) -> int | None:
+        answers.clear()
+        answers.update({f"{pid}:1": a for pid, a in servers.items()})
+        trainer = SimpleNamespace(
+            router=SimpleNamespace(servers=[{pid: SimpleNamespace(endpoint=f"{pid}:1") for pid in servers}]),
+            client=SimpleNamespace(info=info),
+            tcfg=SimpleNamespace(deadline_floor=1.0),
+            cfg=SimpleNamespace(network=SimpleNamespace(probe_timeout=1.0)),
+        )
+        receipt = Receipt(0, "gone", 7, 5, stage_pb2.BackwardRequest(uid="u"), {}, 4, heard=1.0)
+        return asyncio.run(Settling._covered_by_steps(trainer, Check(receipt, epoch, decisive=True)))
+
+    def survivor(epoch: int, *steps) -> stage_pb2.InfoResponse:
+        return stage_pb2.InfoResponse(epoch=epoch, incarnation=1, history=list(steps))
+
+    assert verdict(ANY_STEP, b=survivor(9, step(8, 3), step(9, 6))) == 6  # stepped alone later, b resynced
+    assert verdict(ANY_STEP, b=survivor(9, step(9, None))) == -1  # no step of b's counted any: replayed
+    assert verdict(ANY_STEP, b=survivor(9, step(9, 6)), c=None) is None  # c hangs: wait
+    assert verdict(ANY_STEP, gone=None, b=survivor(9, step(9, 6))) == 6  # the gone one's silence is no news
+    assert verdict(ANY_STEP) is None and verdict(ANY_STEP, c=None) is None  # nobody answers: wait
+    assert verdict(9, b=survivor(8, step(8, 3))) is None  # b has not finished the round of step 9 yet
+    assert verdict(9, b=survivor(10, step(9, None), step(10, 6))) == 6  # the round left it out; a later step not

@@ -50,7 +50,7 @@ class PartState:
         own = {f.epoch: f for f in self.history if f.values}  # steps we made too: the same, with real values
         first = min(steps, default=self.epoch)
         kept = [f for f in self.history if f.epoch < first]
-        inherited = [own.get(e, f) for e, f in sorted(steps.items()) if e < self.epoch]
+        inherited = [_same_step(own.get(e), f) for e, f in sorted(steps.items()) if e < self.epoch]
         loaded = steps.get(self.epoch, Fingerprint(self.epoch, 0, []))
         checked, self._checked_values = self._checked_values, None
         loaded.samples, loaded.values = last_samples, checked or self.fingerprint_values()
@@ -268,3 +268,9 @@ def shards_by_bytes(sizes: dict[str, int], num_shards: int) -> list[set[str]]:
         parts[lightest].add(name)
         totals[lightest] += size
     return parts
+
+
+def _same_step(own: Fingerprint | None, donor: Fingerprint) -> Fingerprint:
+    """Our record of a step the donor made too (with real values), if it was the same step: one group's.
+    A step we made apart (both alone, say) is not the one whose state we now hold: the donor's says."""
+    return own if own is not None and sorted(own.members) == sorted(donor.members) else donor

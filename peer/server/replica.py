@@ -44,6 +44,7 @@ from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.model.part import PartRuntime
 from peer.net.client import StageClient
+from peer.process.failpoints import Failpoints
 from peer.server.averaging import GradientAverager
 from peer.server.replica_handover import Handover
 from peer.server.replica_round import Rounds
@@ -97,6 +98,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self.round_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
         self.client = client or StageClient.for_server(cfg.server, dht.security)
+        self.failpoints = Failpoints.from_env()  # off unless a test names some (peer.process.failpoints)
         self.inflight = 0
         self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
         self.leaving = False

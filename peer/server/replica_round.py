@@ -156,7 +156,7 @@ class Rounds:
     async def _announce_round(self, tries: int = 3) -> bool:
         """Publish the record that says what the round covers (`round_seq`); False if the DHT never took it."""
         for attempt in range(tries):
-            if await self.publish(force=True):
+            if not self.failpoints.fails("round.announce") and await self.publish(force=True):
                 return True
             await asyncio.sleep(0.2 * (attempt + 1))
         return False

@@ -19,6 +19,7 @@ from peer.swarm.router import Router
 from protocols import stage_pb2
 
 STALE_ROUND = 2.0  # s after which a server's announced round is looked up in its partners' step records
+ANY_STEP = -1  # a Check's epoch when no round was announced: any step the survivors hold may have counted it
 
 
 @dataclass(eq=False)
@@ -42,7 +43,7 @@ class Check:
     seq): a receipt up to there is settled, one past it is replayed."""
 
     receipt: Receipt
-    epoch: int  # the step the round made, if it succeeded
+    epoch: int  # the step the round made, if it succeeded; ANY_STEP: whichever step of the survivors counted it
     decisive: bool  # the server is gone: "not in the group" means replay (else it only may settle early)
 
 
@@ -93,10 +94,9 @@ class Ledger:
                     # while their step records still reach back that far
                     check.append(Check(r, last.averaging_epoch + 1, decisive=False))
                 continue
-            if in_round:
-                check.append(Check(r, last.averaging_epoch + 1, decisive=True))
-            else:
-                replay.append(r)
+            # in a round: its step says; else the server may have stepped alone after its last record, and a
+            # partner resynced from it since (so holds that step): the survivors' step records say either way
+            check.append(Check(r, last.averaging_epoch + 1 if in_round else ANY_STEP, decisive=True))
         return replay, check
 
     def remove(self, receipt: Receipt) -> None:

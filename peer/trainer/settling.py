@@ -15,7 +15,7 @@ import grpc
 
 from peer.net.client import gone_after
 from peer.trainer.calls import MicroBatchFailed
-from peer.trainer.ledger import Check
+from peer.trainer.ledger import ANY_STEP, Check
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Settling:
         for check in checks:
             key = (check.receipt.stage, check.receipt.peer_id, check.receipt.incarnation, check.epoch)
             if key not in verdicts:
-                verdicts[key] = await self._covered_by_round(check)
+                verdicts[key] = await self._covered_by_steps(check)
             covered = verdicts[key]
             if covered is not None and check.receipt.seq <= covered:
                 self.journal.stepped(check.receipt.request.uid, check.receipt.stage)
@@ -58,29 +58,34 @@ class Settling:
             self.summary.replayed += 1
             self._write({"type": "replay", "stage": receipt.stage, "peer": receipt.peer_id, "time": time.time()})
 
-    async def _covered_by_round(self, check: Check) -> int | None:
-        """How far the survivors' step `check.epoch` counted the gone server's additions (of the receipt's
-        incarnation): the last addition it covered, -1 for none; None while that is not known yet."""
+    async def _covered_by_steps(self, check: Check) -> int | None:
+        """How far the survivors' steps counted the gone server's additions (of the receipt's incarnation):
+        the last addition covered, -1 for none; None while that is not known yet (the round of
+        `check.epoch` has not finished on a survivor, or no replica answers).
+
+        Any step of theirs counts, not only the round's: the gone server may have stepped alone later and
+        a partner resynced from it, and a resync or a load inherits the donor's step records."""
         gone, incarnation = check.receipt.peer_id, check.receipt.incarnation
+        answered, silent, covered = False, False, -1
         for pid, record in list(self.router.servers[check.receipt.stage].items()):
-            if pid == gone:
-                continue
             try:
                 info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as e:
+                if pid != gone and not await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
+                    silent = True  # hung (a stopped donor, say), and its steps may hold what we look for
+                elif pid != gone:
+                    self.router.report_dead(pid)
                 continue
-            if info.epoch < check.epoch:
+            if pid == gone and info.incarnation == incarnation:
+                continue  # not gone after all: its own answers settle it
+            if pid != gone and check.epoch != ANY_STEP and info.epoch < check.epoch:
                 return None  # the round has not finished anywhere yet
-            for step in info.history:
-                if step.epoch != check.epoch or not step.members:
-                    continue
-                for part in step.coverage:
-                    if part.peer_id == gone and part.incarnation == incarnation:
-                        return part.seq
-                if gone in step.members and not step.coverage:
-                    return sys.maxsize  # a peer too old to say: the group counted all the round took
-                return -1
-        return None if not self.router.servers[check.receipt.stage] else -1
+            # the same key restarted is asked too: it holds the steps of the state it loaded
+            answered = True
+            covered = max(covered, _coverage(info.history, gone, incarnation, check.epoch))
+        # a survivor hung, or nobody answered: wait. Taking silence for "not counted" would replay what a hung
+        # survivor's step holds (counted twice); and a replay needs a replica that answers anyway
+        return covered if answered and not silent else None
 
     async def drain(self) -> None:
         """At the end: wait until every receipt is stepped, replayed, or held by a live server's accumulator."""
@@ -118,3 +123,15 @@ class Settling:
             await asyncio.sleep(0.5)
         if self.ledger.receipts:
             logger.warning("%d receipts unsettled after %.0f s", len(self.ledger), self.tcfg.drain_timeout)
+
+
+def _coverage(history, gone: str, incarnation: int, epoch: int = ANY_STEP) -> int:
+    """The last addition of (gone, incarnation) that any step in `history` counted; -1 for none. A step
+    `epoch` that lists `gone` as a member without saying what it counted (a peer too old to say) counted
+    all that its round took."""
+    seqs = [-1]
+    for step in history:
+        seqs += [p.seq for p in step.coverage if p.peer_id == gone and p.incarnation == incarnation]
+        if step.epoch == epoch and gone in step.members and not step.coverage:
+            seqs.append(sys.maxsize)
+    return max(seqs)

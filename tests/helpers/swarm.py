@@ -52,6 +52,7 @@ class Peer:
         tty: bool = False,
         python: bool = False,
         forkserver: Forkserver | None = None,
+        env: dict[str, str] | None = None,
     ):
         """Start `peer ARGS` (with `python`: `python ARGS` under a reaper, tests/helpers/reaped.py); with `tty` its
         output is a pseudo-terminal. With a `forkserver`, a peer is forked from its template (peer.process.forkserver):
@@ -61,7 +62,7 @@ class Peer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         # TMPDIR: temporary files of the peer (torch, multiprocessing) go to the test's dir. hivemind's
         # p2p daemons put their unix sockets in /tmp whatever TMPDIR says: see remove_stale_sockets
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir), **(env or {}))
         env[REAPER_LOG_DIR] = str(workdir)  # each peer's reaper says what it removed (reaper-PID.log)
         out, self._copier = self._log, None
         if tty:
@@ -182,8 +183,17 @@ class Swarm:
         self.peers: list[Peer] = []
         self.maddr = ""
 
-    def start(self, name: str, args: list[str], niceness: int = 0, tty: bool = False, python: bool = False) -> Peer:
-        peer = Peer(name, args, self.workdir, niceness, tty, python, self.forkserver)
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        niceness: int = 0,
+        tty: bool = False,
+        python: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Peer:
+        """Start peer `name`; `env`: variables it has besides this process's (SWARMTRAIN_FAILPOINTS, say)."""
+        peer = Peer(name, args, self.workdir, niceness, tty, python, self.forkserver, env)
         self.peers.append(peer)
         return peer
 
@@ -202,9 +212,11 @@ class Swarm:
         self.maddr = json.loads(info.read_text())["join"].split()[-1]
         return self.maddr
 
-    def server(self, name: str, stage: int | None = None, extra: list[str] = (), niceness: int = 0) -> Peer:
+    def server(
+        self, name: str, stage: int | None = None, extra: list[str] = (), niceness: int = 0, env: dict | None = None
+    ) -> Peer:
         stage_args = ["--stage", str(stage)] if stage is not None else []
-        return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args), niceness)
+        return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args), niceness, env=env)
 
     def trainer(self, name: str, extra: list[str] = (), niceness: int = 0, tty: bool = False) -> Peer:
         return self.start(
