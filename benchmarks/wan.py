@@ -74,6 +74,7 @@ def make_spec(width: int, codec: str, name: str) -> RunSpec:
                 "warmup_steps": 10,
             },
             "compression": {"activations": codec},
+            "data": {"validation_bytes": 16384},  # the final validation: 8 micro-batches
         }
     )
     return spec

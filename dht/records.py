@@ -81,7 +81,8 @@ class TrainerRecord(Record):
     micro_batches: int = 0
     samples_per_second: float = 0.0
     train_loss: float | None = None  # recent mean training loss
-    val_loss: float | None = None  # last validation loss, if this trainer evaluates
+    val_loss: float | None = None  # last validation loss (nats per token), if this trainer evaluates
+    val_bits_per_byte: float | None = None  # the same validation in bits per byte of text (across tokenizers)
     epoch: int = 0  # highest stage training step seen
     failed_calls: int = 0  # calls that failed (each rerouted)
     bans: int = 0  # servers banned after a failed call, so far

@@ -127,6 +127,7 @@ SPEC = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 32},
     "stages": {"num_stages": 2},
     "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 8, "total_steps": 1000, "lr": 0.01},
+    "data": {"validation_bytes": 2048},  # a quick look: 16 micro-batches a validation
 }
 
 

@@ -20,6 +20,7 @@ SPEC = {
         "lr": 0.01,
         "warmup_steps": 4,
     },
+    "data": {"validation_bytes": 8192},  # a quick look: 16 micro-batches a validation
 }
 
 

@@ -22,6 +22,22 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from peer.data.tokenizer import train_tokenizer
+    from peer.data.training_text import texts_of  # lazy: datasets
+
+    texts = texts_of(args.data, args.text_field, int(args.max_bytes))
+    tokenizer = train_tokenizer(texts, args.vocab_size, Path(args.out))
+    print(
+        f"Wrote a byte-level BPE tokenizer of {tokenizer.vocab_size} tokens to {args.out}/ (fingerprint "
+        f"{tokenizer.fingerprint}); in the run spec: [data] tokenizer = {str(args.out)!r}, and "
+        f"[model] vocab_size >= {tokenizer.vocab_size}."
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from peer.cli.demo import run_demo  # lazy: torch (its data)
 
@@ -99,6 +115,9 @@ def _coordinator(args: argparse.Namespace) -> int:
         apply_override(spec, item)
     spec = resolve_model_dir(spec)  # [model] path: its config.json into the spec, which peers then get signed
     spec.validate()
+    from peer.data.tokenizer import pin_tokenizer  # lazy: tokenizers
+
+    spec = pin_tokenizer(spec)  # [data] tokenizer: its fingerprint into the signed spec
     cfg = peer_config(args, peer_overrides)
     if args.initial_peers:  # an existing DHT: said in seconds if none of its addresses answers
         answer = answering(args.initial_peers, cfg.network.connect_timeout)
@@ -161,6 +180,7 @@ def _join(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "keygen": _keygen,
+    "tokenizer-train": _tokenizer_train,
     "demo": _demo,
     "status": _status,
     "coordinator-invite": _admission,

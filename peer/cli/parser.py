@@ -141,7 +141,15 @@ def _add_join(sub) -> None:
 
 def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
     """The flags of `peer join --role trainer`."""
-    p.add_argument("--data", help="trainer: a text file or directory (default: Python's standard library)")
+    p.add_argument(
+        "--data",
+        help="trainer: a file or directory of text, .jsonl, .parquet, .arrow or saved datasets, streamed "
+        "(default: Python's standard library)",
+    )
+    p.add_argument("--text-field", help="trainer: the JSON field or column holding the text (default: text)")
+    p.add_argument("--tokenizer", help="trainer: its copy of the run's tokenizer directory (default: the spec's)")
+    p.add_argument("--tensorboard", metavar="DIR", help="trainer: write TensorBoard event files here")
+    p.add_argument("--wandb", metavar="PROJECT", help="trainer: log to this Weights & Biases project")
     p.add_argument("--seed", type=int, help="trainer: seed of the micro-batch order")
     p.add_argument("--max-micro-batches", type=int, help="trainer: stop after this many micro-batches")
     p.add_argument("--max-inflight", type=int, help="trainer: micro-batches in the pipeline at once")
@@ -174,6 +182,15 @@ def _add_tools(sub) -> None:
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
 
+    p = sub.add_parser(
+        "tokenizer-train", help="(peer tokenizer train DATA... --vocab-size N --out DIR) train a byte-level BPE"
+    )
+    p.add_argument("data", nargs="+", help="files or directories of text, .jsonl, .parquet, .arrow or saved datasets")
+    p.add_argument("--vocab-size", type=int, required=True, help="tokens, with the 256 bytes and 2 special tokens")
+    p.add_argument("--out", required=True, help="the directory to write (AutoTokenizer.from_pretrained loads it)")
+    p.add_argument("--text-field", default="text", help="the JSON field or column holding the text")
+    p.add_argument("--max-bytes", type=float, default=0, help="train on at most this much text (0: all of it)")
+
     p = sub.add_parser("status", help="print a table of a run's stages, servers and trainers")
     p.add_argument("maddr", help="the coordinator's multiaddr, or with --coordinator any peer's of the run")
     p.add_argument("--coordinator", metavar="PEER_ID", help="the run's coordinator, when MADDR is another peer")
@@ -203,11 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-    """`peer coordinator invite|revoke ...` are commands of their own (coordinator-invite, ...)."""
+    """`peer coordinator invite|revoke ...` and `peer tokenizer train` are commands of their own (coordinator-invite, ...)."""
     argv = list(argv)
     for i, arg in enumerate(argv[:-1]):
-        if arg == "coordinator" and argv[i + 1] in ("invite", "revoke"):
-            argv[i : i + 2] = [f"coordinator-{argv[i + 1]}"]
+        if (arg, argv[i + 1]) in (("coordinator", "invite"), ("coordinator", "revoke"), ("tokenizer", "train")):
+            argv[i : i + 2] = [f"{arg}-{argv[i + 1]}"]
             break
         if not arg.startswith("-"):
             break

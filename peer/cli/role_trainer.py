@@ -8,22 +8,19 @@ import signal
 from dht.identity import Identity
 from peer.cli.join import connect, follow_admission
 from peer.config import PeerConfig
-from peer.data.corpus import load_corpus
+from peer.data import sources
 from peer.net.metrics import open_metrics, serve_metrics
 from peer.trainer.progress import TrainerProgress
 from peer.trainer.trainer import Trainer
 
 
 def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: str | None = None) -> int:
-    corpus = load_corpus(cfg.trainer.data)
+    if cfg.trainer.data:  # bad data is said before joining: a file it cannot use, named
+        sources.check_files(sources.find_files(cfg.trainer.data), cfg.trainer.text_field)
     dht, spec = connect(maddr, cfg, identity, "trainer", coordinator)
     try:
-        print(
-            f"Joined run '{spec.name}' as a trainer on {corpus.source} "
-            f"({len(corpus.train) / 1e6:.1f} MB train, {len(corpus.validation) / 1e6:.1f} MB held out).",
-            flush=True,
-        )
-        trainer = Trainer(spec, cfg, dht, corpus)
+        trainer = Trainer(spec, cfg, dht)
+        print(f"Joined run '{spec.name}' as a trainer on {trainer.feed.describe}.", flush=True)
         trainer.metrics = open_metrics(cfg, "trainer", lambda: _trainer_levels(trainer))
         serve_metrics(trainer.metrics, cfg)
 
@@ -58,7 +55,7 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: st
             return 1
         finally:
             trainer.progress.close()  # the terminal gets its cursor back, whatever happened
-        _report(summary)
+        _report(summary, trainer)
         return 0 if summary.failed_micro_batches == 0 else 3
     finally:
         dht.shutdown()
@@ -91,8 +88,17 @@ def _report_unplaced(trainer: Trainer) -> None:
         print("Stopped.", flush=True)
 
 
-def _report(summary) -> None:
-    val = f", validation loss {summary.val_losses[-1][1]:.3f}" if summary.val_losses else ""
+def _report(summary, trainer: Trainer) -> None:
+    val = ""
+    if summary.val_scores:
+        scores = summary.val_scores[-1][1]
+        val = (
+            f", validation loss {scores.loss:.3f} (perplexity {scores.perplexity:.2f}, "
+            f"{scores.bits_per_byte:.3f} bits per byte)"
+        )
+    stream = trainer.feed.stream
+    if stream is not None and stream.skipped:
+        print(f"Skipped {stream.skipped} bad documents of the data (not text, or without the text field).", flush=True)
     print(
         f"Done: {summary.micro_batches} micro-batches ({summary.samples} samples) in {summary.seconds:.0f} s, "
         f"reached step {summary.epoch}{val}; {summary.failed_micro_batches} given up, "

@@ -132,6 +132,22 @@ class MoEConfig:
     min_answers: int = 1  # of a token's top_k experts, at least this many must answer or the call fails
 
 
+@dataclass
+class DataConfig:
+    # directory of the tokenizer the run trains with (tokenizer.json: a model directory's, or one from
+    # `peer tokenizer train`); empty: the byte-level default (a token per byte)
+    tokenizer: str = ""
+    # the tokenizer's hash, pinned: the coordinator fills it in from `tokenizer`; a trainer whose tokenizer
+    # hashes otherwise is refused ("bytes": the byte-level default)
+    tokenizer_fingerprint: str = ""
+    # validation data (a file or directory, in any format --data reads); empty: documents held out of each
+    # trainer's own data (validation_fraction of them, by a hash of their text: never trained on)
+    validation: str = ""
+    validation_fraction: float = 0.01  # documents held out of the data for validation when `validation` is empty
+    validation_bytes: int = 1_000_000  # text one validation pass covers at least (all of it when there is less)
+    shuffle_buffer: int = 1000  # documents a trainer's stream shuffles among (its order is seeded by its peer id)
+
+
 ADMISSION_MODES = ("open", "allowlist", "invite", "off")
 
 
@@ -162,6 +178,7 @@ class RunSpec:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def moe_layers(self) -> list[int]:
         """The blocks whose MLP is a mixture of experts (none when moe.num_experts is 0)."""
@@ -218,6 +235,7 @@ class RunSpec:
         self._validate_averaging()
         self._validate_moe()
         self._validate_admission()
+        self._validate_data()
 
     def _validate_model(self) -> None:
         m = self.model
@@ -362,3 +380,10 @@ class RunSpec:
         require_positive("admission.max_pending", d.max_pending)
         if d.revoke_after_reports < 0:
             raise ConfigError(f"admission.revoke_after_reports: must be >= 0, got {d.revoke_after_reports}")
+
+    def _validate_data(self) -> None:
+        d = self.data
+        if not 0 <= d.validation_fraction <= 0.5:
+            raise ConfigError(f"data.validation_fraction: must be within [0, 0.5], got {d.validation_fraction}")
+        require_positive("data.validation_bytes", d.validation_bytes)
+        require_positive("data.shuffle_buffer", d.shuffle_buffer)

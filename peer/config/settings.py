@@ -67,7 +67,18 @@ class ServerConfig:
 
 @dataclass
 class TrainerConfig:
-    data: str = ""  # a text file or directory of files to train on; empty: Python's standard library
+    # a file or directory of text, JSON lines, parquet, arrow or saved datasets to train on (peer.data.sources);
+    # empty: Python's standard library
+    data: str = ""
+    text_field: str = "text"  # the field (JSON lines) or column (parquet, arrow, saved datasets) holding the text
+    # directory of this trainer's copy of the run's tokenizer (tokenizer.json); empty: the spec's data.tokenizer
+    tokenizer: str = ""
+    prefetch_sequences: int = 1024  # packed sequences the data thread keeps ready
+    # where the data stream's position is saved, so a start after a stop goes on from there;
+    # empty: KEY.RUN.data.json beside the trainer's identity
+    data_position_file: str = ""
+    tensorboard: str = ""  # directory for TensorBoard event files (needs the tensorboard extra); empty: none
+    wandb: str = ""  # Weights & Biases project to log to (needs wandb; WANDB_MODE=offline works without network)
     seed: int = -1  # order of this trainer's micro-batches; -1: derived from the peer id, so trainers differ
     max_inflight: int = 2  # micro-batches in the pipeline at once
     max_micro_batches: int = 0  # stop after this many micro-batches (0: run until the schedule ends)
@@ -94,7 +105,12 @@ class TrainerConfig:
     # receipts settle meanwhile; past it, it exits and says how many samples it could not place
     stop_timeout: float = 60.0
     eval_every: int = 0  # steps between validation runs (0: never)
-    eval_batches: int = 4  # micro-batches of held-out data per validation run
+    # s a validation waits for the validation set, built in the background from the start (training waits
+    # meanwhile; past it, that validation is skipped); the last one, at the end, waits 10 times as long
+    validation_wait: float = 30.0
+    eval_batches: int = (
+        0  # micro-batches of the validation set per validation run; 0: all of it (data.validation_bytes)
+    )
     log_file: str = ""  # JSON lines: one per finished micro-batch, validation, failed call and replay
     log_calls: bool = False  # also log every successful call (for benchmarks/recovery.py)
     # print a progress line every few seconds when the output is not a terminal (a terminal always

@@ -85,6 +85,7 @@ def trainer_view(pid: str, t: TrainerRecord, timeline: Timeline, now: float) -> 
         "samples_per_second": t.samples_per_second,
         "train_loss": t.train_loss,
         "val_loss": t.val_loss,
+        "val_bits_per_byte": t.val_bits_per_byte,
         "step": t.epoch,
         "failed_calls": t.failed_calls,
         "bans": t.bans,

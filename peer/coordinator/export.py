@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from peer.config import ConfigError, RunSpec
 from peer.config.families import from_hf, to_hf
 from peer.coordinator.checkpoint import CheckpointError, model_weights
-from peer.data.tokenizer import save_byte_tokenizer
+from peer.data.tokenizer import BYTE_FINGERPRINT, TextTokenizer, bytes_tokenizer, load_tokenizer
 from peer.model.llama import StageModel
 
 MAX_SHARD_BYTES = 5 * 10**9  # the hub's usual bound on one weights file
@@ -96,7 +96,7 @@ def export(
         generation = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         files = ["config.json", "generation_config.json", *write_weights(tmp, weights, max_shard_bytes)]
-        files += save_byte_tokenizer(tmp, spec.model.max_seq_len)
+        files += run_tokenizer(spec).save(tmp, spec.model.max_seq_len)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -164,3 +164,18 @@ def load_directory(directory: str | Path) -> StageModel:
     except RuntimeError as e:
         raise CheckpointError(f"{directory}: weights do not fit config.json: {e}") from None
     return model
+
+
+def run_tokenizer(spec) -> TextTokenizer:
+    """The tokenizer the run trained with, to go with its weights: the byte default, or the spec's
+    data.tokenizer directory when it is here and is the one the spec pins (CheckpointError otherwise)."""
+    pinned = spec.data.tokenizer_fingerprint or BYTE_FINGERPRINT
+    if pinned == BYTE_FINGERPRINT:
+        return bytes_tokenizer()
+    tokenizer = load_tokenizer(spec.data.tokenizer)
+    if tokenizer.fingerprint != pinned:
+        raise CheckpointError(
+            f"{spec.data.tokenizer}: not the tokenizer this run trained with (fingerprint {tokenizer.fingerprint}, "
+            f"the run's is {pinned})"
+        )
+    return tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from rich.console import Console
@@ -169,7 +170,18 @@ def _relays_table(relays: dict[str, RelayRecord]) -> Table:
 
 
 def _trainers_table(trainers: dict[str, TrainerRecord], now: float) -> Table:
-    columns = ("trainer", "samples", "samples/s", "train loss", "val loss", "step", "age", "version")
+    columns = (
+        "trainer",
+        "samples",
+        "samples/s",
+        "train loss",
+        "val loss",
+        "val ppl",
+        "bits/byte",
+        "step",
+        "age",
+        "version",
+    )
     table = _table("Trainers", columns)
     for pid, t in sorted(trainers.items()):
         table.add_row(
@@ -178,10 +190,12 @@ def _trainers_table(trainers: dict[str, TrainerRecord], now: float) -> Table:
             f"{t.samples_per_second:.1f}",
             f"{t.train_loss:.3f}" if t.train_loss is not None else "-",
             f"{t.val_loss:.3f}" if t.val_loss is not None else "-",
+            f"{math.exp(min(t.val_loss, 700.0)):.1f}" if t.val_loss is not None else "-",
+            f"{t.val_bits_per_byte:.3f}" if t.val_bits_per_byte is not None else "-",
             str(t.epoch),
             f"{now - t.started:.0f} s",
             t.software or "?",
         )
     if not trainers:
-        table.add_row("none", "", "", "", "", "", "", "")
+        table.add_row("none", *[""] * (len(columns) - 1))
     return table

@@ -10,7 +10,9 @@ import logging
 import time
 
 from dht import keys
+from dht.errors import UserError
 from dht.records import TrainerRecord
+from peer.model.optim import lr_at
 from peer.trainer.calls import MicroBatchFailed
 
 logger = logging.getLogger(__name__)
@@ -28,13 +30,28 @@ class Reporting:
         if not force and self.summary.epoch == self._last_eval_epoch:
             return
         self._last_eval_epoch = self.summary.epoch
+        wait = self.tcfg.validation_wait * (10 if force else 1)  # the last one waits longer for the set
         try:
-            loss = await self.evaluate()
-        except MicroBatchFailed as e:
+            scores = await self.evaluate(wait)
+        except (MicroBatchFailed, UserError) as e:
             logger.warning("validation skipped: %s", e)
             return
-        self.summary.val_losses.append((self.summary.epoch, loss))
-        self._write({"type": "eval", "epoch": self.summary.epoch, "loss": loss, "time": time.time()})
+        epoch = self.summary.epoch
+        self.summary.val_losses.append((epoch, scores.loss))
+        self.summary.val_scores.append((epoch, scores))
+        logger.info(
+            "validation at step %d: loss %.4f, perplexity %.2f, %.4f bits per byte",
+            epoch,
+            scores.loss,
+            scores.perplexity,
+            scores.bits_per_byte,
+        )
+        values = {"loss": scores.loss, "perplexity": scores.perplexity, "bits_per_byte": scores.bits_per_byte}
+        self.tracker.log(self.summary.samples, {f"val/{k}": v for k, v in values.items()})
+        entry = {"type": "eval", "epoch": epoch, "loss": scores.loss, "perplexity": scores.perplexity}
+        val = self.last_validation
+        entry.update(bits_per_byte=scores.bits_per_byte, sequences=val.digest, tokens=val.tokens, bytes=val.nbytes)
+        self._write({**entry, "time": time.time()})
 
     def samples_per_second(self, window: float = 20.0) -> float:
         now = time.monotonic()
@@ -54,6 +71,21 @@ class Reporting:
         s = self.summary
         val = s.val_losses[-1][1] if s.val_losses else None
         self.progress.update(s.epoch, self.samples_per_second(), self.train_loss(), val, s.failed_calls)
+
+    def _maybe_track(self, every: float = 2.0) -> None:
+        """Training curves to TensorBoard / W&B every few seconds (peer.trainer.tracking)."""
+        if not self.tracker.active or time.monotonic() - self._last_track < every:
+            return
+        self._last_track = time.monotonic()
+        s = self.summary
+        values = {
+            "train/loss": self.train_loss(),
+            "train/learning_rate": lr_at(s.epoch, self.spec.training),
+            "train/samples_per_second": self.samples_per_second(),
+            "train/step": s.epoch,
+            "swarm/servers": sum(len(servers) for servers in self.router.servers),
+        }
+        self.tracker.log(s.samples, values)
 
     def _write(self, entry: dict) -> None:
         if self._log:
@@ -77,6 +109,7 @@ class Reporting:
             samples_per_second=self.samples_per_second(),
             train_loss=self.train_loss(),
             val_loss=s.val_losses[-1][1] if s.val_losses else None,
+            val_bits_per_byte=s.val_scores[-1][1].bits_per_byte if s.val_scores else None,
             epoch=s.epoch,
             failed_calls=s.failed_calls,
             bans=s.bans,

@@ -22,15 +22,17 @@ import torch
 
 from dht.node import SwarmDHT
 from peer.config import PeerConfig, RunSpec
-from peer.data.corpus import Corpus, Sampler, validation_batches
+from peer.data.validation import Scores, ValidationSet, digest
 from peer.net.client import StageClient
 from peer.swarm.router import Router
 from peer.trainer.calls import Calls
+from peer.trainer.feed import Feed
 from peer.trainer.journal import Entry, Journal
 from peer.trainer.ledger import Ledger
 from peer.trainer.reporting import Reporting
 from peer.trainer.settling import Settling
 from peer.trainer.spotcheck import SpotChecker
+from peer.trainer.tracking import Tracker
 from protocols import codec, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
@@ -50,14 +52,14 @@ class TrainerSummary:
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_scores: list[tuple[int, Scores]] = field(default_factory=list)  # (step, loss, perplexity, bits per byte)
 
 
 class Trainer(Calls, Settling, Reporting):
     """A trainer's loop: micro-batches through the stages, a few at a time, until the run's last step."""
 
-    def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, corpus: Corpus):
+    def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, feed: Feed | None = None):
         self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
-        t = spec.training
         self.num_stages = spec.stages.num_stages
         self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
         self.ledger = Ledger(
@@ -67,13 +69,10 @@ class Trainer(Calls, Settling, Reporting):
         self.journal = Journal(journal_path(cfg, dht, spec))
         self._recovered: collections.deque[Entry] = collections.deque()
         self.client = StageClient.for_server(cfg.server, dht.security)
-        seed = self.tcfg.seed if self.tcfg.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
-        self.sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed=seed)
-        self.val = (
-            validation_batches(corpus, t.seq_len, t.micro_batch_size, self.tcfg.eval_batches)
-            if self.tcfg.eval_every
-            else []
-        )
+        # micro-batches and the validation set (peer.trainer.feed): its order is seeded by the peer id by default
+        self.feed = feed or Feed(spec, cfg, trainer_seed(cfg, dht), data_position_path(cfg, dht, spec))
+        name = f"{spec.name}-{dht.peer_id[-8:]}"
+        self.tracker = Tracker(self.tcfg.tensorboard, self.tcfg.wandb, name, spec.to_dict())  # curves, if asked
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.summary = TrainerSummary()
         self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them
@@ -87,13 +86,14 @@ class Trainer(Calls, Settling, Reporting):
         self.inflight_samples = 0  # samples of the micro-batches under way (the books: some stages may hold them)
         self._log = open(self.tcfg.log_file, "a", buffering=1) if self.tcfg.log_file else None  # noqa: SIM115
         self._last_eval_epoch = 0
-        self._last_progress = 0.0
+        self._last_progress = self._last_track = 0.0
         self._no_server_since: dict[int, float] = {}  # stage -> time.time() it was first found unserved
         self._said_unserved: dict[int, float] = {}
         self._settling = asyncio.Lock()  # one settle pass at a time: a receipt is replayed once
         self._settle_task: asyncio.Task | None = None
         self.stopping = False
         self.spot = SpotChecker(self)
+        self.last_validation: ValidationSet | None = None  # the set the last validation ran on
 
     # ---- one micro-batch ------------------------------------------------------------------
     async def _micro_batch(self, entry: Entry, index: int) -> tuple[float, int]:
@@ -140,19 +140,27 @@ class Trainer(Calls, Settling, Reporting):
             grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
 
-    async def evaluate(self) -> float:
-        """Mean loss over the fixed held-out micro-batches, forward only."""
-        losses = []
-        for inputs, targets in self.val:
-            received = (codec.encode(inputs.to(torch.int32)), None)
-            for stage in range(self.num_stages):
-                request = stage_pb2.ForwardRequest(run_id=self.spec.name, stage=stage, output_codec=self.codec)
-                if stage == self.num_stages - 1:
-                    request.targets.CopyFrom(codec.encode(targets.to(torch.int32)))
-                response, returned, _ = await self._call(stage, "forward", *_with(request, "inputs", *received))
-                received = (response.outputs, returned.get("outputs"))
-            losses.append(response.loss)
-        return sum(losses) / len(losses)
+    async def evaluate(self, wait: float = 0.0) -> Scores:
+        """Loss, perplexity and bits per byte over the fixed validation set, forward only (a few at a time);
+        UserError if the set is not built within `wait` s (it is built in the background from the start)."""
+        full = await asyncio.to_thread(self.feed.validation, wait)
+        val = full.first(self.tcfg.eval_batches)
+        gate = asyncio.Semaphore(max(1, self.tcfg.max_inflight))
+
+        async def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+            async with gate:
+                received = (codec.encode(inputs.to(torch.int32)), None)
+                for stage in range(self.num_stages):
+                    request = stage_pb2.ForwardRequest(run_id=self.spec.name, stage=stage, output_codec=self.codec)
+                    if stage == self.num_stages - 1:
+                        request.targets.CopyFrom(codec.encode(targets.to(torch.int32)))
+                    response, returned, _ = await self._call(stage, "forward", *_with(request, "inputs", *received))
+                    received = (response.outputs, returned.get("outputs"))
+                return response.loss
+
+        losses = await asyncio.gather(*(loss_of(x, y) for x, y in val.batches))
+        self.last_validation = val
+        return Scores.of(list(losses), val)
 
     def request_stop(self) -> None:
         """Start no more micro-batches; finish those under way and settle their receipts, then return."""
@@ -165,11 +173,12 @@ class Trainer(Calls, Settling, Reporting):
             return True
         return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
 
-    def _next(self, index: int) -> tuple[Entry, int]:
+    async def _next(self, index: int) -> tuple[Entry, int]:
         """The next micro-batch: one an earlier start left unsettled, else new data; its index (-1: recovered)."""
         if self._recovered:
             return self._recovered.popleft(), -1
-        inputs, targets = self.sampler.next()
+        # a stream's thread normally has it ready; at the start (or on a slow disk) this waits off the loop
+        inputs, targets = await asyncio.to_thread(self.feed.next) if self.feed.stream else self.feed.next()
         return Entry(f"{self.dht.peer_id[-10:]}-{self.nonce}-{index}", inputs, targets), index
 
     async def run(self) -> TrainerSummary:
@@ -185,7 +194,7 @@ class Trainer(Calls, Settling, Reporting):
                     and self.ledger.nbytes < self.tcfg.max_receipt_mb * 2**20
                     and not (self._done(index) and (self.stopping or not self._recovered))
                 ):
-                    entry, number = self._next(index)
+                    entry, number = await self._next(index)
                     task = asyncio.create_task(self._micro_batch(entry, number))
                     task.index, task.entry, task.samples = number, entry, entry.inputs.shape[0]
                     inflight.add(task)
@@ -201,6 +210,7 @@ class Trainer(Calls, Settling, Reporting):
                     self._finished(task)
                 await self._maybe_evaluate()
                 self._maybe_progress()
+                self._maybe_track()
             if self.tcfg.eval_every and not self.stopping:
                 await self._evaluate_and_log(force=True)
             refresher.cancel()
@@ -210,6 +220,9 @@ class Trainer(Calls, Settling, Reporting):
             clean = True
         finally:
             self.journal.close(clean)
+            # its position saved (a start after this one goes on from there); off the loop: a thread to join
+            await asyncio.to_thread(self.feed.close)
+            await asyncio.to_thread(self.tracker.close)
             refresher.cancel()
             if self._settle_task is not None:
                 self._settle_task.cancel()
@@ -268,9 +281,23 @@ class Trainer(Calls, Settling, Reporting):
                 "loss": loss,
                 "samples": task.samples,
                 "epoch": epoch,
+                "data": digest(task.entry.inputs),  # which sequences: trainers' streams differ, a restart goes on
                 "time": time.time(),
             }
         )
+
+
+def trainer_seed(cfg: PeerConfig, dht: SwarmDHT) -> int:
+    """trainer.seed, or one from the peer id: trainers do not feed the swarm the same sequences."""
+    return cfg.trainer.seed if cfg.trainer.seed >= 0 else int.from_bytes(dht.identity.public_bytes[:4], "big")
+
+
+def data_position_path(cfg: PeerConfig, dht: SwarmDHT, spec: RunSpec) -> Path:
+    """trainer.data_position_file, or KEY.RUN.data.json beside the trainer's identity key."""
+    if cfg.trainer.data_position_file:
+        return Path(cfg.trainer.data_position_file)
+    key = Path(dht.identity.path or "trainer.pem").resolve()
+    return key.with_name(f"{key.stem}.{spec.name}.data.json")
 
 
 def journal_path(cfg: PeerConfig, dht: SwarmDHT, spec: RunSpec) -> Path:

@@ -218,12 +218,15 @@ class Swarm:
         stage_args = ["--stage", str(stage)] if stage is not None else []
         return self.start(name, loopback_join(self.maddr, name, *extra, *stage_args), niceness, env=env)
 
-    def trainer(self, name: str, extra: list[str] = (), niceness: int = 0, tty: bool = False) -> Peer:
+    def trainer(
+        self, name: str, extra: list[str] = (), niceness: int = 0, tty: bool = False, env: dict | None = None
+    ) -> Peer:
         return self.start(
             name,
             loopback_join(self.maddr, name, "--role", "trainer", "--log-file", f"{name}.jsonl", *extra),
             niceness,
             tty,
+            env=env,
         )
 
     def endpoint(self, server: Peer, timeout: float = 120) -> str:

@@ -172,7 +172,7 @@ function renderCharts() {
 
 // ---- trainers and events -----------------------------------------------------------------------
 function renderTrainers(state) {
-  const head = el("tr", {}, ...["trainer", "samples", "samples/s", "train loss", "val loss", "rerouted", "bans", "sent", "received", "health"].map((h) => el("th", {}, h)));
+  const head = el("tr", {}, ...["trainer", "samples", "samples/s", "train loss", "val loss", "val bits/byte", "rerouted", "bans", "sent", "received", "health"].map((h) => el("th", {}, h)));
   const rows = state.trainers.map((t) =>
     el(
       "tr",
@@ -182,6 +182,7 @@ function renderTrainers(state) {
       el("td", {}, num(t.samples_per_second, 1)),
       el("td", {}, num(t.train_loss, 3)),
       el("td", {}, num(t.val_loss, 3)),
+      el("td", {}, num(t.val_bits_per_byte, 3)),
       el("td", {}, t.failed_calls),
       el("td", { title: t.banned.join(", ") }, t.bans),
       el("td", {}, bytes(t.bytes_sent)),
