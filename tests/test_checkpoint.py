@@ -338,3 +338,21 @@ def test_a_restarted_coordinator_rejoins_and_sees_the_run(swarm):
     assert any(f"{endpoints[1]} " in t and "joined stage 1" in t for t in texts), texts
     assert any("restarted" in t for t in texts), texts
     assert state["history"][0]["time"] < restarted_at and max(p["step"] for p in state["history"]) >= 2
+
+
+def test_the_demo_continues_a_held_out_snippet_with_its_last_checkpoint(tmp_path):
+    """The demo's last words: its byte-level model, loaded from the checkpoint, continues a held-out snippet."""
+    from io import StringIO
+    from types import SimpleNamespace
+
+    import numpy as np
+    from rich.console import Console
+
+    from peer.cli.demo import _sample
+
+    checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
+    out = StringIO()
+    held_out = SimpleNamespace(validation=np.frombuffer(b"x = 1\ndef main():\n    return 0\n" * 20, np.uint8))
+    _sample(Console(file=out, width=200), tmp_path, held_out, wait=1.0)
+    said = out.getvalue()
+    assert "continued by the trained model" in said and "def main():" in said and "[...]" in said, said

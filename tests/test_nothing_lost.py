@@ -119,6 +119,7 @@ def test_a_trainer_told_to_stop_ends_in_time_when_a_stage_has_no_server(swarm):
 STEPPING = {**SPEC, "training": {**SPEC["training"], "target_batch_size": 16}}
 
 
+@pytest.mark.slow
 def test_a_joiner_whose_donor_hangs_mid_download_waits_and_serves_the_stages_state(swarm):
     """The only replica of stage 0 hangs (SIGSTOP) while a joiner asks it for its state: the joiner keeps
     trying, saying why, and serves only once it holds the stage's state, never the seed's weights."""
@@ -266,6 +267,7 @@ def test_a_stage_left_with_no_server_and_no_checkpoint_is_waited_for_not_restart
     assert "Serving stage 1 at" not in newcomer.output()
 
 
+@pytest.mark.slow
 def test_a_stage_left_with_no_server_loads_the_coordinators_newest_checkpoint(swarm):
     every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
     root = swarm.workdir / "ckpt"

@@ -265,7 +265,8 @@ def _sample(console: Console, root: Path, corpus, wait: float = 20.0) -> None:
     text = bytes(corpus.validation[:4096])
     start = text.find(b"\ndef ")
     prompt = text[start + 1 : start + 49] if start >= 0 else text[:48]
-    continuation = sample(load_model(root), prompt, 120, temperature=0.7, top_k=20)
+    # the demo's model reads bytes: its token ids are the prompt's bytes, and the continuation's
+    continuation = bytes(sample(load_model(root), list(prompt), 120, temperature=0.7, top_k=20))
     console.print("A held-out snippet, continued by the trained model (peer generate):")
     console.print((prompt + b"[...]" + continuation).decode("utf-8", errors="replace"), markup=False, highlight=False)
 
