@@ -256,3 +256,23 @@ def _check_tracking(workdir: Path) -> None:
     assert {"train/loss", "train/learning_rate", "train/samples_per_second", "swarm/servers"} <= tags, tags
     assert {"val/loss", "val/perplexity", "val/bits_per_byte"} <= tags, tags
     assert list((workdir / "wandb").glob("offline-run-*/run-*.wandb")), list((workdir / "wandb").iterdir())
+
+
+def test_arrow_files_and_saved_datasets_stream_with_the_rest(tmp_path):
+    import datasets
+
+    root = tmp_path / "c"
+    root.mkdir()
+    datasets.Dataset.from_dict({"body": [f"saved {i}" for i in range(30)]}).save_to_disk(str(root / "saved"))
+    table = pa.table({"body": pa.array([f"arrow {i}" for i in range(20)], type=pa.large_string())})
+    with pa.OSFile(str(root / "part.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (root / "notes.jsonl").write_text("".join(json.dumps({"body": f"json {i}"}) + "\n" for i in range(10)))
+    files = sources.find_files(str(root))
+    assert [p.name for p in files.saved] == ["saved"] and [p.name for p in files.arrow] == ["part.arrow"]
+    assert not files.text  # the saved dataset's own files are not read as text
+    sources.check_files(files, "body")
+    texts = [row["text"] for row in sources.documents(files, "body")]
+    assert sorted(t.split()[0] for t in texts) == ["arrow"] * 20 + ["json"] * 10 + ["saved"] * 30
+    with pytest.raises(CorpusError, match=r"saved: no string column 'text' \(columns: body\)"):
+        sources.check_files(sources.DataFiles(root, saved=files.saved), "text")

@@ -192,10 +192,12 @@ def documents(files: DataFiles, text_field: str):
         parts.append(_generated(datasets, _text_documents, files.text, features))
     if files.json:
         parts.append(_generated(datasets, _json_documents, files.json, features, text_field))
-    for kind, paths in (("parquet", files.parquet), ("arrow", files.arrow)):
-        if paths:
-            streamed = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train", streaming=True)
-            parts.append(_text_column(streamed, text_field))
+    # parquet and arrow by record batch, through our generator too: datasets' own streaming readers of them
+    # sleep 5 s at the end of every pass (an arrow thread-shutdown workaround), a stall each epoch
+    if files.parquet:
+        parts.append(_generated(datasets, _parquet_documents, files.parquet, features, text_field))
+    if files.arrow:
+        parts.append(_generated(datasets, _arrow_documents, files.arrow, features, text_field))
     for path in files.saved:
         saved = datasets.load_from_disk(str(path))
         parts.append(_text_column(saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files))), text_field))
@@ -241,6 +243,41 @@ def _text_documents(paths: list[str], args: list):
                     yield {"text": "".join(piece)}
         except OSError as e:
             logger.warning("%s: cannot be read (%s); left out", path, e.strerror)
+            yield {"text": None}
+
+
+def _parquet_documents(paths: list[str], args: list):
+    """The text column of parquet files, a record batch at a time (nulls give None: skipped)."""
+    import pyarrow.parquet as pq  # lazy: only parquet needs it
+
+    (text_field,) = args
+    for path in paths:
+        try:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[text_field]):
+                yield from ({"text": text} for text in batch.column(0).to_pylist())
+        except OSError as e:
+            logger.warning("%s: cannot be read further (%s); the rest left out", path, first_line(e))
+            yield {"text": None}
+
+
+def _arrow_documents(paths: list[str], args: list):
+    """The text column of arrow IPC files (stream or file format), a record batch at a time."""
+    import pyarrow as pa  # lazy: only arrow files need it
+
+    (text_field,) = args
+    for path in paths:
+        try:
+            with pa.memory_map(path) as source:
+                try:
+                    reader = pa.ipc.open_stream(source)
+                    batches = iter(reader)
+                except pa.ArrowInvalid:
+                    reader = pa.ipc.open_file(source)
+                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                for batch in batches:
+                    yield from ({"text": text} for text in batch.column(text_field).to_pylist())
+        except (OSError, pa.ArrowException) as e:
+            logger.warning("%s: cannot be read further (%s); the rest left out", path, first_line(e))
             yield {"text": None}
 
 
