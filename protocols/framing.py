@@ -14,7 +14,8 @@ read and write them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
 
@@ -103,14 +104,24 @@ def frames(message: Message, payloads: dict[str, Buffer], chunk_bytes: int) -> I
             yield chunk_frame(payload[start : start + chunk_bytes])
 
 
-async def read(
-    stream: AsyncIterable[bytes], message_type: type[Message], max_bytes: int, max_elements: int | None = None
-) -> tuple[Message, dict[str, bytearray]]:
-    """Read a framed message: the header, then each tensor's data into its own buffer.
+@dataclass
+class Header:
+    """A framed message's header read, its tensors' data not yet: what the receiver checks before taking them."""
 
-    Checks every tensor header (dtype, codec, shape, `max_elements`) before allocating anything
-    and refuses a message whose tensors add up to more than `max_bytes`.
-    """
+    message: Message
+    plan: list[tuple[str, int]]  # (tensor path, bytes its data claims), in stream order
+    iterator: AsyncIterator[bytes]
+
+    @property
+    def claimed(self) -> int:
+        return sum(size for _, size in self.plan)
+
+
+async def read_header(
+    stream: AsyncIterable[bytes], message_type: type[Message], max_bytes: int, max_elements: int | None = None
+) -> Header:
+    """The header of a framed message, every tensor header checked (dtype, codec, shape, `max_elements`) and a
+    message whose tensors add up to more than `max_bytes` refused, before anything is allocated for them."""
     iterator = aiter(stream)
     try:
         first = await anext(iterator)
@@ -134,24 +145,36 @@ async def read(
         if total > max_bytes:
             raise StreamTooLarge(f"streamed message exceeds the limit of {max_bytes} bytes")
         plan.append((path, size))
+    return Header(message, plan, iterator)
+
+
+async def read_payloads(header: Header) -> dict[str, bytearray]:
+    """Each tensor's data, into buffers that grow as its bytes arrive: a header that claims much and sends
+    little holds little (the claim itself is for the receiver to count against its limits first)."""
     payloads: dict[str, bytearray] = {}
-    for path, size in plan:
-        buffer = bytearray(size)
-        filled = 0
-        while filled < size:
+    for path, size in header.plan:
+        buffer = bytearray()
+        while len(buffer) < size:
             try:
-                part = chunk_data(await anext(iterator))
+                part = chunk_data(await anext(header.iterator))
             except StopAsyncIteration:
-                raise FramingError(f"stream ended inside tensor {path} ({filled} of {size} bytes)") from None
-            if filled + len(part) > size:
+                raise FramingError(f"stream ended inside tensor {path} ({len(buffer)} of {size} bytes)") from None
+            if len(buffer) + len(part) > size:
                 raise FramingError(f"a chunk of tensor {path} runs past its {size} bytes")
-            buffer[filled : filled + len(part)] = part
-            filled += len(part)
+            buffer += part
         payloads[path] = buffer
-    async for extra in iterator:
+    async for extra in header.iterator:
         if len(extra):
             raise FramingError("stream continues after the last tensor")
-    return message, payloads
+    return payloads
+
+
+async def read(
+    stream: AsyncIterable[bytes], message_type: type[Message], max_bytes: int, max_elements: int | None = None
+) -> tuple[Message, dict[str, bytearray]]:
+    """Read a framed message: the header (checked, see read_header), then each tensor's data into its own buffer."""
+    header = await read_header(stream, message_type, max_bytes, max_elements)
+    return header.message, await read_payloads(header)
 
 
 def inline(message: Message, payloads: dict[str, Buffer]) -> Message:

@@ -185,9 +185,6 @@ def test_a_replica_whose_dht_hangs_fails_rounds_resyncs_and_loses_nothing(swarm)
             os.kill(hanging, signal.SIGCONT)
         wait_micro_batches(swarm, ["t"], len(swarm.log("t")) + 8, 120)
     assert "could not announce in the DHT" in a.output()
-    # gradients a failed round put back (item 6: never overwritten by a later take, or the books would be short)
-    restored = r"samples wait for the next round|in the DHT; sitting it out"
-    assert re.search(restored, a.output() + b.output()), (a.output()[-2000:], b.output()[-2000:])
     wait_micro_batches(swarm, ["t"], len(swarm.log("t")) + 12, 120)  # and the stage goes on
     trainer.signal(signal.SIGTERM)
     assert trainer.wait(90) == 0, trainer.output()[-3000:]

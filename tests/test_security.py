@@ -204,3 +204,78 @@ def test_gradient_contributions_far_above_the_median_are_clipped_and_non_finite_
     with pytest.raises(BadGradient, match="not finite"):
         runtime.guard_gradients(poisoned, 4)
     assert runtime.refused_gradients == 1
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.slow
+def test_streams_that_claim_the_largest_tensor_and_send_nothing_hold_no_memory_and_the_run_goes_on(swarm):
+    """An admitted peer (a trainer's credential) opens 16 ForwardStream calls at stage 0, each header claiming a
+    tensor of 16M int32 ids (64 MiB), then sends none of it: the old server allocated 1 GiB at once. Now the
+    claims count against its limits before any byte is read (256 MiB per caller: 4 admitted, 12 refused),
+    buffers grow only as bytes arrive, and server.read_timeout cuts the 4 off. The server's memory stays flat,
+    and a trainer trains on through it. Then one forward of 4M real token ids (far past a micro-batch) is refused
+    before stage 0 builds anything for it (training.max_request_tokens)."""
+    swarm.coordinator(SPEC)
+    quick = ["--set", "server.read_timeout=4"]
+    first, last = swarm.server("s0", 0, quick), swarm.server("s1", 1, quick)
+    endpoint = swarm.endpoint(first)
+    swarm.endpoint(last)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "60"])
+    wait_for_micro_batches = time.monotonic() + 60
+    while len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) < 5:
+        assert time.monotonic() < wait_for_micro_batches, trainer.output()[-3000:]
+        time.sleep(0.2)
+    before = _rss_mb(first.proc.pid)
+    bomb = swarm.start(
+        "bomb",
+        [
+            str(ROOT / "tests" / "helpers" / "bomb.py"),
+            "claim",
+            swarm.maddr,
+            "bomb.pem",
+            endpoint,
+            "16",
+            str(16 << 20),
+            "15",
+        ],
+        python=True,
+    )
+    bomb.wait_for(r"BOMB up", 60)
+    peak, deadline = before, time.monotonic() + 60
+    while "BOMB codes" not in bomb.output():
+        peak = max(peak, _rss_mb(first.proc.pid))
+        assert time.monotonic() < deadline, bomb.output()[-3000:]
+        time.sleep(0.05)
+    codes = dict(re.findall(r"([A-Z_]+)=(\d+)", bomb.output().split("BOMB codes", 1)[1]))
+    assert codes == {"DEADLINE_EXCEEDED": "4", "RESOURCE_EXHAUSTED": "12"}, bomb.output()[-2000:]
+    assert peak - before < 150, f"stage 0's memory grew from {before:.0f} to {peak:.0f} MB under the bomb"
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 60
+    # one forward of 4M real token ids (16 MiB): far past what the run sends (training.max_request_tokens),
+    # refused before stage 0 builds anything for them
+    before = _rss_mb(first.proc.pid)
+    ids = swarm.start(
+        "ids",
+        [
+            str(ROOT / "tests" / "helpers" / "bomb.py"),
+            "tokens",
+            swarm.maddr,
+            "ids.pem",
+            endpoint,
+            "1",
+            str(4 << 20),
+            "0",
+        ],
+        python=True,
+    )
+    said = ids.wait_for(r"BOMB said (.*)", 120).group(1)
+    assert said.startswith("INVALID_ARGUMENT") and "training.max_request_tokens" in said, said
+    assert _rss_mb(first.proc.pid) - before < 150
+    assert info(endpoint).state == "serving"

@@ -81,6 +81,13 @@ class TrainingConfig:
     # optimizer state, gradients and what travels stay float32); a server's server.compute_dtype overrides it
     dtype: str = "float32"
     activation_checkpointing: bool = False  # recompute a stage's blocks in its backward instead of keeping activations
+    # most tokens (batch x seq) one forward or backward may carry, so that what a stage builds and caches for a
+    # request is bounded; 0: 8 x micro_batch_size x seq_len (a trainer sends micro_batch_size x seq_len)
+    max_request_tokens: int = 0
+
+    def request_tokens(self) -> int:
+        """The bound on tokens per request (max_request_tokens, or its default)."""
+        return self.max_request_tokens or 8 * self.micro_batch_size * self.seq_len
 
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
@@ -298,6 +305,11 @@ class RunSpec:
             raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
+        if t.max_request_tokens and t.max_request_tokens < t.micro_batch_size * t.seq_len:
+            raise ConfigError(
+                f"training.max_request_tokens: {t.max_request_tokens} is less than one micro-batch "
+                f"({t.micro_batch_size} x {t.seq_len} tokens)"
+            )
         if t.dtype not in TRAINING_DTYPES:
             raise ConfigError(f"training.dtype: must be one of {', '.join(TRAINING_DTYPES)}, got {t.dtype!r}")
 

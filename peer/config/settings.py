@@ -35,6 +35,11 @@ class ServerConfig:
     max_concurrent_requests: int = 64  # requests queued or running before RESOURCE_EXHAUSTED
     max_requests_per_peer: int = 16  # of those, the most one caller (peer id) may have; more: RESOURCE_EXHAUSTED
     max_inflight_bytes: int = 1024 * 1024 * 1024  # decoded request tensors held at once; more: RESOURCE_EXHAUSTED
+    # of those, the most one caller (peer id; without admission, host) may hold: one peer cannot take them all
+    max_inflight_bytes_per_peer: int = 256 * 1024 * 1024
+    # s a streamed request's tensors may take to arrive once its header has (the caller's deadline, if shorter,
+    # applies): a stream that claims much and sends little is cut off
+    read_timeout: float = 30.0
     clip_factor: float = 10.0  # a backward's gradient norm above this times the running median is clipped to it
     clip_window: int = 64  # backwards in that running median (clipping starts once 8 are in)
     perturb_outputs: float = 0.0  # drills and tests only: add Gaussian noise of this std to forward outputs

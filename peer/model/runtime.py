@@ -115,6 +115,12 @@ class StageRuntime(PartRuntime):
             raise InputError(f"inputs must hold at least one sequence of one token, got shape {list(inputs.shape)}")
         if inputs.shape[1] > cfg.max_seq_len:
             raise InputError(f"sequence length {inputs.shape[1]} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        limit = self.spec.training.request_tokens()
+        if inputs.shape[0] * inputs.shape[1] > limit:
+            raise InputError(
+                f"{inputs.shape[0] * inputs.shape[1]} tokens in one request; this run takes at most {limit} "
+                "(training.max_request_tokens)"
+            )
 
     def check_targets(self, inputs: torch.Tensor, targets: torch.Tensor | None, required: bool) -> None:
         if targets is None:

@@ -11,6 +11,7 @@ answers:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 
 import grpc
@@ -20,6 +21,8 @@ from dht.gate import Gate
 from peer.net.refusal import Refused, refuse
 
 logger = logging.getLogger(__name__)
+# the admitted caller's peer id, for the call's task: what a handler counts per caller ("" without admission)
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("swarmtrain_caller", default="")
 
 ANY = frozenset(ROLES)
 # method name -> roles that may call it (a method not named here: any admitted peer)
@@ -95,9 +98,11 @@ class Guard(grpc.aio.ServerInterceptor):
             self.denied += 1
             logger.info("refused %s: %s", method, e.message)
             await refuse(context, e.code, e.message, e.reason)
+        token = CALLER.set(peer)  # the handler's limits per caller (peer.server.servicer)
         try:
             yield
         finally:
+            CALLER.reset(token)
             self.release(peer)
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -7,6 +7,7 @@ large a message), each with a message that names the problem.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError
 from peer.model.moe import ExpertsUnavailable
 from peer.model.part import BadGradient
 from peer.model.runtime import InputError, Late, RankDied
+from peer.net.guard import CALLER
 from peer.net.refusal import Refused, refuse
 from peer.server.replica import Replica
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -41,6 +43,7 @@ class ServicerBase:
         self.server = owner
         self.limits = limits
         self.block_size = owner.spec.compression.block_size  # int8 outputs: elements per scale
+        self._held_by: dict[str, int] = {}  # caller -> bytes of request tensors its running requests hold
 
     async def _forward(self, request, payloads: dict, deadline: float | None):
         """(response, payloads) of a forward; the subclass's work."""
@@ -56,13 +59,13 @@ class ServicerBase:
         return framing.inline(*await self._guarded(self._backward, request, {}, context))
 
     async def ForwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, self.FORWARD[0], context)
-        for frame in self._frames(*await self._guarded(self._forward, request, payloads, context)):
+        header = await self._read_header(request_iterator, self.FORWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._forward, header.message, header, context)):
             yield frame
 
     async def BackwardStream(self, request_iterator, context):
-        request, payloads = await self._read_stream(request_iterator, self.BACKWARD[0], context)
-        for frame in self._frames(*await self._guarded(self._backward, request, payloads, context)):
+        header = await self._read_header(request_iterator, self.BACKWARD[0], context)
+        for frame in self._frames(*await self._guarded(self._backward, header.message, header, context)):
             yield frame
 
     def _replica(self, run_id: str, stage: int, expert: str) -> Replica:
@@ -102,28 +105,27 @@ class ServicerBase:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}") from None
 
     async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
+        """Run `handler` within the limits: requests in flight, and bytes of request tensors held, in all and
+        per caller, counted before a streamed request's tensors are read (`payloads` is then its Header)."""
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await refuse(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server busy: {self.server.inflight} requests in flight (limit {self.limits.max_concurrent_requests})",
             )
-        # what this request's tensors take once decoded (float32); the sum of those running is bounded
+        # what this request's tensors take once decoded (float32), as its header claims them
         held = 4 * sum(max(0, math.prod(t.shape)) for _, t in framing.tensor_paths(request))
-        busy = self.server.inflight_bytes
-        if busy + held > self.limits.max_inflight_bytes:
-            await refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server busy: {busy + held} bytes of request tensors would be held "
-                f"(limit server.max_inflight_bytes = {self.limits.max_inflight_bytes})",
-            )
-        self.server.inflight_bytes = busy + held
+        caller = self._caller(context)
+        await self._admit_bytes(held, caller, context)
+        self.server.inflight_bytes += held
+        self._held_by[caller] = self._held_by.get(caller, 0) + held
         self.server.inflight += 1
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         started, outcome = time.perf_counter(), "error"
         try:
+            if isinstance(payloads, framing.Header):
+                payloads = await self._read_payloads(payloads, remaining)
             result = await handler(request, payloads, deadline)
             outcome = "ok"
             self._count_bytes(request, payloads, result)
@@ -150,6 +152,11 @@ class ServicerBase:
         finally:
             self.server.inflight -= 1
             self.server.inflight_bytes -= held
+            left = self._held_by.get(caller, held) - held
+            if left > 0:
+                self._held_by[caller] = left
+            else:
+                self._held_by.pop(caller, None)  # entries only for callers with requests running: bounded
             metrics = getattr(self.server, "metrics", None)
             if metrics is not None:
                 metrics.request(handler.__name__.strip("_"), outcome == "ok", time.perf_counter() - started)
@@ -163,15 +170,54 @@ class ServicerBase:
         metrics.bytes.labels("received", "activations").inc(received)
         metrics.bytes.labels("sent", "activations").inc(response.ByteSize() + sum(len(p) for p in sent.values()))
 
-    async def _read_stream(self, request_iterator, message_type, context):
+    async def _read_header(self, request_iterator, message_type, context) -> framing.Header:
         try:
-            return await framing.read(
-                request_iterator, message_type, self.limits.max_message_bytes, self.limits.max_tensor_elements
+            return await asyncio.wait_for(
+                framing.read_header(
+                    request_iterator, message_type, self.limits.max_message_bytes, self.limits.max_tensor_elements
+                ),
+                self.limits.read_timeout,
             )
+        except TimeoutError:
+            await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "no stream header within server.read_timeout")
         except framing.StreamTooLarge as e:
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), Reason.BAD_INPUT)  # too large to take
         except (framing.FramingError, codec.TensorDecodeError) as e:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _read_payloads(self, header: framing.Header, remaining: float | None) -> dict:
+        """A streamed request's tensors, within server.read_timeout (or the caller's deadline, if sooner)."""
+        bound = self.limits.read_timeout if remaining is None else min(remaining, self.limits.read_timeout)
+        try:
+            return await asyncio.wait_for(framing.read_payloads(header), bound)
+        except TimeoutError:
+            raise Late(
+                f"the stream's tensors ({header.claimed} bytes claimed) did not arrive within {bound:.1f} s"
+            ) from None
+        except framing.FramingError as e:
+            raise InputError(str(e)) from None
+
+    def _caller(self, context) -> str:
+        """Who counts for the per-caller limits: the admitted peer id, else (admission off) the host."""
+        peer = CALLER.get()
+        return peer or context.peer().rsplit(":", 1)[0]
+
+    async def _admit_bytes(self, held: int, caller: str, context) -> None:
+        busy, mine = self.server.inflight_bytes, self._held_by.get(caller, 0)
+        if busy + held > self.limits.max_inflight_bytes:
+            await refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {busy + held} bytes of request tensors would be held "
+                f"(limit server.max_inflight_bytes = {self.limits.max_inflight_bytes})",
+            )
+        if mine + held > self.limits.max_inflight_bytes_per_peer:
+            await refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{mine + held} bytes of request tensors of this caller would be held "
+                f"(limit server.max_inflight_bytes_per_peer = {self.limits.max_inflight_bytes_per_peer})",
+            )
 
     def _frames(self, response, payloads):
         return framing.frames(response, payloads, self.limits.chunk_bytes)
