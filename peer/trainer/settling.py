@@ -98,16 +98,19 @@ class Settling:
         while self.ledger.receipts and time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 await self.router.refresh()
-            holders = {r.peer_id for r in self.ledger.receipts}
+            holders = {r.peer_id: r.stage for r in self.ledger.receipts}
             alive = set()
-            for pid in holders:
+            for pid, stage in holders.items():
                 record = self.router.latest.get(pid)
                 if record is None:
                     continue
                 try:
                     info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
                     self.router.report_answer(pid, info.incarnation, info.stepped_seq)
-                    if info.state == "serving":
+                    # a replica more than a step behind its stage drops what it holds as it catches up (trainers
+                    # replay it): not a place to leave receipts in; wait until it stepped them or dropped them
+                    newest = max((r.epoch for r in self.router.servers[stage].values()), default=info.epoch)
+                    if info.state == "serving" and info.epoch >= newest - 1:
                         alive.add((pid, info.incarnation))
                 except grpc.aio.AioRpcError as e:
                     if await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
@@ -116,7 +119,7 @@ class Settling:
             if all((r.peer_id, r.incarnation) in alive for r in self.ledger.receipts):
                 return  # the rest waits in live accumulators for their next step
             logger.info(
-                "settling %d receipts of %d server(s) that went away before stepping them",
+                "settling %d receipts of %d server(s) that went away, or fell behind, before stepping them",
                 sum(1 for r in self.ledger.receipts if (r.peer_id, r.incarnation) not in alive),
                 len({r.peer_id for r in self.ledger.receipts if (r.peer_id, r.incarnation) not in alive}),
             )
