@@ -16,9 +16,18 @@ Three measurements, each on a small model with real peers (separate processes) o
    the micro-batch whose spot check caught it, whether the caught peer was the perturbing one, and
    the seconds from the trainer's catch to the coordinator's "Revoked peer" line. Repeated.
 
+4. Attacks by admitted peers (the attackers of tests/test_attacks.py, tests/helpers/), one after another on one
+   swarm with three honest replicas of stage 0 and a trainer: a replica that claims 1000 steps more than its
+   partners (far_claim_refused_s: from its first claim to the first honest replica's "not believed"), one that
+   claims 2 with noised weights (takeover_refused_s: to the first "refused the state"), one that poisons every
+   averaging round (poison_refused_s: from its first poisoned round to the first "refused the mean"), and 16
+   streams each claiming a 64 MiB tensor and sending none (bomb_codes: how the calls ended; bomb_s: how long
+   all of them took, server.read_timeout being 5 s there).
+
 The last line is
 
     tls_overhead_pct=... spot_check_overhead_pct=... micro_batches_until_ban=... caught_right=3/3 ...
+    ... far_claim_refused_s=... takeover_refused_s=... poison_refused_s=... bomb_codes=... bomb_s=...
 
 where an overhead is (1 - with / without) x 100 of the median samples/s, and micro_batches_until_ban
 the median number of micro-batches a trainer made up to and including the one whose check caught
@@ -250,6 +259,79 @@ def ban_phase(args, root: Path, repeat: int) -> dict:
     return result
 
 
+HELPERS = Path(__file__).resolve().parent.parent / "tests" / "helpers"  # the attackers tests/test_attacks.py runs
+
+
+def first_time(swarm: Swarm, names: list[str], text: str, timeout: float) -> float | None:
+    """time.monotonic() when `text` first shows in the logs of `names` (polled); None after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(text in swarm.procs.log(n) for n in names):
+            return time.monotonic()
+        time.sleep(0.05)
+    return None
+
+
+def timed_attack(swarm: Swarm, name: str, command: list[str], started: str, refused: str, timeout: float):
+    """Start attacker `name`; seconds from its first `started` line to the first `refused` line of stage 0's honest
+    replicas (None if either never came), and it is stopped again."""
+    honest = [n for n in swarm.servers if n.startswith("s0")]
+    join = loopback_join(swarm.maddr, name, "--stage", "0")
+    swarm.procs.start(name, join, command=command)
+    try:
+        begun = first_time(swarm, [name], started, timeout)
+        done = first_time(swarm, honest, refused, timeout) if begun is not None else None
+        return None if done is None else max(done - begun, 0.0)
+    finally:
+        swarm.procs.stop([name], grace=STOP_GRACE)
+
+
+def attack_phase(args, root: Path) -> dict[str, str]:
+    """Three honest replicas of stage 0 and a trainer; attackers one after another (tests/helpers): a replica
+    claiming 1000 steps ahead, one claiming 2 with noised weights (a takeover), one poisoning every averaging
+    round, and 16 streams claiming 64 MiB each; how long each took to be refused."""
+    swarm = Swarm(root / "attacks", make_spec(args, "open"))
+    figures = {}
+    try:
+        quick = ["--set", "server.read_timeout=5"]
+        swarm.start([("s0a", 0, quick), ("s0b", 0, quick), ("s0c", 0, quick), ("s1", 1, quick)])
+        swarm.start_trainer("t", 100_000, [])
+        first_time(swarm, ["s0a"], "step 3:", args.trainer_timeout)
+        python = sys.executable
+        attacks = {
+            "far_claim_refused_s": ([python, str(HELPERS / "hostile.py"), "1000", "0"], "HOSTILE at", "which most"),
+            "takeover_refused_s": (
+                [python, str(HELPERS / "hostile.py"), "2", "0.5"],
+                "HOSTILE at",
+                "refused the state",
+            ),
+            "poison_refused_s": ([python, str(HELPERS / "poisoner.py"), "1e4"], "POISONER sent", "refused the mean"),
+        }
+        for key, (command, started, refused) in attacks.items():
+            took = timed_attack(swarm, key.split("_")[0], command, started, refused, args.trainer_timeout)
+            figures[key] = "none" if took is None else f"{took:.2f}"
+            print(f"[attacks] {key}={figures[key]}", flush=True)
+        figures.update(bomb_phase(swarm))
+        print(f"[attacks] bomb: {figures['bomb_codes']} in {figures['bomb_s']} s", flush=True)
+    finally:
+        swarm.stop()
+    return figures
+
+
+def bomb_phase(swarm: Swarm) -> dict[str, str]:
+    """16 ForwardStream calls at s0a, each header claiming a tensor of 64 MiB, and no byte of it (as an admitted
+    trainer): how they ended (refused at once, or cut at server.read_timeout) and how long all took."""
+    endpoint = swarm.procs.log("s0a").split("Serving stage 0 at ", 1)[1].split()[0]
+    command = [sys.executable, str(HELPERS / "bomb.py")]
+    args = ["claim", swarm.maddr, "bomb.pem", endpoint, "16", str(16 << 20), "15"]
+    proc = swarm.procs.start("bomb", args, command=command)
+    swarm._wait(lambda: proc.poll() is not None, ["s0a"], "the bomb's calls", 120)
+    line = next((x for x in swarm.procs.log("bomb").splitlines() if x.startswith("BOMB codes")), "")
+    codes = " ".join(p for p in line.split()[2:] if not p.startswith("seconds="))
+    seconds = next((p.split("=")[1] for p in line.split() if p.startswith("seconds=")), "none")
+    return {"bomb_codes": codes.replace(" ", ",") or "none", "bomb_s": seconds}
+
+
 FULL = {"micro_batches": 150, "warmup": 10, "rounds": 2, "repeats": 2, "ban_limit": 400, "trainer_timeout": 300.0}
 QUICK = {"micro_batches": 30, "warmup": 5, "rounds": 1, "repeats": 1, "ban_limit": 300, "trainer_timeout": 120.0}
 
@@ -286,6 +368,8 @@ def measure(args: argparse.Namespace, root: Path, figures: Figures, started: flo
         figures["revoked_right"] = f"{sum(r['revoked'] for r in results)}/{len(results)}"
         revokes = [r["revoke_s"] for r in results if r["revoke_s"] is not None]
         figures["catch_to_revoke_s"] = f"{statistics.median(revokes):.1f}" if revokes else "none"
+    if "attacks" not in skip:
+        figures.update(attack_phase(args, root))
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
@@ -330,7 +414,7 @@ def main() -> None:
     parser.add_argument("--perturb", type=float, default=0.5, help="std of the perturbing server's noise")
     parser.add_argument("--ban-limit", type=int, help="part 3: micro-batches before giving up (default 400)")
     parser.add_argument("--trainer-timeout", type=float, help="s one trainer run may take (default 300)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tls,spot,ban")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tls,spot,ban,attacks")
     parser.add_argument("--keep", action="store_true", help="keep the peers' logs and keys (the directory is printed)")
     add_quick(parser, "each part once: 30 micro-batches a trainer run, one swarm with a perturbing server")
     run(parser, body)

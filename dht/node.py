@@ -164,9 +164,10 @@ class SwarmDHT:
             except ValidationError as e:
                 logger.warning("ignored a malformed %s from %s: %s", model.__name__, owner, e)
                 continue
-            endpoint = getattr(record, "endpoint", "")
-            if gate is not None and endpoint:
-                gate.note_endpoint(endpoint, owner)
+            record.owner = owner
+            if gate is not None and gated and not gate.may_write(owner, certificate, record.writers()):
+                del records[owner]  # a trainer's credential announcing a server, say
+                logger.debug("ignored a %s from %s: its roles may not publish one", model.__name__, owner)
         return records
 
     async def astore(self, key: str, record: Record, ttl: float) -> bool:

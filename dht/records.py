@@ -4,11 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class Record(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    # the peer id that signed the record, set by the reader (never read from the record's own fields): a caller
+    # pins this peer's TLS name when it dials the record's endpoint
+    _owner: str = PrivateAttr(default="")
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    @owner.setter
+    def owner(self, peer_id: str) -> None:
+        self._owner = peer_id
+
+    def writers(self) -> frozenset[str]:
+        """The roles whose credential lets a peer publish this record (readers drop it from any other role;
+        the coordinator, the run's authority, may publish any). None but the coordinator by default."""
+        return frozenset()
 
     version: int = 1  # bumped when a field changes meaning; readers ignore fields they do not know
     # the software that wrote the record (the swarmtrain release; set when a record is stored); "" from
@@ -58,6 +75,10 @@ class ServerRecord(Record):
     last_round: int = 0  # members of its last finished step: 1 alone, more averaged together; 0 none yet
     last_round_seconds: float = 0.0  # how long that step's round took
     rounds_failed: int = 0  # averaging rounds that failed (their samples waited for the next one)
+
+    def writers(self) -> frozenset[str]:
+        return frozenset({"experts"}) if self.expert else frozenset({"server"})
+
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
     relay: str = ""  # peer id of the relay that carries its calls (it cannot be dialled: NAT); empty: direct
@@ -93,6 +114,9 @@ class TrainerRecord(Record):
     started: float = 0.0
     updated: float = 0.0
 
+    def writers(self) -> frozenset[str]:
+        return frozenset({"trainer"})
+
 
 class RelayRecord(Record):
     """A reachable peer's offer to relay for peers that cannot be dialled (peer.net.relay), with its load."""
@@ -105,6 +129,9 @@ class RelayRecord(Record):
     rate: float = 0.0  # bytes/s forwarded recently, both ways
     role: str = ""  # what else this peer is: coordinator, server, experts, or relay alone
     updated: float = 0.0
+
+    def writers(self) -> frozenset[str]:
+        return frozenset({"relay", "server", "experts"})
 
 
 class CredentialRequest(Record):
@@ -138,7 +165,11 @@ class SpotCheckReport(Record):
     """A trainer's report of servers its spot checks found in the minority (wrong answers)."""
 
     wrong: dict[str, int] = Field(default_factory=dict)  # peer id -> spot checks it failed
+    caught: dict[str, float] = Field(default_factory=dict)  # peer id -> unix time of the first check it failed
     updated: float = 0.0
+
+    def writers(self) -> frozenset[str]:
+        return frozenset({"trainer"})
 
 
 class BooksRecord(Record):

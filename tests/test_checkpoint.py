@@ -308,6 +308,14 @@ def test_resume_refuses_a_checkpoint_of_another_spec(tmp_path):
         Archive(path, other, PeerConfig(), dht=None)
 
 
+def _points(timeline) -> int:
+    """Points of the curves a coordinator saved in `timeline` (0 while it has saved none)."""
+    try:
+        return len(json.loads(timeline.read_text())["points"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def test_a_restarted_coordinator_rejoins_and_sees_the_run(swarm):
     """Training goes on while the coordinator is dead; restarted with its key, it rejoins and reports the step."""
     swarm.coordinator(SWARM_SPEC, extra=["--set", "coordinator.report_period=0.5"])
@@ -315,7 +323,11 @@ def test_a_restarted_coordinator_rejoins_and_sees_the_run(swarm):
     trainer = swarm.trainer("t0", ["--seed", "3", "--max-inflight", "1", "--max-micro-batches", "24"])
     first = swarm.peers[0]
     deadline = time.monotonic() + 120
-    while info(endpoints[1]).epoch < 2 or not (swarm.workdir / "ckpt-swarm.peers.json").exists():
+    timeline = swarm.workdir / "ckpt-swarm.timeline.json"
+    # killed once it remembered its peers and its curves hold a point (a restart then has a past to show)
+    while (
+        info(endpoints[1]).epoch < 2 or not (swarm.workdir / "ckpt-swarm.peers.json").exists() or not _points(timeline)
+    ):
         assert time.monotonic() < deadline and trainer.proc.poll() is None, trainer.output()[-3000:]
         time.sleep(0.3)
     first.known_pids.update(descendants(first.proc.pid))

@@ -137,3 +137,30 @@ def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
     assert (back - t).abs().max() <= tolerance * t.abs().max() * 1.01
     expected = {"fp16": 2, "bf16": 2, "int8": 1 + 4 / 64}[name]
     assert len(message.buffer) <= t.numel() * expected + 16
+
+
+def test_averaging_parts_from_a_peer_are_checked_before_anything_is_allocated():
+    """A hostile group member's part: a block size of 2^32-1 in 5 bytes once made the receiver allocate ~16 GiB,
+    and its dtype string was looked up in torch. Both are refused with a clear error, before any allocation."""
+    import struct
+
+    from hivemind.compression import CompressionInfo
+    from hivemind.proto import runtime_pb2
+
+    from peer.server.averaging_codec import averaging_codec
+
+    chosen = averaging_codec("int8", block_size=64)
+    good = chosen.compress(torch.randn(100), CompressionInfo.from_tensor(torch.randn(100)))
+
+    def part(buffer: bytes, size=(1,), dtype="float32") -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(compression=good.compression, buffer=buffer, size=size, dtype=dtype)
+
+    with pytest.raises(ValueError, match="blocks of 4294967295, not this run's int8"):
+        chosen.extract(part(struct.pack("<BI", 2, 2**32 - 1) + b"\0" * 5))
+    with pytest.raises(ValueError, match="dtype 'load'"):
+        chosen.extract(part(good.buffer, size=good.size, dtype="load"))
+    with pytest.raises(ValueError, match="has no header"):
+        chosen.extract(part(b"\2"))
+    with pytest.raises(ValueError, match="bytes for"):
+        chosen.extract(part(good.buffer, size=[2**30]))
+    assert chosen.extract(good).shape == (100,)

@@ -102,3 +102,40 @@ def test_mutual_tls_with_run_certificates_pins_the_server_peer():
 
     assert asyncio.run(main()) == ["ok", grpc.StatusCode.UNAVAILABLE]  # the stranger's name: no handshake
     assert [(c.peer_id, c.roles) for c in seen] == [(client_peer.peer_id, ("trainer",))]
+
+
+def test_a_record_counts_only_from_a_role_that_may_publish_it():
+    """Item 5 of issue 24: a trainer's credential does not make its ServerRecord (or relay record) count, nor a
+    server's its TrainerRecord or spot-check report; stage records need `server`, expert records `experts`."""
+    from dht.gate import Gate
+    from dht.records import RelayRecord, ServerRecord, SpotCheckReport, TrainerRecord
+
+    coordinator = Identity.generate()
+    ca = RunAuthority(coordinator, "run-a")
+    gate = Gate("run-a", coordinator.peer_id)
+    certs = {}
+    for role in ("server", "experts", "trainer", "relay"):
+        peer = Identity.generate()
+        certs[role] = (peer.peer_id, pem(issue(ca, peer, (role,))[1]))
+    stage, expert = (
+        ServerRecord(stage=0, endpoint="h:1", throughput=1),
+        ServerRecord(stage=0, expert="0.1", endpoint="h:1", throughput=1),
+    )
+    records = {
+        "stage": stage,
+        "expert": expert,
+        "trainer": TrainerRecord(),
+        "relay": RelayRecord(endpoint="h:2"),
+        "report": SpotCheckReport(),
+    }
+    allowed = {
+        "stage": {"server"},
+        "expert": {"experts"},
+        "trainer": {"trainer"},
+        "relay": {"relay", "server", "experts"},
+        "report": {"trainer"},
+    }
+    for name, record in records.items():
+        for role, (peer_id, cert) in certs.items():
+            assert gate.may_write(peer_id, cert, record.writers()) == (role in allowed[name]), (name, role)
+        assert gate.may_write(coordinator.peer_id, None, record.writers())  # the run's authority writes any

@@ -235,7 +235,10 @@ def test_a_replica_behind_its_stage_is_not_routed_to():
 
     router = SimpleNamespace(cfg=TrainerConfig(), dead=set(), leaving=set(), distrusted=set())
     records = {"new": record(7), "one-behind": record(6), "behind": record(4), "joining": record(9, "joining")}
-    assert set(Router._routable(router, records)) == {"new", "one-behind"}
+    assert set(Router._routable(router, records, [7, 6, 4])) == {"new", "one-behind"}
+    # a replica that claims a step most of them do not back draws nothing, and moves nothing (peer.swarm.consensus)
+    records["far"] = record(1000)
+    assert set(Router._routable(router, records, [7, 6, 4, 1000])) == {"new", "one-behind"}
 
 
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:
@@ -612,7 +615,7 @@ def test_a_gone_servers_receipts_wait_while_a_survivor_is_silent_and_settle_by_a
 
     answers = {}
 
-    async def info(endpoint, timeout):
+    async def info(endpoint, timeout, peer=None):
         answer = answers[endpoint]
         if answer is None:
             raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, None, "deadline")

@@ -8,19 +8,14 @@ import time
 
 import grpc
 import pytest
-from helpers.calls import TestCredential, channel, info
+from helpers.calls import TestCredential, channel, info, peer_at
+from helpers.specs import SMALL
 from helpers.swarm import PEER, ROOT
 
 from dht.identity import Identity
 from protocols import stage_pb2, stage_pb2_grpc
 
-SPEC = {
-    "name": "secure",
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
-    "stages": {"num_stages": 2},
-    "training": {"micro_batch_size": 4, "seq_len": 16, "target_batch_size": 8, "total_steps": 1000},
-    "averaging": {"averaging_timeout": 8.0},
-}
+SPEC = {**SMALL, "name": "secure"}
 
 
 def _identities(workdir, *names) -> dict[str, str]:
@@ -61,7 +56,7 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
     (forged_dir / "run.toml").write_text((swarm.workdir / "run.toml").read_text())
     Identity.generate().save(forged_dir / "coordinator.pem")  # the same run name, another key
     forged = TestCredential(forged_dir)
-    options = [("grpc.ssl_target_name_override", forged.target_name(endpoints["s1"]))]
+    options = [("grpc.ssl_target_name_override", forged.target_name(peer_at(endpoints["s1"])))]
     with (
         grpc.secure_channel(endpoints["s1"], forged.channel_credentials(), options=options) as ch,
         pytest.raises(grpc.RpcError) as refused,
@@ -115,7 +110,7 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
     started = time.monotonic()
     code = None
     while time.monotonic() - started < 15:
-        options = [("grpc.ssl_target_name_override", mine.target_name(endpoints["s1"]))]
+        options = [("grpc.ssl_target_name_override", mine.target_name(peer_at(endpoints["s1"])))]
         with grpc.secure_channel(endpoints["s1"], mine.channel_credentials(), options=options) as ch:
             try:
                 stage_pb2_grpc.StageStub(ch).Info(request, timeout=5)

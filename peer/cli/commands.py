@@ -10,7 +10,7 @@ from dht.identity import Identity, default_identity_path, public_key_from_peer_i
 from peer.cli.options import load_identity, peer_config, place_device, split_overrides
 from peer.config import ConfigError, PeerConfig, RunSpec, apply_override
 from peer.config.model_dir import resolve as resolve_model_dir
-from peer.coordinator.admission_files import create_invite, invites_file, revoke, revoked_file
+from peer.coordinator.admission_files import create_invite, invites_file, pardon, revoke, revoked_file
 from peer.process import memory
 
 
@@ -77,7 +77,7 @@ def _status(args: argparse.Namespace) -> int:
     dht = SwarmDHT(Identity.generate(), [args.maddr], ["/ip4/0.0.0.0/tcp/0"], [], args.timeout, 5.0)
     try:
         spec = fetch_spec(dht, coordinator, timeout=args.timeout)
-        dht.gate = gate_for(spec, coordinator)  # only admitted peers' records
+        dht.gate = gate_for(spec, coordinator, dht)  # only admitted, unrevoked peers' records
         render(spec, gather(dht, spec))
     finally:
         dht.shutdown()
@@ -99,6 +99,11 @@ def _admission(args: argparse.Namespace) -> int:
         print(f"The invited peer joins with:\n  peer join ADDR --invite {code}")
         return 0
     public_key_from_peer_id(args.peer)  # IdentityError names a malformed peer id
+    if args.command == "coordinator-pardon":
+        removed = pardon(revoked_file(identity, spec), args.peer)
+        said = "Pardoned" if removed else "Not revoked (its past spot checks no longer count):"
+        print(f"{said} {args.peer}. The running coordinator publishes the list without it within a few seconds.")
+        return 0
     added = revoke(revoked_file(identity, spec), args.peer, args.reason)
     said = "Revoked" if added else "Already revoked:"
     print(
@@ -185,6 +190,7 @@ COMMANDS = {
     "status": _status,
     "coordinator-invite": _admission,
     "coordinator-revoke": _admission,
+    "coordinator-pardon": _admission,
     "generate": _generate,
     "export": _export,
     "coordinator": _coordinator,

@@ -67,12 +67,14 @@ class Processes:
     def __init__(self, workdir: Path):
         self.workdir, self.procs = workdir, {}
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], command: list[str] | None = None) -> subprocess.Popen:
+        """Start `peer ARGS` (or `COMMAND ARGS`: a benchmark's attacker script) as `name`, its output in NAME.log."""
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         # TMPDIR: the peer's temporary files (its runtime dir, removed with it) go in the run's dir
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.workdir))
         proc = subprocess.Popen(
-            tied_to_me([sys.executable, "-m", "peer.cli.main", *args]),  # it dies with us whatever happens, SIGKILL too
+            # it dies with us whatever happens, SIGKILL too
+            tied_to_me([*(command or [sys.executable, "-m", "peer.cli.main"]), *args]),
             cwd=self.workdir,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -31,7 +31,9 @@ _FLAG_FIELDS = {
     "devices": "parallel.devices",
     "checkpoints": "coordinator.checkpoint_dir",
     "metrics_port": "metrics.port",
+    "metrics_host": "metrics.host",
     "dashboard_port": "dashboard.port",
+    "dashboard_host": "dashboard.host",
     "invite": "security.invite",
 }
 

@@ -36,6 +36,10 @@ def _add_peer_flags(p: argparse.ArgumentParser, spec_too: bool = False) -> None:
     p.add_argument(
         "--metrics-port", type=int, help="Prometheus metrics on this HTTP port (default: any free one; -1: none)"
     )
+    p.add_argument(
+        "--metrics-host",
+        help="address the metrics listen on (default 127.0.0.1: this machine only; they have no authentication)",
+    )
 
 
 def _add_coordinator(sub) -> None:
@@ -67,6 +71,11 @@ def _add_coordinator(sub) -> None:
         help="the web dashboard (swarm map, training curves, events) on this HTTP port "
         "(default: any free one; -1: none)",
     )
+    p.add_argument(
+        "--dashboard-host",
+        help="address the dashboard listens on (default 127.0.0.1: this machine only; it has no authentication; "
+        "0.0.0.0 opens it to anyone who can reach this machine)",
+    )
     _add_peer_flags(p, spec_too=True)
 
     p = sub.add_parser("coordinator-invite", help="(peer coordinator invite) print a single-use invite code")
@@ -82,6 +91,14 @@ def _add_coordinator(sub) -> None:
     p.add_argument("peer", help="the peer id to revoke")
     p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
     p.add_argument("--reason", default="revoked by the run's owner", help="why (shown to the peer when it renews)")
+    p.add_argument("--identity", help="the coordinator's key (default: the user's)")
+    p = sub.add_parser(
+        "coordinator-pardon",
+        help="(peer coordinator pardon PEER) take a peer off the revocation list (an appeal: spot checks it failed "
+        "before no longer count)",
+    )
+    p.add_argument("peer", help="the peer id to pardon")
+    p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
     p.add_argument("--identity", help="the coordinator's key (default: the user's)")
 
 
@@ -223,7 +240,12 @@ def normalize_argv(argv: list[str]) -> list[str]:
     """`peer coordinator invite|revoke ...` and `peer tokenizer train` are commands of their own (coordinator-invite, ...)."""
     argv = list(argv)
     for i, arg in enumerate(argv[:-1]):
-        if (arg, argv[i + 1]) in (("coordinator", "invite"), ("coordinator", "revoke"), ("tokenizer", "train")):
+        if (arg, argv[i + 1]) in (
+            ("coordinator", "invite"),
+            ("coordinator", "revoke"),
+            ("coordinator", "pardon"),
+            ("tokenizer", "train"),
+        ):
             argv[i : i + 2] = [f"{arg}-{argv[i + 1]}"]
             break
         if not arg.startswith("-"):

@@ -118,6 +118,12 @@ class AveragingConfig:
     # that is not whole after the matchmaking window seldom becomes whole (at most averaging_timeout)
     group_timeout: float = 10.0
     max_group_size: int = 32  # most replicas averaged in one group
+    # a group's mean whose norm is more than this times the median of the last accepted means (before 4 of
+    # them: this replica's own) is refused here, a round that failed (a member sent poison); 0: no check
+    max_norm_ratio: float = 8.0
+    # after this many refused means in a row a replica steps alone with its own gradients: a poisoning
+    # member delays the stage's steps, it does not stop them
+    max_refused_rounds: int = 2
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
     # gradients: average gradients at every global step (exact data parallelism);
     # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
@@ -172,6 +178,10 @@ class AdmissionConfig:
     # distinct trainers whose spot checks must find a server wrong before the coordinator revokes it; 0: never
     revoke_after_reports: int = 2
     max_pending: int = 256  # credential requests the coordinator looks at per pass; more wait for the next
+    # a trainer's spot-check report counts toward revoking a server only once the trainer has completed this many
+    # samples (its announced record says so): a throwaway key cannot report
+    min_reporter_samples: int = 256
+    report_ttl: float = 3600.0  # s: a report of a check failed longer ago than this no longer counts
 
 
 @dataclass
@@ -336,6 +346,9 @@ class RunSpec:
             raise ConfigError(f"averaging.outer_momentum: must be within [0, 1), got {a.outer_momentum}")
         if a.pause_limit < 0:
             raise ConfigError(f"averaging.pause_limit: must be >= 0, got {a.pause_limit}")
+        if not a.max_norm_ratio >= 0:
+            raise ConfigError(f"averaging.max_norm_ratio: must be >= 0 (0: no check), got {a.max_norm_ratio}")
+        require_positive("averaging.max_refused_rounds", a.max_refused_rounds)
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
@@ -390,6 +403,9 @@ class RunSpec:
             raise ConfigError(f"admission.credential_ttl: must be at least 10 s, got {d.credential_ttl}")
         require_positive("admission.refresh", d.refresh)
         require_positive("admission.max_pending", d.max_pending)
+        require_positive("admission.report_ttl", d.report_ttl)
+        if d.min_reporter_samples < 0:
+            raise ConfigError(f"admission.min_reporter_samples: must be >= 0, got {d.min_reporter_samples}")
         if d.revoke_after_reports < 0:
             raise ConfigError(f"admission.revoke_after_reports: must be >= 0, got {d.revoke_after_reports}")
 

@@ -49,6 +49,12 @@ class ServerConfig:
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     state_retry_max: float = 10.0  # s: the longest pause between tries of a state download that failed
+    # a replica takes the state of a step no more than this many steps past the one most replicas of its part
+    # are at (peer.swarm.consensus): any admitted peer may claim any step, and one claim must not carry a stage
+    max_resync_jump: int = 4
+    # a replica behind its part takes a donor's state only if no parameter moved more than this many times the
+    # peak learning rate per step between (an AdamW step moves an element by about lr at most, plus weight decay)
+    max_update_per_step: float = 4.0
     # start a stage the run has already stepped from the seed when nobody holds its state (else it waits)
     seed_start: bool = False
     shutdown_grace: float = 5.0  # s to finish running requests (and a running round) when leaving
@@ -151,13 +157,17 @@ class ExpertsConfig:
 @dataclass
 class MetricsConfig:
     port: int = 0  # HTTP port of this peer's Prometheus metrics (/metrics); 0: any free one; -1: none
-    host: str = ""  # address the metrics endpoint listens on; empty: network.host
+    # address the metrics endpoint listens on (unauthenticated): loopback by default, only this machine can read it;
+    # empty: network.host
+    host: str = "127.0.0.1"
 
 
 @dataclass
 class DashboardConfig:
     port: int = 0  # HTTP port of the coordinator's web dashboard; 0: any free one; -1: none
-    host: str = ""  # address the dashboard listens on; empty: network.host
+    # address the dashboard listens on (unauthenticated): loopback by default (--dashboard-host to open it);
+    # empty: network.host
+    host: str = "127.0.0.1"
     period: float = 2.0  # s between the coordinator's looks at the swarm for the dashboard (live updates)
     history: int = 2000  # points of the training curves kept (one per look)
     events: int = 500  # recent events kept

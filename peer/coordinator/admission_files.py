@@ -68,6 +68,20 @@ def create_invite(path: Path, roles: list[str], valid_hours: float) -> str:
     return f"{invite_id}.{secret}"
 
 
+def pardon(path: Path, peer_id: str) -> bool:
+    """Take `peer_id` off the revocation file (the run owner's appeal); False if it was not there. Spot checks it
+    failed before now no longer count toward revoking it again."""
+    removed = []
+
+    def change(data):
+        if data.setdefault("revoked", {}).pop(peer_id, None) is not None:
+            removed.append(peer_id)
+        data.setdefault("pardoned", {})[peer_id] = time.time()
+
+    locked_update(path, change)
+    return bool(removed)
+
+
 def revoke(path: Path, peer_id: str, reason: str) -> bool:
     """Add `peer_id` to the revocation file; False if it was there already."""
     added = []

@@ -10,6 +10,7 @@ Trainers' spot-check reports count toward revoking a server (`admission.revoke_a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -26,12 +27,14 @@ from dht import keys
 from dht.credential import CredentialError, RunAuthority, invite_mac, ownership_proof
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport
+from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport, TrainerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator.admission_files import PEER_ROLES, locked_update, read_json, revoke
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
+GRANT_STORES = 8  # answers stored in the DHT at once
+ANSWERED_KEPT = 8192  # requests remembered as answered (and peers as admitted), newest kept
 
 
 # ---- the running authority ----------------------------------------------------------------
@@ -45,9 +48,11 @@ class Authority:
         self.invites_path, self.revoked_path = invites, revoked
         self.revoked: dict[str, dict] = {}
         self._answered: OrderedDict[tuple[str, str], float] = OrderedDict()  # (peer, nonce) answered
+        self._admitted: OrderedDict[str, float] = OrderedDict()  # peers given a credential: their renewals go first
+        self._lock = threading.Lock()
         self.issued = self.refused = 0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._published = 0.0
         self._revoked_mtime = -1.0
 
@@ -112,38 +117,62 @@ class Authority:
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="authority", daemon=True)
-        self._thread.start()
+        """Two loops on threads of their own: credential requests, and revocations with spot-check reports, so a
+        flood of requests (throwaway keys in open mode) delays no revocation."""
+        self._threads = [
+            threading.Thread(target=self._loop, args=(steps,), name=name, daemon=True)
+            for name, steps in (
+                ("authority-requests", (self.answer_requests,)),
+                ("authority-revocations", (self.follow_revocations, self.read_reports)),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _loop(self) -> None:
+    def _loop(self, steps) -> None:
         while not self._stop.wait(self.cfg.security.poll):
-            for step in (self.answer_requests, self.follow_revocations, self.read_reports):
+            for step in steps:
                 try:
                     step()
                 except Exception as e:  # one step of the authority's loop must not end it: tried again next period
                     logger.warning("authority: %s failed: %s", step.__name__, e)
 
     def answer_requests(self) -> None:
+        """Answer up to admission.max_pending requests not answered yet, renewals of admitted peers first. Decided
+        one by one (an invite is used once), the grants are stored a few at a time (a slow store holds no other)."""
         requests = self.dht.get(keys.credential_requests_key(self.spec.name), CredentialRequest, gated=False)
-        for peer_id, request in list(requests.items())[: self.admission.max_pending]:
-            if (peer_id, request.nonce) in self._answered:
-                continue
-            certificate, error = self.decide(peer_id, request)
-            grant = CredentialGrant(nonce=request.nonce, certificate=certificate, error=error)
-            if certificate:
-                grant.authority = self.ca.pem().decode()
-                self.issued += 1
-            else:
-                self.refused += 1
-                logger.warning("refused a credential to %s: %s", peer_id, error)
-            ttl = self.cfg.security.admission_timeout + 30.0
-            if self.dht.store(keys.credential_key(self.spec.name, peer_id), grant, ttl):
-                self._answered[(peer_id, request.nonce)] = time.time()
-                while len(self._answered) > 4 * self.admission.max_pending:
-                    self._answered.popitem(last=False)
+        waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
+        waiting.sort(key=lambda item: item[0] not in self._admitted)
+        answers = [(pid, request, self._grant(pid, request)) for pid, request in waiting[: self.admission.max_pending]]
+        with concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant") as pool:
+            list(pool.map(lambda answer: self._store_grant(*answer), answers))
+
+    def _grant(self, peer_id: str, request: CredentialRequest) -> CredentialGrant:
+        certificate, error = self.decide(peer_id, request)
+        grant = CredentialGrant(nonce=request.nonce, certificate=certificate, error=error)
+        if certificate:
+            grant.authority = self.ca.pem().decode()
+            self.issued += 1
+        else:
+            self.refused += 1
+            logger.warning("refused a credential to %s: %s", peer_id, error)
+        return grant
+
+    def _store_grant(self, peer_id: str, request: CredentialRequest, grant: CredentialGrant) -> None:
+        ttl = self.cfg.security.admission_timeout + 30.0
+        if not self.dht.store(keys.credential_key(self.spec.name, peer_id), grant, ttl):
+            return  # answered again on the next pass
+        with self._lock:
+            self._answered[(peer_id, request.nonce)] = time.time()
+            while len(self._answered) > ANSWERED_KEPT:
+                self._answered.popitem(last=False)
+            if grant.certificate:
+                self._admitted[peer_id] = time.time()
+                while len(self._admitted) > ANSWERED_KEPT:
+                    self._admitted.popitem(last=False)
 
     def follow_revocations(self) -> None:
         with contextlib.suppress(OSError):
@@ -151,11 +180,13 @@ class Authority:
             if mtime != self._revoked_mtime:
                 self._revoked_mtime = mtime
                 found = read_json(self.revoked_path).get("revoked", {})
-                new = sorted(set(found) - set(self.revoked))
+                new, gone = sorted(set(found) - set(self.revoked)), sorted(set(self.revoked) - set(found))
                 self.revoked = found
                 for peer in new:
                     say(f"Revoked peer {peer}: {found[peer].get('reason', '')}")
-                if new:
+                for peer in gone:
+                    say(f"Pardoned peer {peer}: it may take part again")
+                if new or gone:
                     self._published = 0.0
         if time.monotonic() - self._published >= self.admission.refresh / 2:
             record = RevocationList(peers=sorted(self.revoked), updated=time.time())
@@ -164,14 +195,26 @@ class Authority:
                 self._published = time.monotonic()
 
     def read_reports(self) -> None:
+        """Revoke a server reported by admission.revoke_after_reports trainers (only trainers' reports are read:
+        dht.records), each with admission.min_reporter_samples samples done, of checks failed within
+        admission.report_ttl and after any pardon of that server by the run's owner."""
         needed = self.admission.revoke_after_reports
         if needed <= 0:
             return
         reports = self.dht.get(keys.reports_key(self.spec.name), SpotCheckReport)
+        if not reports:
+            return
+        done = {pid: r.samples for pid, r in self.dht.get(keys.trainers_key(self.spec.name), TrainerRecord).items()}
+        pardoned = read_json(self.revoked_path).get("pardoned", {})
+        oldest = time.time() - self.admission.report_ttl
         reporters: dict[str, set[str]] = {}
         for trainer, report in reports.items():
+            if done.get(trainer, 0) < self.admission.min_reporter_samples:
+                continue  # a key that has not trained (a throwaway) reports nothing
             for peer in report.wrong:
-                reporters.setdefault(peer, set()).add(trainer)
+                caught = report.caught.get(peer, report.updated)
+                if caught >= max(oldest, float(pardoned.get(peer, 0.0))):
+                    reporters.setdefault(peer, set()).add(trainer)
         for peer, who in reporters.items():
             if len(who) >= needed and peer not in self.revoked and peer != self.identity.peer_id:
                 reason = f"spot checks of {len(who)} trainer(s) found its answers wrong"

@@ -23,6 +23,7 @@ from peer.coordinator import checkpoint
 from peer.model.moe import expert_uid
 from peer.model.pretrained import state_shards_needed
 from peer.net.client import StageClient
+from peer.swarm.consensus import credible_limit
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,13 @@ class Checkpointer:
         records = await self.dht.aget(key, ServerRecord)
         # a leaving server still gives its state (the last one of a part waits for this: peer.server.replica_handover)
         holders = [(pid, r) for pid, r in records.items() if r.state in ("serving", "leaving") and r.expert == expert]
+        # never the state of a replica that claims a step most of them do not back (peer.swarm.consensus)
+        limit = credible_limit((r.epoch for _, r in holders), self.cfg.server.max_resync_jump)
+        holders = [(pid, r) for pid, r in holders if r.epoch <= limit]
         ranked = sorted(holders, key=lambda item: (-item[1].epoch, item[1].state != "serving", -item[1].throughput))
         for pid, record in ranked:
             try:
-                metadata, tensors = await self._whole_state(client, record.endpoint, stage, expert)
+                metadata, tensors = await self._whole_state(client, record.endpoint, stage, expert, pid)
             except Exception as e:  # a replica that went away: the next one
                 logger.warning("checkpoint: %s did not give its state: %s", record.endpoint, e)
                 continue
@@ -73,14 +77,16 @@ class Checkpointer:
             return checkpoint.Part(name, metadata, tensors, peer=pid)
         return None
 
-    async def _whole_state(self, client: StageClient, endpoint: str, stage: int, expert: str) -> tuple[dict, dict]:
+    async def _whole_state(
+        self, client: StageClient, endpoint: str, stage: int, expert: str, peer: str
+    ) -> tuple[dict, dict]:
         """One replica's whole state of a part, in shards of one step when it is big (see state_shards_needed)."""
         timeout, run = self.ccfg.checkpoint_timeout, self.spec.name
         n = state_shards_needed(self.spec, stage, expert, self.cfg.server.max_message_bytes)
-        metadata, tensors = await client.get_state(endpoint, run, stage, timeout, 0, n, expert=expert)
+        metadata, tensors = await client.get_state(endpoint, run, stage, timeout, 0, n, expert=expert, peer=peer)
         rest = await asyncio.gather(
             *(
-                client.get_state(endpoint, run, stage, timeout, i, n, metadata["epoch"], expert=expert)
+                client.get_state(endpoint, run, stage, timeout, i, n, metadata["epoch"], expert=expert, peer=peer)
                 for i in range(1, n)
             )
         )

@@ -32,10 +32,11 @@ from peer.coordinator.timeline import Timeline
 from peer.net.metrics import open_metrics, serve_metrics
 from peer.net.relay import RelayThread
 from peer.net.security import Security
-from peer.net.serving import announce_host
+from peer.net.serving import http_host
 from peer.process.lifetime import exit_within
 from peer.process.status_lines import say
 from peer.swarm.books import Books
+from peer.swarm.consensus import agreed
 from peer.swarm.discovery import publish_spec
 from peer.swarm.status import gather
 
@@ -69,7 +70,7 @@ def swarm_summary(look: dict) -> dict:
         stages.append(
             {
                 "servers": len(serving),
-                "step": max((r.epoch for r in serving), default=0),
+                "step": agreed(r.epoch for r in serving),  # what most replicas say (peer.swarm.consensus)
                 "throughput": sum(r.throughput for r in serving),
             }
         )
@@ -206,7 +207,7 @@ def open_dashboard(cfg: PeerConfig, timeline: Timeline) -> Dashboard | None:
     host = cfg.dashboard.host or cfg.network.host
     dashboard = Dashboard(cfg.dashboard, timeline)
     try:
-        endpoint = dashboard.start(host, cfg.dashboard.port, announce_host(host, cfg.network.announce_host))
+        endpoint = dashboard.start(host, cfg.dashboard.port, http_host(host, cfg.network.announce_host))
     except OSError as e:
         raise ConfigError(f"dashboard.port {cfg.dashboard.port}: cannot listen on it: {e}") from None
     say(f"Dashboard at http://{endpoint}/")

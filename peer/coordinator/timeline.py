@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dht.records import ServerRecord, TrainerRecord
+from peer.swarm.consensus import agreed
 
 ACTIVE = ("joining", "serving")
 
@@ -229,10 +230,9 @@ class Timeline:
         totals = [0.0] * len(look["stages"])
         step = 0
         for stage, records in enumerate(look["stages"]):
-            for r in records.values():
-                if r.state == "serving" and not r.expert:
-                    totals[stage] += r.throughput
-                    step = max(step, r.epoch)
+            serving = [r for r in records.values() if r.state == "serving" and not r.expert]
+            totals[stage] = sum(r.throughput for r in serving)
+            step = max(step, agreed(r.epoch for r in serving))  # what most replicas say (peer.swarm.consensus)
         return Point(
             time=now,
             step=step,

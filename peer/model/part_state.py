@@ -18,6 +18,10 @@ class StateError(ValueError):
     """A downloaded state that does not fit this part."""
 
 
+class OutOfReach(StateError):
+    """A donor's weights are further from ours than the steps it claims to be ahead could have moved them."""
+
+
 @dataclass
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
@@ -167,6 +171,35 @@ class PartState:
                 f"{metadata.get('epoch')} (its shards disagree)"
             )
         self._checked_values = values if self.tp_degree == 1 else None
+
+    @torch.no_grad()
+    def check_reach(self, metadata: dict, tensors: dict[str, torch.Tensor], per_step: float, apart: int = 0) -> None:
+        """A donor's parameters are no further from ours than the steps between could have moved them (StateError
+        if not): one AdamW step moves an element by at most about `per_step` x lr, plus lr x weight decay of it.
+
+        So a peer that claims a later step cannot hand a trained replica arbitrary weights. Checked for a
+        replica with trained state of its own (step > 0), in gradient mode on an unsplit part. `apart`: this
+        replica's steps since it last stepped in one group with the donor (or first saw it), each of which may
+        have taken the two apart; plus one step of slack."""
+        if self.local or self.tp_degree != 1 or not self.initialized or self.epoch <= 0:
+            return
+        steps, t = int(metadata["epoch"]) - self.epoch + 1 + max(apart, 0), self.spec.training
+        for name, p in zip(self.param_names, self.params, strict=True):
+            bound = max(steps, 1) * t.lr * (per_step + t.weight_decay * float(p.abs().max()))
+            moved = max(
+                (
+                    float((new - old).abs().max())
+                    for new, old in zip(
+                        tensors[f"param/{name}"].reshape(-1).split(1 << 20), p.reshape(-1).split(1 << 20), strict=True
+                    )
+                ),
+                default=0.0,
+            )
+            if moved > bound:
+                raise OutOfReach(
+                    f"the state of step {metadata['epoch']} moves {name} by {moved:.3g} from this replica's step "
+                    f"{self.epoch}, more than {steps} steps could ({bound:.3g}, server.max_update_per_step)"
+                )
 
     @torch.no_grad()
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:

@@ -109,11 +109,12 @@ class StageClient:
             security=security,
         )
 
-    def _channel(self, endpoint: str) -> tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]:
-        """A channel to `endpoint`; over TLS, pinned to the peer whose record announced it (a new one
-        when that peer or this peer's certificate changes)."""
+    def _channel(self, endpoint: str, peer: str | None = None) -> tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]:
+        """A channel to `endpoint`; over TLS, pinned to `peer`, the owner of the record the caller chose (a new
+        channel when the peer or this peer's certificate changes). Without `peer` no server can pass the
+        handshake: the name is never looked up by endpoint (any admitted record may name any endpoint)."""
         security = self.security
-        name = security.target_name(endpoint) if security is not None else ""
+        name = security.target_name(peer) if security is not None else ""
         key = (endpoint, name, security.generation if security is not None else 0)
         if key in self._channels:
             self._channels.move_to_end(key)
@@ -130,19 +131,27 @@ class StageClient:
             asyncio.ensure_future(old.close())
         return self._channels[key]
 
-    def _unary(self, endpoint: str, path: str, response_type):
-        channel, _ = self._channel(endpoint)
+    def _unary(self, endpoint: str, path: str, response_type, peer: str | None):
+        channel, _ = self._channel(endpoint, peer)
         return channel.unary_unary(
             path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString
         )
 
     async def _call(
-        self, endpoint: str, method: str, request, payloads, response_type, timeout: float, service: str = SERVICE
+        self,
+        endpoint: str,
+        method: str,
+        request,
+        payloads,
+        response_type,
+        timeout: float,
+        peer: str | None,
+        service: str = SERVICE,
     ):
         payloads = dict(payloads or {})
-        channel, _ = self._channel(endpoint)
+        channel, _ = self._channel(endpoint, peer)
         if framing.size(request, payloads) <= self.stream_bytes:
-            call = self._unary(endpoint, f"/{service}/{method}", response_type)
+            call = self._unary(endpoint, f"/{service}/{method}", response_type, peer)
             return await call(framing.inline(request, payloads), timeout=timeout), {}
         if any(t.data for _, t in framing.tensor_paths(request)):
             header = type(request)()  # a copy: the caller's request stays whole for a retry
@@ -157,34 +166,41 @@ class StageClient:
         )
         return await framing.read(call, response_type, self.max_message_bytes, self.max_tensor_elements)
 
-    async def forward(self, endpoint: str, request: stage_pb2.ForwardRequest, payloads=None, timeout: float = 30.0):
-        return await self._call(endpoint, "Forward", request, payloads, stage_pb2.ForwardResponse, timeout)
+    async def forward(
+        self, endpoint: str, request: stage_pb2.ForwardRequest, payloads=None, timeout: float = 30.0, peer=None
+    ):
+        return await self._call(endpoint, "Forward", request, payloads, stage_pb2.ForwardResponse, timeout, peer)
 
-    async def backward(self, endpoint: str, request: stage_pb2.BackwardRequest, payloads=None, timeout: float = 30.0):
-        return await self._call(endpoint, "Backward", request, payloads, stage_pb2.BackwardResponse, timeout)
+    async def backward(
+        self, endpoint: str, request: stage_pb2.BackwardRequest, payloads=None, timeout: float = 30.0, peer=None
+    ):
+        return await self._call(endpoint, "Backward", request, payloads, stage_pb2.BackwardResponse, timeout, peer)
 
-    async def expert_forward(self, endpoint: str, request: expert_pb2.ExpertForwardRequest, payloads, timeout: float):
-        return await self._call(
-            endpoint, "Forward", request, payloads, expert_pb2.ExpertForwardResponse, timeout, EXPERT_SERVICE
-        )
+    async def expert_forward(
+        self, endpoint: str, request: expert_pb2.ExpertForwardRequest, payloads, timeout: float, peer=None
+    ):
+        response_type = expert_pb2.ExpertForwardResponse
+        return await self._call(endpoint, "Forward", request, payloads, response_type, timeout, peer, EXPERT_SERVICE)
 
-    async def expert_backward(self, endpoint: str, request: expert_pb2.ExpertBackwardRequest, payloads, timeout: float):
-        return await self._call(
-            endpoint, "Backward", request, payloads, expert_pb2.ExpertBackwardResponse, timeout, EXPERT_SERVICE
-        )
+    async def expert_backward(
+        self, endpoint: str, request: expert_pb2.ExpertBackwardRequest, payloads, timeout: float, peer=None
+    ):
+        response_type = expert_pb2.ExpertBackwardResponse
+        return await self._call(endpoint, "Backward", request, payloads, response_type, timeout, peer, EXPERT_SERVICE)
 
-    async def info(self, endpoint: str, timeout: float, expert: str = "") -> stage_pb2.InfoResponse:
+    async def info(self, endpoint: str, timeout: float, expert: str = "", peer=None) -> stage_pb2.InfoResponse:
         """A stage server's Info, or with `expert`, that expert's on an expert host."""
         service = EXPERT_SERVICE if expert else SERVICE
-        call = self._unary(endpoint, f"/{service}/Info", stage_pb2.InfoResponse)
+        call = self._unary(endpoint, f"/{service}/Info", stage_pb2.InfoResponse, peer)
         return await call(stage_pb2.InfoRequest(expert=expert), timeout=timeout)
 
     async def round(
-        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float, expert: str = ""
+        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float, expert: str = "", peer=None
     ) -> stage_pb2.RoundResponse:
         request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch, expert=expert)
         service = EXPERT_SERVICE if expert else SERVICE
-        return await self._unary(endpoint, f"/{service}/Round", stage_pb2.RoundResponse)(request, timeout=timeout)
+        call = self._unary(endpoint, f"/{service}/Round", stage_pb2.RoundResponse, peer)
+        return await call(request, timeout=timeout)
 
     async def get_state(
         self,
@@ -196,9 +212,10 @@ class StageClient:
         num_shards: int = 1,
         epoch: int | None = None,
         expert: str = "",
+        peer: str | None = None,
     ) -> tuple[dict, dict[str, torch.Tensor]]:
         """A stage's (or an expert's) state, part `shard` of `num_shards`, only at `epoch` when given."""
-        channel, _ = self._channel(endpoint)
+        channel, _ = self._channel(endpoint, peer)
         request = stage_pb2.StateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, expert=expert)
         if epoch is not None:
             request.epoch = epoch

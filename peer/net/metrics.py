@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from peer.config import ConfigError, PeerConfig
-from peer.net.serving import announce_host
+from peer.net.serving import http_host
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def serve_metrics(metrics, cfg: PeerConfig) -> None:
         return
     host = cfg.metrics.host or cfg.network.host
     try:
-        endpoint = metrics.serve(host, cfg.metrics.port, announce_host(host, cfg.network.announce_host))
+        endpoint = metrics.serve(host, cfg.metrics.port, http_host(host, cfg.network.announce_host))
     except OSError as e:
         raise ConfigError(f"metrics.port: cannot listen on {host}:{cfg.metrics.port} ({e.strerror or e})") from None
     say(f"Prometheus metrics at http://{endpoint}/metrics.")

@@ -147,7 +147,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         logger.warning("relaying for %s at %s", peer, attachment.endpoint)
         try:
             yield relay_pb2.RelaySignal(endpoint=attachment.endpoint)
-            while True:
+            while not self._revoked(peer):  # a peer revoked while attached is dropped within a keepalive
                 try:
                     connection = await asyncio.wait_for(attachment.signals.get(), self.cfg.relay.keepalive)
                 except TimeoutError:
@@ -158,6 +158,9 @@ class RelayService(relay_pb2_grpc.RelayServicer):
                 del self.attached[peer]
             attachment.close()
             logger.warning("stopped relaying for %s (%.1f MB carried)", peer, attachment.bytes / 1e6)
+
+    def _revoked(self, peer: str) -> bool:
+        return self.security is not None and peer in self.security.gate.revoked
 
     async def _listen(self, attachment: _Attachment) -> asyncio.Server | None:
         """The listener for one carried peer: on a free port of `relay.ports`, or any free one; None if none is."""
@@ -172,7 +175,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
     async def _arrived(self, attachment: _Attachment, reader, writer) -> None:
         """A connection for the attached peer: announce it; close it if the peer does not carry it in time."""
         relay = self.cfg.relay
-        if self.attached.get(attachment.peer) is not attachment:
+        if self.attached.get(attachment.peer) is not attachment or self._revoked(attachment.peer):
             writer.close()
             return
         if len(attachment.waiting) + len(attachment.carried) >= relay.max_connections:
@@ -256,7 +259,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         if security is None:
             channel = grpc.aio.insecure_channel(endpoint, options=options)
         else:
-            options.append(("grpc.ssl_target_name_override", security.target_name(endpoint, peer_id=peer)))
+            options.append(("grpc.ssl_target_name_override", security.target_name(peer)))
             channel = grpc.aio.secure_channel(endpoint, security.channel_credentials(), options=options)
         try:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -42,15 +42,22 @@ from dht.records import CredentialGrant, CredentialRequest, RevocationList
 from peer.config import PeerConfig, RunSpec
 
 logger = logging.getLogger(__name__)
-UNKNOWN_PEER_NAME = "unknown-peer.swarmtrain"  # the TLS name pinned for an endpoint no admitted record names
+UNKNOWN_PEER_NAME = "unknown-peer.swarmtrain"  # the TLS name pinned when a caller names no peer: no server passes
 
 
 class AdmissionRefused(UserError, RuntimeError):
     """The coordinator did not admit this peer; the message says why."""
 
 
-def gate_for(spec: RunSpec, coordinator: str) -> Gate | None:
-    return None if spec.admission.mode == "off" else Gate(spec.name, coordinator)
+def gate_for(spec: RunSpec, coordinator: str, dht: SwarmDHT | None = None) -> Gate | None:
+    """A reader's gate for the run (None when admission is off); with `dht`, holding the revocation list now."""
+    if spec.admission.mode == "off":
+        return None
+    gate = Gate(spec.name, coordinator)
+    if dht is not None:
+        found = dht.get(keys.revocations_key(spec.name), RevocationList, gated=False).get(coordinator)
+        gate.revoked = frozenset(found.peers) if found is not None else frozenset()
+    return gate
 
 
 class Security:
@@ -111,7 +118,12 @@ class Security:
         self.dht.certificate = der
 
     def start(self) -> None:
-        """Renew at half-life and follow the revocation list, on a thread of its own, until `stop`."""
+        """Read the revocation list now (before this peer loads state from anyone or serves), then renew at
+        half-life and follow the list, on a thread of its own, until `stop`."""
+        try:
+            self.refresh_revocations()
+        except Exception as e:  # the DHT may be busy: read again within a refresh period
+            logger.warning("could not read the revocation list yet: %s", e)
         self._thread = threading.Thread(target=self._maintain, name="security", daemon=True)
         self._thread.start()
 
@@ -179,13 +191,13 @@ class Security:
                 self._channel_credentials = cached = (self.generation, creds)
             return cached[1]
 
-    def target_name(self, endpoint: str, peer_id: str | None = None) -> str:
-        """The TLS name the server at `endpoint` must prove: that of the peer whose record names it."""
-        peer = peer_id or self.gate.peer_at(endpoint)
-        if peer is None:
+    def target_name(self, peer_id: str | None) -> str:
+        """The TLS name a server must prove to be `peer_id` (the owner of the record a caller chose); with no
+        peer, a name no credential carries. Never looked up by endpoint: any admitted record may name any."""
+        if not peer_id:
             return UNKNOWN_PEER_NAME
         try:
-            return dns_name_of(peer)
+            return dns_name_of(peer_id)
         except IdentityError:
             return UNKNOWN_PEER_NAME
 

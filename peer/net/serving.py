@@ -23,6 +23,14 @@ def announce_host(cfg_host: str, announce: str) -> str:
         return "127.0.0.1"
 
 
+def http_host(cfg_host: str, announce: str) -> str:
+    """The address to print and announce for an HTTP endpoint (metrics, dashboard) listening on `cfg_host`: a
+    loopback one is its own (only this machine can dial it, whatever --announce-host says)."""
+    if cfg_host.startswith("127.") or cfg_host in ("::1", "localhost"):
+        return cfg_host
+    return announce_host(cfg_host, announce)
+
+
 def grpc_server(cfg: PeerConfig, security) -> grpc.aio.Server:
     """A gRPC server with this peer's limits; with `security`, every call passes the guard (peer.net.guard)."""
     interceptors = [] if security is None else [Guard(security.gate, cfg.server.max_requests_per_peer)]

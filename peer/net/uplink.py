@@ -66,7 +66,7 @@ class Uplink:
             if self.security is None:
                 channel = grpc.aio.insecure_channel(endpoint, options=options)
             else:
-                options.append(("grpc.ssl_target_name_override", self.security.target_name(endpoint, peer_id=peer)))
+                options.append(("grpc.ssl_target_name_override", self.security.target_name(peer)))
                 channel = grpc.aio.secure_channel(endpoint, self.security.channel_credentials(), options=options)
             self._channels[peer] = channel
         return relay_pb2_grpc.RelayStub(channel)

@@ -18,7 +18,9 @@ apart and leave the stage's replicas with different weights for good)."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import signal
 from dataclasses import dataclass
 
@@ -88,6 +90,11 @@ class GradientAverager:
             compression=compression,
         )
         signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
+        self.accepted_norms: collections.deque[float] = collections.deque(maxlen=16)  # of the last means taken
+        self.refused_in_a_row = 0  # means refused as implausible since the last one taken
+        # step after the round -> its group's members, for the last rounds whose mean was refused: a replica
+        # that stepped such a group took poison (peer.server.replica_state will not take its state)
+        self.refused_groups: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
 
     def average(
         self,
@@ -127,8 +134,37 @@ class GradientAverager:
         if not all(torch.isfinite(t).all() for t in averaged):  # the same mean on every member: all skip alike
             logger.warning("averaging group for step %d produced a mean that is not finite: nobody steps", epoch)
             return None
+        if not self._plausible(averaged, gradients, samples, epoch, sorted(infos)):
+            return None
         coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
         return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
+
+    def _plausible(self, averaged, own, samples: int, epoch: int, members: list[str]) -> bool:
+        """Whether a group's mean may be stepped: its norm within averaging.max_norm_ratio of the median of the
+        last means taken (all replicas that stepped together judge alike), or before 4 of those, of our own."""
+        ratio, norm = self.cfg.max_norm_ratio, _norm(averaged)
+        if len(self.accepted_norms) >= 4:
+            reference = sorted(self.accepted_norms)[len(self.accepted_norms) // 2]
+        else:
+            reference = _norm(own) if samples > 0 else 0.0
+        if ratio > 0 and reference > 0 and norm > ratio * reference:
+            self.refused_in_a_row += 1
+            self.refused_groups[epoch + 1] = members
+            while len(self.refused_groups) > 64:
+                self.refused_groups.popitem(last=False)
+            logger.warning(
+                "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times the usual "
+                "%.3g (averaging.max_norm_ratio); a member sent poison",
+                epoch,
+                ", ".join(members),
+                norm,
+                norm / reference,
+                reference,
+            )
+            return False
+        self.refused_in_a_row = 0
+        self.accepted_norms.append(norm)
+        return True
 
     def _round(self, gradients, samples: int, epoch: int, expected: int, admitted, gather: dict) -> dict | None:
         """hivemind's round: its group key, the tensors in, then the step; what every member gathered."""
@@ -174,3 +210,8 @@ class GradientAverager:
             self._averager.shutdown()
         except Exception as e:  # shutting down must go on whatever hivemind raises
             logger.warning("averager shutdown: %s", e)
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of tensors taken as one vector."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))

@@ -29,6 +29,8 @@ from protocols import codec
 
 _HEADER = struct.Struct("<BI")  # format, block size
 _FORMATS = {"bf16": 1, "int8": 2, "fp16": 3}
+# the dtypes a part may name (a peer's string is never looked up in torch as such)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class TorchCodec(CompressionBase):
@@ -62,9 +64,19 @@ class TorchCodec(CompressionBase):
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
+        if len(buffer) < _HEADER.size:
+            raise ValueError(f"averaging part of {len(buffer)} bytes has no header")
         fmt, block_size = _HEADER.unpack_from(buffer)
+        if fmt != _FORMATS[self.name] or block_size != self.block_size:
+            # every peer of a run uses its spec's codec: anything else is checked before any allocation
+            raise ValueError(
+                f"averaging part in format {fmt} with blocks of {block_size}, not this run's "
+                f"{self.name} ({_FORMATS[self.name]}) in blocks of {self.block_size}"
+            )
         shape = tuple(serialized_tensor.size)
-        dtype = getattr(torch, serialized_tensor.dtype)
+        dtype = _DTYPES.get(serialized_tensor.dtype)
+        if dtype is None or any(d < 0 for d in shape):
+            raise ValueError(f"averaging part of dtype {serialized_tensor.dtype!r} and shape {list(shape)}")
         body = bytearray(buffer[_HEADER.size :])
         numel = 1
         for d in shape:

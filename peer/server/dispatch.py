@@ -114,7 +114,7 @@ class RemoteExperts:
             started = time.monotonic()
             try:
                 call = self.client.expert_forward if method == "forward" else self.client.expert_backward
-                response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
+                response, returned = await call(record.endpoint, request, payloads, timeout=timeout, peer=pid)
                 self.router.report_success(pid, kind, time.monotonic() - started)
                 return response, returned, pid
             except grpc.aio.AioRpcError as e:

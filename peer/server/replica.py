@@ -124,6 +124,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
         self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
         self.last_load_error = ""  # why the last state download failed
+        self._init_claims()
         self._partial_state: tuple[int, int, dict] | None = None  # (step, shards, shards in) of a download
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
@@ -134,6 +135,16 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         except Exception as e:  # the DHT node may not say yet: announced without addresses
             logger.warning("%s: the DHT node does not say its addresses (%s); announcing none", self.label, e)
             self.dht_maddrs = []
+
+    def _init_claims(self) -> None:
+        """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
+        self._doubted: set[str] = set()  # peers whose claimed step was not believed, said once (bounded)
+        self._seen: dict[str, float] = {}  # peer -> when its record was last read (bounded by record_ttl)
+        self._first_seen: dict[str, int] = {}  # peer -> this replica's step when it first read its record
+        self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
+        # this process was stopped (or starved) since its last load: its own step does not count in what most
+        # replicas say until it loads the stage's state again, as a joiner would
+        self.paused = False
 
     def load(self) -> float:
         """Requests in flight or queued, as announced (an expert host reports its own)."""
@@ -159,12 +170,16 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         )
 
     def _serving_peers(self) -> dict[str, ServerRecord]:
-        """Partners that serve, by peer id, leaving out those that ignored an invitation and have not announced since."""
-        return {
+        """Partners that serve, by peer id, leaving out those that ignored an invitation and have not announced since,
+        and those that claim a step most replicas do not back (peer.swarm.consensus): a hostile claim must not stop
+        the others from stepping."""
+        serving = {
             pid: r
             for pid, r in self.peers.items()
             if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
         }
+        credible = {id(r) for r in self._credible(list(serving.values()))}
+        return {pid: r for pid, r in serving.items() if id(r) in credible}
 
     def record(self) -> ServerRecord:
         rt = self.runtime
@@ -238,17 +253,30 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             logger.warning("%s: could not read the replicas' records: %s", self.label, e)
             return
         fresh = {pid: r for pid, r in records.items() if pid != self.dht.peer_id and self.part.matches(r)}
-        # a DHT read can miss a record now and then: keep a known peer until its record would have expired
-        horizon = time.time() - self.cfg.network.record_ttl
+        now = time.time()
+        self._seen.update((pid, now) for pid in fresh)
+        for pid in fresh:
+            self._first_seen.setdefault(pid, self.runtime.epoch)
+        # a DHT read can miss a record now and then: keep a known peer until its record would have expired, by
+        # when this replica last read it (a record's own `updated` may lie), unless it was revoked meanwhile
+        horizon, revoked = now - self.cfg.network.record_ttl, self.dht.gate.revoked if self.dht.gate else ()
         kept = {
-            pid: r for pid, r in self.peers.items() if pid not in fresh and r.updated > horizon and r.state != "left"
+            pid: r
+            for pid, r in self.peers.items()
+            if pid not in fresh and self._seen.get(pid, 0.0) > horizon and r.state != "left" and pid not in revoked
         }
+        self._seen = {pid: t for pid, t in self._seen.items() if t > horizon}
+        self._first_seen = {pid: e for pid, e in self._first_seen.items() if pid in self._seen}
         self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
 
     async def _progress_loop(self) -> None:
         period = self.cfg.network.progress_period
+        last = time.monotonic()
         while not self.leaving:
             await asyncio.sleep(period)
+            if time.monotonic() - last > max(5 * period, 5.0):
+                self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
+            last = time.monotonic()
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
             await self.refresh_peers()
@@ -256,6 +284,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
                     await self._resync(ahead)
+                elif self.paused:
+                    self.paused = False  # stopped, but nobody went on meanwhile: it serves as it was
                 self._maybe_step()
             await self.publish()
             await self.on_progress()

@@ -27,6 +27,8 @@ class Rounds:
 
     async def _round(self, epoch: int) -> None:
         """Invite the stage's other replicas to the round for `epoch`; the group is those who join."""
+        if await self._alone_after_poison(epoch):
+            return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
         asked = time.monotonic()
@@ -41,9 +43,8 @@ class Rounds:
             answers.update(await self._invite(silent, epoch, timeout))
         joiners = _joiners(answers)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
-        for pid, a in answers.items():
-            if isinstance(a, BaseException):
-                self._unresponsive[pid] = partners[pid].updated  # hung or gone: not waited for again
+        # hung or gone: not waited for again
+        self._unresponsive.update((pid, partners[pid].updated) for pid in answers if pid not in alive)
         if any(a.epoch > epoch for a in alive.values()) or (
             not joiners and any(a.epoch != epoch for a in alive.values())
         ):
@@ -85,16 +86,35 @@ class Rounds:
         expected = sorted([self.dht.peer_id, *joiners])
         await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
 
+    async def _alone_after_poison(self, epoch: int) -> bool:
+        """After averaging.max_refused_rounds poisoned means in a row (peer.server.averaging), step with our own
+        gradients this once: a poisoning member delays the stage, it does not stop it."""
+        refused = self.averager.refused_in_a_row
+        if refused < self.spec.averaging.max_refused_rounds:
+            return False
+        logger.warning("%s: step %d alone after %d poisoned rounds", self.label, epoch, refused)
+        self.averager.refused_in_a_row = 0
+        await self._finish_step(self._step_alone())
+        return True
+
     async def _invite(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> dict:
         """Each partner's answer to the invitation to the round for `epoch` (or the exception its call raised)."""
         answers = await asyncio.gather(
             *(
-                self.client.round(r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert)
-                for r in partners.values()
+                self.client.round(
+                    r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert, peer=pid
+                )
+                for pid, r in partners.items()
             ),
             return_exceptions=True,
         )
-        return dict(zip(partners, answers, strict=True))
+        # an answer that claims a step most replicas do not back is no partner's (peer.swarm.consensus)
+        limit = self._step_limit()
+        return {
+            pid: a
+            for pid, a in zip(partners, answers, strict=True)
+            if pid not in self._distrusted and (isinstance(a, BaseException) or a.epoch <= limit)
+        }
 
     async def _averaged_step(self, expected: list[str], epoch: int, stagger: float):
         """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
@@ -114,7 +134,8 @@ class Rounds:
             return samples, 0, time.perf_counter() - started
         await asyncio.sleep(stagger)
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
-        admitted = {self.dht.peer_id, *self.peers} if self.dht.gate is not None else None
+        # (less those this replica caught lying: peer.server.replica_state)
+        admitted = {self.dht.peer_id, *self.peers} - self._distrusted if self.dht.gate is not None else None
         round_future = self.round_executor.submit(
             self.averager.average, grads, samples, epoch, expected, admitted, (incarnation, seq)
         )

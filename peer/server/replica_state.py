@@ -14,7 +14,9 @@ import grpc
 
 from dht.records import ServerRecord
 from peer.model.fingerprint import first_difference, tolerance
+from peer.model.part_state import OutOfReach
 from peer.process.status_lines import say
+from peer.swarm.consensus import credible_limit
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class StateTransfer:
             epoch = lead.epoch
         else:
             info = await self.client.info(
-                lead.endpoint, timeout=self.cfg.network.dht_request_timeout, expert=self.part.expert
+                lead.endpoint, timeout=self.cfg.network.dht_request_timeout, expert=self.part.expert, peer=lead.owner
             )
             epoch = info.epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
@@ -57,7 +59,15 @@ class StateTransfer:
         async def part(donor: ServerRecord, shard: int):
             async with at_once:
                 result = await self.client.get_state(
-                    donor.endpoint, self.run_id, self.stage, timeout, shard, n, epoch, expert=self.part.expert
+                    donor.endpoint,
+                    self.run_id,
+                    self.stage,
+                    timeout,
+                    shard,
+                    n,
+                    epoch,
+                    expert=self.part.expert,
+                    peer=donor.owner,
                 )
             result[0]["from"] = donor.endpoint  # which donor sent it (this copy of the metadata only)
             have[shard] = result
@@ -115,13 +125,21 @@ class StateTransfer:
             started = time.perf_counter()
             try:
                 metadata, tensors = await self._fetch_state(donors)
+                self._check_steps(metadata)
+                reach = self.cfg.server.max_update_per_step
+                await self.run_torch(self.runtime.check_reach, metadata, tensors, reach, self._apart(donors))
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
+                self.paused = False
                 n = min(len(donors), self.cfg.server.state_donors)
                 say(
                     f"Loaded the state of {self.label} (step {self.runtime.epoch}) from {n} peer{'s' * (n > 1)} "
                     f"in {time.perf_counter() - started:.1f} s."
                 )
                 return True
+            except OutOfReach as e:  # a donor that claims a step its weights cannot be at: never again
+                self._distrust([r for r in donors if r.epoch == int(metadata["epoch"])] or donors, str(e))
+                self.last_load_error = why(e)
+                return False
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
                 self.last_load_error = why(e)
                 logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, why(e))
@@ -134,9 +152,62 @@ class StateTransfer:
         return False
 
     def _donors(self) -> list[ServerRecord]:
-        """Serving replicas; when there is none, the resumed run's checkpoint (an `archive` record)."""
-        serving = [r for r in self.peers.values() if r.state == "serving"]
+        """Serving replicas (none that claims a step most of them do not back); when there is none, the resumed
+        run's checkpoint (an `archive` record)."""
+        serving = self._credible([r for r in self.peers.values() if r.state == "serving"])
         return serving or [r for r in self.peers.values() if r.state == "archive"]
+
+    def _apart(self, donors: list[ServerRecord]) -> int:
+        """This replica's steps since it last stepped in one group with any of `donors` (its history says), or, if
+        it never did, since it first saw the first of them: how far honest replicas may have drifted apart."""
+        owners, epoch = {r.owner for r in donors}, self.runtime.epoch
+        for step in reversed(self.runtime.history):
+            if owners.intersection(step.members):
+                return epoch - step.epoch
+        return epoch - min((self._first_seen.get(o, epoch) for o in owners), default=epoch)
+
+    def _check_steps(self, metadata: dict) -> None:
+        """OutOfReach if the donor's recent steps include one from a group whose mean this replica refused as
+        poisoned (peer.server.averaging): every honest member of that group refused it alike."""
+        refused = self.averager.refused_groups if self.averager is not None else {}
+        for step, members in (metadata.get("step_members") or {}).items():
+            if refused.get(int(step)) == sorted(members):
+                raise OutOfReach(f"its step {step} stepped the mean of a group this replica refused as poisoned")
+
+    def _distrust(self, donors: list[ServerRecord], reason: str) -> None:
+        """Never take state from, average with, or wait for these donors again (their claim was false)."""
+        for r in donors:
+            if len(self._distrusted) < 1024:
+                self._distrusted.add(r.owner)
+        names = ", ".join(r.owner or r.endpoint for r in donors)
+        logger.error("%s: distrusts %s for good: %s", self.label, names, reason)
+        say(f"{self.label.capitalize()} refused the state of {names}: {reason}.")
+
+    def _step_limit(self) -> int:
+        """The furthest step a replica of this part is believed at: server.max_resync_jump past the one most of them
+        (this one too, when it serves and has not been stopped since it last loaded) are at."""
+        steps = [r.epoch for pid, r in self.peers.items() if r.state == "serving" and pid not in self._distrusted]
+        if self.state == "serving" and not self.paused:
+            steps.append(self.runtime.epoch)
+        return credible_limit(steps, self.cfg.server.max_resync_jump)
+
+    def _credible(self, records: list[ServerRecord]) -> list[ServerRecord]:
+        """Those of `records` whose step is within server.max_resync_jump of the one most replicas of the part
+        (this one too, when it serves) are at (peer.swarm.consensus); the others are said once."""
+        records, limit = [r for r in records if r.owner not in self._distrusted], self._step_limit()
+        for r in records:
+            if r.epoch > limit and r.owner not in self._doubted:
+                if len(self._doubted) > 1024:
+                    self._doubted.clear()
+                self._doubted.add(r.owner)
+                logger.warning(
+                    "%s: %s claims step %d, which most replicas do not back (they are at %d): not believed (said once)",
+                    self.label,
+                    r.owner or r.endpoint,
+                    r.epoch,
+                    limit - self.cfg.server.max_resync_jump,
+                )
+        return [r for r in records if r.epoch <= limit]
 
     async def load_state_from_peers(self) -> bool:
         """Load parameters and optimizer state from serving replicas (or the run's archive).
@@ -146,6 +217,7 @@ class StateTransfer:
         comes): a server never serves the seed's weights beside trained replicas. It gives up only
         when told to leave (`told_to_leave`)."""
         await self.refresh_peers()
+        await self.refresh_peers()  # two reads (a peer read once is kept): one that missed records picks no donor
         donors = self._donors()
         pause = 1.0
         while donors:
@@ -197,6 +269,9 @@ class StateTransfer:
 
     async def _resync(self, ahead: list[ServerRecord]) -> None:
         """This replica fell behind (missed a round): take the state of those ahead of it, keeping its accumulator."""
+        ahead = self._credible(ahead)
+        if not ahead:
+            return
         leader = max(ahead, key=lambda r: r.epoch)
         logger.warning(
             "%s: at step %d while %s is at %d; loading its state",

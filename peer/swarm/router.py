@@ -8,6 +8,7 @@ margin, plus a floor. A hung server therefore costs about a second, not a fixed 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import ExpertsConfig, TrainerConfig
+from peer.swarm.consensus import agreed
+
+STEP_READS = 3  # refreshes in a row that must all say the run reached its last step before a trainer stops
+SEEN_WINDOW = 10.0  # s a serving record read once still counts in what most replicas of its part say
 
 LATENCY_DECAY = 0.8  # weight of the past in a server's latency average
 UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, at the least
@@ -67,10 +72,16 @@ class Router:
         self.answered: dict[tuple[str, int], int] = {}  # (peer, incarnation) -> stepped_seq it last answered
         self.rng = random.Random()
         self.max_epoch = 0
+        # the run's step (what most replicas say, the furthest part) at each of the last refreshes: one partial DHT
+        # read that happened to hold only a hostile claim must not end a trainer's run
+        self.recent_steps: collections.deque[int] = collections.deque(maxlen=STEP_READS)
+        # per slot: peer -> (when read, its step) of serving records read in the last SEEN_WINDOW s: what most
+        # replicas say is counted over these, so a read that missed some honest records changes nothing
+        self.seen: list[dict[str, tuple[float, int]]] = [{} for _ in self.slots]
 
     # ---- the server list ------------------------------------------------------------------
     async def refresh(self) -> None:
-        present, endpoints = set(), {}
+        present, endpoints, step = set(), {}, 0
         found = await asyncio.gather(*(self.dht.aget(key, ServerRecord) for key, _, _ in self.slots))
         for slot, ((_, stage, expert), records) in enumerate(zip(self.slots, found, strict=True)):
             records = {
@@ -86,22 +97,43 @@ class Router:
                     self.dead.discard(pid)  # the host restarted (same key, a new process) after it was marked
                     self.leaving.discard(pid)
                 present.add(pid)
-            self.servers[slot] = self._routable(records)
-            for r in self.servers[slot].values():
-                self.max_epoch = max(self.max_epoch, r.step, r.epoch)
+            self.servers[slot] = self._routable(records, self._counted(slot, records))
+            # the run's progress is what most replicas of a part say: one record cannot end every trainer
+            step = max(step, agreed(max(r.step, r.epoch) for r in self.servers[slot].values()))
+        self.max_epoch = max(self.max_epoch, step)
+        self.recent_steps.append(step)
         self.present, self.endpoints = present, endpoints
         self._forget_old()
 
-    def _routable(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+    def reached(self, step: int) -> bool:
+        """Whether the run is at `step` by the last STEP_READS refreshes in a row (peer.swarm.consensus)."""
+        return len(self.recent_steps) == STEP_READS and min(self.recent_steps) >= step
+
+    def _counted(self, slot: int, records: dict[str, ServerRecord]) -> list[int]:
+        """The steps of a part's serving replicas read in the last SEEN_WINDOW s (this read's included)."""
+        now, seen = time.monotonic(), self.seen[slot]
+        for pid, r in records.items():
+            if r.state == "serving" and pid not in self.distrusted:
+                seen[pid] = (now, r.epoch)
+            else:
+                seen.pop(pid, None)
+        self.seen[slot] = seen = {pid: v for pid, v in seen.items() if now - v[0] < SEEN_WINDOW}
+        return [epoch for _, epoch in seen.values()]
+
+    def _routable(self, records: dict[str, ServerRecord], counted: list[int]) -> dict[str, ServerRecord]:
         """The serving records of a part to route to: not dead, leaving or distrusted, and not more than
-        `max_step_lag` steps behind the part's newest (a replica catching up computes with old weights)."""
+        `max_step_lag` steps behind the part's newest (a replica catching up computes with old weights), where
+        the newest is no further than that past the step most of its replicas are at (peer.swarm.consensus): a
+        claim of a later step no majority backs draws no traffic."""
         serving = {
             pid: r
             for pid, r in records.items()
             if r.state == "serving" and pid not in self.dead and pid not in self.leaving and pid not in self.distrusted
         }
-        newest = max((r.epoch for r in serving.values()), default=0)
-        return {pid: r for pid, r in serving.items() if r.epoch >= newest - self.cfg.max_step_lag}
+        lag = self.cfg.max_step_lag
+        limit = agreed(counted) + lag
+        newest = max((r.epoch for r in serving.values() if r.epoch <= limit), default=0)
+        return {pid: r for pid, r in serving.items() if newest - lag <= r.epoch <= newest}
 
     def note(self, pid: str, record: ServerRecord) -> None:
         """Remember a record (from the DHT or an Info answer) if it is newer than what we have."""

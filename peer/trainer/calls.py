@@ -118,7 +118,7 @@ class Calls:
         started = time.monotonic()
         try:
             call = self.client.forward if method == "forward" else self.client.backward
-            response, returned = await call(record.endpoint, request, payloads, timeout=timeout)
+            response, returned = await call(record.endpoint, request, payloads, timeout=timeout, peer=pid)
             self._count_bytes("received", response.ByteSize() + sum(len(p) for p in returned.values()))
             self._check_answer(stage, method, request, response, returned)
             self.router.report_success(pid, kind, time.monotonic() - started)
@@ -187,16 +187,17 @@ class Calls:
             self._write(entry)
 
     async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None):
-        """A backward, with its receipt kept until the server steps it (a dry one adds nothing: no receipt)."""
+        """A backward, with its receipt kept until the server steps it (a dry one adds nothing: no receipt);
+        (response, payloads returned, the server's peer id)."""
         response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude)
         if request.dry:
-            return response, returned
+            return response, returned, pid
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         self.ledger.add(
             Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, time.time())
         )
         self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
-        return response, returned
+        return response, returned, pid
 
     def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
         """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""

@@ -69,7 +69,7 @@ class Settling:
         answered, silent, covered = False, False, -1
         for pid, record in list(self.router.servers[check.receipt.stage].items()):
             try:
-                info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
+                info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2, peer=pid)
             except grpc.aio.AioRpcError as e:
                 if pid != gone and not await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
                     silent = True  # hung (a stopped donor, say), and its steps may hold what we look for
@@ -105,7 +105,7 @@ class Settling:
                 if record is None:
                     continue
                 try:
-                    info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2)
+                    info = await self.client.info(record.endpoint, timeout=self.tcfg.deadline_floor * 2, peer=pid)
                     self.router.report_answer(pid, info.incarnation, info.stepped_seq)
                     # a replica more than a step behind its stage drops what it holds as it catches up (trainers
                     # replay it): not a place to leave receipts in; wait until it stepped them or dropped them

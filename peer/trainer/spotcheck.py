@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 
 import grpc
@@ -31,13 +32,20 @@ logger = logging.getLogger(__name__)
 # the largest error of each activation codec, as a fraction of a tensor's largest magnitude (one side)
 CODEC_ERROR = {tensor_pb2.NONE: 0.0, tensor_pb2.FP16: 2**-11, tensor_pb2.BF16: 2**-8, tensor_pb2.INT8: 1 / 254}
 MAX_RUNNING = 2  # spot checks under way at once; more are skipped (they must never slow training down)
+SAME_STEP_TRIES = 3  # a compare asks both replicas again this many times while they answer at different steps
+SAME_STEP_WAIT = 0.5  # s between those tries
+MAX_DODGES = 3  # compares a replica dodged (always a step ahead) before this trainer stops routing to it
 
 
-def agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
+def agree(a: torch.Tensor | list, b: torch.Tensor | list, tolerance: float) -> bool:
+    """Whether two answers agree: each tensor (a forward's outputs; a last stage's loss, then its gradients)
+    within `tolerance` of its largest magnitude."""
+    if isinstance(a, list) or isinstance(b, list):
+        return len(a) == len(b) and all(agree(x, y, tolerance) for x, y in zip(a, b, strict=True))
     if a.shape != b.shape:
         return False
-    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
-    return (a - b).abs().max().item() <= tolerance * scale
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6) if a.numel() else 1e-6
+    return a.numel() == 0 or (a - b).abs().max().item() <= tolerance * scale
 
 
 class SpotChecker:
@@ -50,7 +58,9 @@ class SpotChecker:
         self.running: set[asyncio.Task] = set()
         self.checks = self.skipped = self.disagreements = 0
         self.wrong: dict[str, int] = {}  # peer id -> checks it was the minority of (it is banned)
+        self.dodges: dict[str, int] = {}  # peer id -> compares it dodged by answering a later step
         self.caught_at: dict[str, int] = {}  # peer id -> the micro-batch whose check caught it
+        self.caught_time: dict[str, float] = {}  # peer id -> when (unix time): reports expire, a pardon clears them
 
     def maybe_check(self, index: int, stage: int, request, payloads: dict, response, returned: dict, pid: str):
         """Called after each forward: with probability `rate`, check it (in the background)."""
@@ -61,20 +71,41 @@ class SpotChecker:
         task.add_done_callback(self.running.discard)
 
     async def _ask(self, stage: int, pid: str, request, payloads: dict):
-        """(outputs, epoch) of replica `pid` for `request` as inference; None if it did not answer."""
+        """(answer, epoch) of replica `pid` for a disguised copy of `request`; None if it did not answer.
+
+        The copy looks like work: a forward is a training forward under a fresh uid (a micro-batch of another
+        session of this trainer), a last stage's backward is a dry one (as replays send), which adds nothing."""
         t = self.trainer
         record = t.router.servers[stage].get(pid)
         if record is None:
             return None
+        again = type(request)()
+        again.CopyFrom(request)
+        again.uid = f"{t.dht.peer_id[-10:]}-{secrets.token_hex(4)}-{request.uid.rsplit('-', 1)[-1]}"
         try:
-            response, returned = await t.client.forward(
-                record.endpoint, request, payloads, timeout=t.tcfg.request_timeout
-            )
-            outputs = codec.decode(response.outputs, t.cfg.server.max_tensor_elements, returned.get("outputs"))
+            if isinstance(again, stage_pb2.BackwardRequest):
+                again.dry = True
+                response, returned = await t.client.backward(
+                    record.endpoint, again, payloads, timeout=t.tcfg.request_timeout, peer=pid
+                )
+            else:
+                again.train = True
+                response, returned = await t.client.forward(
+                    record.endpoint, again, payloads, timeout=t.tcfg.request_timeout, peer=pid
+                )
+            answer = self._answer(response, returned)
         except (grpc.aio.AioRpcError, codec.TensorDecodeError) as e:
             logger.debug("spot check: %s did not answer: %s", record.endpoint, e)
             return None
-        return outputs, response.epoch
+        return answer, response.epoch
+
+    def _answer(self, response, returned: dict) -> torch.Tensor | list[torch.Tensor]:
+        """What is compared: a forward's outputs; a last stage's loss and the gradients it sends back."""
+        limit = self.trainer.cfg.server.max_tensor_elements
+        if isinstance(response, stage_pb2.BackwardResponse):
+            grads = codec.decode(response.grad_inputs, limit, returned.get("grad_inputs"))
+            return [torch.tensor([response.loss]), grads.float()]
+        return codec.decode(response.outputs, limit, returned.get("outputs"))
 
     def _others(self, stage: int, exclude: set[str]) -> list[str]:
         """Replicas of `stage` to ask: serving, not banned, not in `exclude`."""
@@ -86,29 +117,59 @@ class SpotChecker:
                 found.append(pid)
         return found
 
+    async def _at_one_step(self, stage: int, pid: str, second_pid: str, request, payloads, first, epoch: int):
+        """(the suspect's answer, the second's, their step), asking both again while they answer at different
+        steps (one just stepped), up to SAME_STEP_TRIES times; None if they never meet. A suspect ahead of the
+        second every time dodges the compare (an honest one is met within a progress period): counted."""
+        ahead = False
+        for _ in range(SAME_STEP_TRIES):
+            second = await self._ask(stage, second_pid, request, payloads)
+            if second is None:
+                return None
+            if second[1] == epoch:
+                return first, second[0], epoch
+            ahead = epoch > second[1]
+            await asyncio.sleep(SAME_STEP_WAIT)
+            again = await self._ask(stage, pid, request, payloads)
+            if again is None:
+                return None
+            (first, epoch), ahead = again, ahead and again[1] > second[1]
+        if ahead:
+            self._dodged(stage, pid)
+        self.skipped += 1
+        return None
+
+    def _dodged(self, stage: int, pid: str) -> None:
+        self.dodges[pid] = self.dodges.get(pid, 0) + 1
+        logger.warning(
+            "spot check of stage %d: %s answered a later step than its partner %d times in a row (%d so far)",
+            stage,
+            pid,
+            SAME_STEP_TRIES,
+            self.dodges[pid],
+        )
+        if self.dodges[pid] >= MAX_DODGES:
+            self.trainer.router.distrust(pid)  # not reported: a dodge is not a wrong answer; this trainer avoids it
+
     async def _check(self, index: int, stage: int, request, payloads, response, returned, pid: str) -> None:
-        t = self.trainer
         try:
-            first = codec.decode(response.outputs, t.cfg.server.max_tensor_elements, returned.get("outputs"))
+            first = self._answer(response, returned)
             others = self._others(stage, {pid})
             if not others:
                 self.skipped += 1
                 return
-            again = stage_pb2.ForwardRequest()
-            again.CopyFrom(request)
-            again.train, again.uid = False, ""
             second_pid = self.rng.choice(others)
-            second = await self._ask(stage, second_pid, again, payloads)
-            if second is None or second[1] != response.epoch:
-                self.skipped += 1  # no answer, or at another step: not comparable
+            met = await self._at_one_step(stage, pid, second_pid, request, payloads, first, response.epoch)
+            if met is None:
                 return
+            first, second, epoch = met
             self.checks += 1
-            if agree(first, second[0], self.tolerance):
+            if agree(first, second, self.tolerance):
                 return
             self.disagreements += 1
             thirds = self._others(stage, {pid, second_pid})
-            third = await self._ask(stage, self.rng.choice(thirds), again, payloads) if thirds else None
-            if third is None or third[1] != response.epoch:
+            third = await self._ask(stage, self.rng.choice(thirds), request, payloads) if thirds else None
+            if third is None or third[1] != epoch:
                 logger.warning(
                     "spot check of stage %d: %s and %s disagree and no third replica could decide",
                     stage,
@@ -116,7 +177,7 @@ class SpotChecker:
                     second_pid,
                 )
                 return
-            with_first, with_second = agree(first, third[0], self.tolerance), agree(second[0], third[0], self.tolerance)
+            with_first, with_second = agree(first, third[0], self.tolerance), agree(second, third[0], self.tolerance)
             if with_first and not with_second:
                 self.convict(index, stage, second_pid)
             elif with_second and not with_first:
@@ -132,6 +193,7 @@ class SpotChecker:
         endpoint = record.endpoint if record is not None else "?"
         self.wrong[pid] = self.wrong.get(pid, 0) + 1
         self.caught_at.setdefault(pid, index)
+        self.caught_time.setdefault(pid, time.time())
         t.router.distrust(pid)
         t.summary.bans += 1
         logger.warning(
@@ -148,7 +210,7 @@ class SpotChecker:
         if not self.wrong:
             return
         t = self.trainer
-        record = SpotCheckReport(wrong=dict(self.wrong), updated=time.time())
+        record = SpotCheckReport(wrong=dict(self.wrong), caught=dict(self.caught_time), updated=time.time())
         try:
             await t.dht.astore(keys.reports_key(t.spec.name), record, t.cfg.network.record_ttl * 3)
         except Exception as e:  # the DHT may be busy: reported again next period

@@ -36,6 +36,7 @@ from peer.trainer.tracking import Tracker
 from protocols import codec, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
+ANSWER_LEAD = 16  # steps an answer may claim past what most replicas said at the last look (peer.swarm.consensus)
 
 
 @dataclass
@@ -124,9 +125,9 @@ class Trainer(Calls, Settling, Reporting):
             output_codec=self.codec,
             dry=n - 1 in entry.dry,
         )
-        response, returned = await self._backward(
-            n - 1, *_with(request, "inputs", *stage_inputs[-1]), prefer=entry.sent.get(n - 1)
-        )
+        request, payloads = _with(request, "inputs", *stage_inputs[-1])
+        response, returned, pid = await self._backward(n - 1, request, payloads, prefer=entry.sent.get(n - 1))
+        self.spot.maybe_check(index, n - 1, request, payloads, response, returned, pid)  # its loss and gradients
         loss, epoch = response.loss, max(epoch, response.epoch)
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
@@ -136,7 +137,7 @@ class Trainer(Calls, Settling, Reporting):
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
             prefer = entry.sent.get(stage, servers[stage])
-            response, returned = await self._backward(stage, request, payloads, prefer=prefer)
+            response, returned, _ = await self._backward(stage, request, payloads, prefer=prefer)
             grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
 
@@ -171,7 +172,15 @@ class Trainer(Calls, Settling, Reporting):
             return True
         if self.tcfg.max_micro_batches and index >= self.tcfg.max_micro_batches:
             return True
-        return max(self.summary.epoch, self.router.max_epoch) >= self.spec.training.total_steps
+        # what most replicas of a part say (peer.swarm.consensus), not one answer: one peer cannot end the run
+        if not self.router.reached(self.spec.training.total_steps):
+            return False
+        seen = "; ".join(
+            f"slot {slot}: " + ", ".join(f"{pid[-6:]}@{r.epoch}" for pid, r in servers.items())
+            for slot, servers in enumerate(self.router.servers)
+        )
+        logger.info("the run reached training.total_steps by its replicas' records (%s)", seen)
+        return True
 
     async def _next(self, index: int) -> tuple[Entry, int]:
         """The next micro-batch: one an earlier start left unsettled, else new data; its index (-1: recovered)."""
@@ -270,7 +279,9 @@ class Trainer(Calls, Settling, Reporting):
         s = self.summary
         s.samples += task.samples
         s.micro_batches += 1
-        s.epoch = max(s.epoch, epoch)
+        # an answer's step counts only a little past what most replicas said at the last look (a hostile server
+        # may answer any step; honest ones run ahead of that look by the steps taken since)
+        s.epoch = max(s.epoch, min(epoch, self.router.max_epoch + ANSWER_LEAD))
         s.losses.append(loss)
         self.recent.append((time.monotonic(), task.samples, loss))
         self._write(

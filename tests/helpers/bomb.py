@@ -33,7 +33,7 @@ from peer.net.client import SERVICE, StageClient
 from protocols import codec, framing, stage_pb2, tensor_pb2
 
 
-async def one_call(client: StageClient, endpoint: str, run: str, elements: int, hold: float) -> str:
+async def one_call(client: StageClient, endpoint: str, peer: str, run: str, elements: int, hold: float) -> str:
     header = stage_pb2.ForwardRequest(run_id=run, stage=0)
     header.inputs.CopyFrom(tensor_pb2.Tensor(dtype=tensor_pb2.INT32, shape=[1, elements]))
 
@@ -41,7 +41,7 @@ async def one_call(client: StageClient, endpoint: str, run: str, elements: int, 
         yield framing.chunk_frame(header.SerializeToString())
         await asyncio.sleep(hold)  # and never a byte of the tensor it claimed
 
-    channel, _ = client._channel(endpoint)
+    channel, _ = client._channel(endpoint, peer)
     call = channel.stream_stream(f"/{SERVICE}/ForwardStream")(frames(), timeout=hold)
     try:
         async for _ in call:
@@ -51,20 +51,20 @@ async def one_call(client: StageClient, endpoint: str, run: str, elements: int, 
         return e.code().name
 
 
-async def bomb(client: StageClient, endpoint: str, run: str, calls: int, elements: int, hold: float) -> None:
+async def bomb(client: StageClient, endpoint: str, peer: str, run: str, calls: int, elements: int, hold: float) -> None:
     started = time.monotonic()
-    codes = await asyncio.gather(*(one_call(client, endpoint, run, elements, hold) for _ in range(calls)))
+    codes = await asyncio.gather(*(one_call(client, endpoint, peer, run, elements, hold) for _ in range(calls)))
     counted = " ".join(f"{code}={n}" for code, n in sorted(collections.Counter(codes).items()))
     print(f"BOMB codes {counted} seconds={time.monotonic() - started:.1f}", flush=True)
     await client.close()
 
 
-async def tokens(client: StageClient, endpoint: str, run: str, seq: int, elements: int) -> None:
+async def tokens(client: StageClient, endpoint: str, peer: str, run: str, seq: int, elements: int) -> None:
     ids = torch.zeros(elements // seq, seq, dtype=torch.int32)
     request = stage_pb2.ForwardRequest(run_id=run, stage=0)
     request.inputs.CopyFrom(codec.encode(ids))
     try:
-        await client.forward(endpoint, request, timeout=60.0)
+        await client.forward(endpoint, request, timeout=60.0, peer=peer)
         print("BOMB said OK", flush=True)
     except grpc.aio.AioRpcError as e:
         print(f"BOMB said {e.code().name}: {e.details()}", flush=True)
@@ -80,16 +80,21 @@ def main(mode: str, maddr: str, identity_path: str, endpoint: str, calls: int, e
     try:
         deadline = time.monotonic() + 30
         # the server's record, as a trainer reads it: its TLS name (its owner's) is what the channel then pins
-        while not any(r.endpoint == endpoint for r in dht.get(keys.servers_key(spec.name, 0), ServerRecord).values()):
+        while not (
+            peers := [
+                p for p, r in dht.get(keys.servers_key(spec.name, 0), ServerRecord).items() if r.endpoint == endpoint
+            ]
+        ):
             if time.monotonic() > deadline:
                 raise SystemExit(f"no record names {endpoint}")
             time.sleep(0.5)
+        peer = peers[0]
         print(f"BOMB up {identity.peer_id}", flush=True)
         client = StageClient.for_server(cfg.server, dht.security)
         if mode == "claim":
-            asyncio.run(bomb(client, endpoint, spec.name, calls, elements, hold))
+            asyncio.run(bomb(client, endpoint, peer, spec.name, calls, elements, hold))
         else:
-            asyncio.run(tokens(client, endpoint, spec.name, spec.model.max_seq_len, elements))
+            asyncio.run(tokens(client, endpoint, peer, spec.name, spec.model.max_seq_len, elements))
     finally:
         dht.shutdown()
 

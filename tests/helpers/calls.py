@@ -40,11 +40,17 @@ class TestCredential:
     def channel_credentials(self):
         return self.credentials
 
-    def target_name(self, endpoint: str, peer_id: str | None = None) -> str:
+    def target_name(self, peer_id: str) -> str:
         from dht.credential import dns_name_of
-        from dht.identity import Identity
 
-        return dns_name_of(peer_id or Identity.load(_SERVERS[endpoint][1]).peer_id)
+        return dns_name_of(peer_id)
+
+
+def peer_at(endpoint: str) -> str:
+    """The peer id of the server the swarm fixture started at `endpoint`."""
+    from dht.identity import Identity
+
+    return Identity.load(_SERVERS[endpoint][1]).peer_id
 
 
 def test_credential(endpoint: str) -> TestCredential | None:
@@ -63,15 +69,20 @@ def channel(endpoint: str):
     credential = test_credential(endpoint)
     if credential is None:
         return grpc.insecure_channel(endpoint)
-    options = [("grpc.ssl_target_name_override", credential.target_name(endpoint))]
+    options = [("grpc.ssl_target_name_override", credential.target_name(peer_at(endpoint)))]
     return grpc.secure_channel(endpoint, credential.channel_credentials(), options=options)
 
 
 def client(endpoint: str, *args, **kwargs):
-    """A peer.net.client.StageClient of this test process, admitted to the run `endpoint` belongs to."""
+    """A peer.net.client.StageClient of this test process, admitted to the run `endpoint` belongs to; a call that
+    names no peer pins the one the swarm fixture started at its endpoint."""
     from peer.net.client import StageClient
 
-    return StageClient(*args, security=test_credential(endpoint), **kwargs)
+    class FixtureClient(StageClient):
+        def _channel(self, endpoint: str, peer: str | None = None):
+            return super()._channel(endpoint, peer or (peer_at(endpoint) if self.security is not None else None))
+
+    return FixtureClient(*args, security=test_credential(endpoint), **kwargs)
 
 
 def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:

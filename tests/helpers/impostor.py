@@ -1,0 +1,48 @@
+"""An admitted peer that announces another server's endpoint as its own (tests/test_attacks.py runs it).
+
+`impostor.py MADDR IDENTITY STAGE ENDPOINT SECONDS ROLE`: it is admitted with ROLE (`server`: it may announce
+servers; `trainer`: it may not, and its record must count nowhere).
+
+It keeps storing a `ServerRecord` of its own for STAGE that names ENDPOINT (an honest server's), serving,
+at the stage's step and with a throughput far above anyone's, so trainers pick it first. A caller that
+pinned the TLS name by endpoint would then expect this peer at the honest server's address: every call
+there would fail the handshake, and the honest server would be blamed. It prints `IMPOSTOR up PEER_ID`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+
+from dht import keys
+from dht.identity import Identity
+from dht.records import ServerRecord
+from peer.cli.join import connect
+from peer.config import PeerConfig
+
+
+def main(maddr: str, identity_path: str, stage: int, endpoint: str, seconds: float, role: str) -> None:
+    mp.set_start_method("fork", force=True)
+    cfg = PeerConfig()
+    cfg.network.host, cfg.network.dht_host_maddrs = "127.0.0.1", ["/ip4/127.0.0.1/tcp/0"]
+    identity = Identity.load_or_create(identity_path)
+    dht, spec = connect(maddr, cfg, identity, role)
+    key = keys.servers_key(spec.name, stage)
+    print(f"IMPOSTOR up {identity.peer_id}", flush=True)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            honest = [r for pid, r in dht.get(key, ServerRecord).items() if pid != identity.peer_id]
+            step = max((r.epoch for r in honest), default=0)
+            now = time.time()
+            fake = ServerRecord(stage=stage, endpoint=endpoint, throughput=1e6, epoch=step, updated=now, started=now)
+            dht.store(key, fake, ttl=10.0)
+            time.sleep(0.5)
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    maddr, identity_path, stage, endpoint, seconds, role = sys.argv[1:7]
+    main(maddr, identity_path, int(stage), endpoint, float(seconds), role)

@@ -1,0 +1,49 @@
+"""A stage server that answers wrong and tries not to be caught (tests/test_attacks.py runs it).
+
+`python liar.py MODE peer-arguments...` runs `peer ARGS` with one change:
+- `dodge`: every Forward answer claims the step after the one it computed at, so a spot check that compares
+  only answers at one step never compares it (run it with `--set server.perturb_outputs=...` to make its
+  outputs wrong as well);
+- `last`: as a last stage, every backward's loss is 1 higher and the gradients it sends back are tripled,
+  what a broken or hostile last stage would do to every stage before it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from peer.cli.main import main
+from peer.server.servicer import StageServicer
+from peer.server.stage import StageServer
+
+
+def dodging():
+    forward = StageServicer._forward
+
+    async def ahead(self, request, payloads, deadline):
+        response, out = await forward(self, request, payloads, deadline)
+        response.epoch += 1
+        return response, out
+
+    return ahead
+
+
+def wrong_last():
+    backward = StageServer.backward
+
+    async def wrong(self, *args, **kwargs):
+        grad_inputs, loss, *rest = await backward(self, *args, **kwargs)
+        if loss is not None:
+            loss, grad_inputs = loss + 1.0, (grad_inputs * 3 if grad_inputs is not None else None)
+        return (grad_inputs, loss, *rest)
+
+    return wrong
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "dodge":
+        StageServicer._forward = dodging()
+    else:
+        StageServer.backward = wrong_last()
+    print(f"LIAR {sys.argv[1]}", flush=True)
+    sys.exit(main(sys.argv[2:]))

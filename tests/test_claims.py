@@ -1,0 +1,53 @@
+"""Claims a peer cannot back: the step most replicas agree on, and state whose weights no step could reach
+(the real-process attacks are in tests/test_attacks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.config import RunSpec
+from peer.model.part_state import OutOfReach
+from peer.model.runtime import StageRuntime
+from peer.swarm.consensus import agreed, credible_limit
+
+
+def test_the_agreed_step_is_the_one_at_least_half_the_replicas_reached():
+    assert agreed([]) == 0
+    assert agreed([7]) == 7
+    assert agreed([5, 6]) == 6  # of two, the one behind does not hold the other back
+    assert agreed([5, 6, 6]) == 6
+    assert agreed([5, 5, 1000]) == 5  # one far claim among three moves nothing
+    assert agreed([5, 5, 7, 1000]) == 7
+    assert agreed([5, 5, 5, 1000, 1000]) == 5
+    assert credible_limit([5, 5, 1000], 4) == 9
+
+
+def spec() -> RunSpec:
+    model = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+    return RunSpec.from_dict({"model": model, "stages": {"num_stages": 2}, "training": {"lr": 1e-3}})
+
+
+def _stepped(steps: int) -> StageRuntime:
+    rt = StageRuntime(spec(), 1)
+    x, y = torch.randn(2, 8, 32), torch.randint(0, 256, (2, 8))
+    for i in range(steps):
+        rt.backward(f"m{i}", x, None, y)
+        rt.apply_step(*rt.take_gradients(), i + 1, ["me"], {"me": (1, i + 1)})
+    return rt
+
+
+def test_a_state_is_taken_only_within_reach_of_the_steps_it_claims():
+    behind, ahead = _stepped(2), _stepped(2)
+    x, y = torch.randn(2, 8, 32), torch.randint(0, 256, (2, 8))
+    for i in range(2):  # two honest steps more: within reach
+        ahead.backward(f"n{i}", x, None, y)
+        ahead.apply_step(*ahead.take_gradients(), 1, ["me"], {"me": (1, 3 + i)})
+    metadata, tensors = ahead.snapshot()
+    behind.check_reach(metadata, tensors, per_step=4.0)
+    # the same claim with weights moved further than 3 steps of lr 1e-3 could: refused, naming the parameter
+    poisoned = {k: t + 0.05 if k.startswith("param/") else t for k, t in tensors.items()}
+    with pytest.raises(OutOfReach, match=r"more than 3 steps could .*server.max_update_per_step"):
+        behind.check_reach(metadata, poisoned, per_step=4.0)
+    # a replica with no trained state of its own (a joiner) has nothing to compare with
+    StageRuntime(spec(), 1).check_reach(metadata, poisoned, per_step=4.0)
