@@ -51,7 +51,7 @@ class ServerConfig:
     state_retry_max: float = 10.0  # s: the longest pause between tries of a state download that failed
     # a replica takes the state of a step no more than this many steps past the one most replicas of its part
     # are at (peer.swarm.consensus): any admitted peer may claim any step, and one claim must not carry a stage
-    max_resync_jump: int = 4
+    max_resync_jump: int = 16
     # a replica behind its part takes a donor's state only if no parameter moved more than this many times the
     # peak learning rate per step between (an AdamW step moves an element by about lr at most, plus weight decay)
     max_update_per_step: float = 4.0

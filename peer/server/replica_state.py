@@ -186,7 +186,11 @@ class StateTransfer:
     def _step_limit(self) -> int:
         """The furthest step a replica of this part is believed at: server.max_resync_jump past the one most of them
         (this one too, when it serves and has not been stopped since it last loaded) are at."""
-        steps = [r.epoch for pid, r in self.peers.items() if r.state == "serving" and pid not in self._distrusted]
+        steps = [
+            r.epoch
+            for pid, r in self.peers.items()
+            if r.state == "serving" and pid not in self._distrusted and r.updated > self._unresponsive.get(pid, -1.0)
+        ]
         if self.state == "serving" and not self.paused:
             steps.append(self.runtime.epoch)
         return credible_limit(steps, self.cfg.server.max_resync_jump)

@@ -113,10 +113,10 @@ class Router:
         """The steps of a part's serving replicas read in the last SEEN_WINDOW s (this read's included)."""
         now, seen = time.monotonic(), self.seen[slot]
         for pid, r in records.items():
-            if r.state == "serving" and pid not in self.distrusted:
+            if r.state == "serving" and pid not in self.distrusted and pid not in self.dead and pid not in self.leaving:
                 seen[pid] = (now, r.epoch)
             else:
-                seen.pop(pid, None)
+                seen.pop(pid, None)  # a replica gone (its stale step must not hold the live ones back)
         self.seen[slot] = seen = {pid: v for pid, v in seen.items() if now - v[0] < SEEN_WINDOW}
         return [epoch for _, epoch in seen.values()]
 
