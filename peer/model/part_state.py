@@ -183,12 +183,13 @@ class PartState:
         have taken the two apart; plus one step of slack."""
         if self.local or self.tp_degree != 1 or not self.initialized or self.epoch <= 0:
             return
-        steps, t = int(metadata["epoch"]) - self.epoch + 1 + max(apart, 0), self.spec.training
+        # both sides may have moved since they last stepped together: `apart` steps each
+        steps, t = int(metadata["epoch"]) - self.epoch + 1 + 2 * max(apart, 0), self.spec.training
         for name, p in zip(self.param_names, self.params, strict=True):
             bound = max(steps, 1) * t.lr * (per_step + t.weight_decay * float(p.abs().max()))
             moved = max(
                 (
-                    float((new - old).abs().max())
+                    float((new.to(old.device) - old).abs().max())
                     for new, old in zip(
                         tensors[f"param/{name}"].reshape(-1).split(1 << 20), p.reshape(-1).split(1 << 20), strict=True
                     )

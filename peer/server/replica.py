@@ -271,12 +271,11 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
 
     async def _progress_loop(self) -> None:
         period = self.cfg.network.progress_period
-        last = time.monotonic()
         while not self.leaving:
+            slept = time.monotonic()
             await asyncio.sleep(period)
-            if time.monotonic() - last > max(5 * period, 5.0):
+            if time.monotonic() - slept > max(5 * period, 5.0):
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
-            last = time.monotonic()
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
             await self.refresh_peers()

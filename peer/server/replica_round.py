@@ -195,6 +195,8 @@ class Rounds:
             return False
         if self.state != "serving" or epoch != self.runtime.epoch or self.averager is None:
             return False
+        if self.averager.refused_in_a_row >= self.spec.averaging.max_refused_rounds:
+            return False  # it steps alone next (peer.server.averaging): not in a round it would leave
         self.stepping = True
         self.averaging_epoch = epoch
         self._tasks.append(asyncio.create_task(self._round(epoch)))

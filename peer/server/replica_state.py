@@ -14,7 +14,7 @@ import grpc
 
 from dht.records import ServerRecord
 from peer.model.fingerprint import first_difference, tolerance
-from peer.model.part_state import OutOfReach
+from peer.model.part_state import OutOfReach, StateError
 from peer.process.status_lines import say
 from peer.swarm.consensus import credible_limit
 
@@ -137,8 +137,11 @@ class StateTransfer:
                 )
                 return True
             except OutOfReach as e:  # a donor that claims a step its weights cannot be at: never again
-                self._distrust([r for r in donors if r.epoch == int(metadata["epoch"])] or donors, str(e))
                 self.last_load_error = why(e)
+                lead = max(donors, key=lambda r: r.epoch)
+                if len(donors) > 1:  # which donor's shards it was is not known: the lead alone, once more
+                    return await self._load_from([lead], attempts=1)
+                self._distrust([lead], str(e))
                 return False
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
                 self.last_load_error = why(e)
@@ -171,8 +174,8 @@ class StateTransfer:
         poisoned (peer.server.averaging): every honest member of that group refused it alike."""
         refused = self.averager.refused_groups if self.averager is not None else {}
         for step, members in (metadata.get("step_members") or {}).items():
-            if refused.get(int(step)) == sorted(members):
-                raise OutOfReach(f"its step {step} stepped the mean of a group this replica refused as poisoned")
+            if refused.get(int(step)) == sorted(members):  # not for good: another donor may hold a clean state
+                raise StateError(f"its step {step} stepped the mean of a group this replica refused as poisoned")
 
     def _distrust(self, donors: list[ServerRecord], reason: str) -> None:
         """Never take state from, average with, or wait for these donors again (their claim was false)."""

@@ -103,6 +103,8 @@ class SpotChecker:
         """What is compared: a forward's outputs; a last stage's loss and the gradients it sends back."""
         limit = self.trainer.cfg.server.max_tensor_elements
         if isinstance(response, stage_pb2.BackwardResponse):
+            if not response.HasField("grad_inputs"):  # a one-stage run: the loss alone
+                return [torch.tensor([response.loss])]
             grads = codec.decode(response.grad_inputs, limit, returned.get("grad_inputs"))
             return [torch.tensor([response.loss]), grads.float()]
         return codec.decode(response.outputs, limit, returned.get("outputs"))
@@ -121,14 +123,16 @@ class SpotChecker:
         """(the suspect's answer, the second's, their step), asking both again while they answer at different
         steps (one just stepped), up to SAME_STEP_TRIES times; None if they never meet. A suspect ahead of the
         second every time dodges the compare (an honest one is met within a progress period): counted."""
-        ahead = False
+        ahead = True  # ahead at every try
         for _ in range(SAME_STEP_TRIES):
             second = await self._ask(stage, second_pid, request, payloads)
             if second is None:
                 return None
             if second[1] == epoch:
                 return first, second[0], epoch
-            ahead = epoch > second[1]
+            # ahead of a partner that is itself at its stage's newest step (not one catching up)
+            newest = max((r.epoch for r in self.trainer.router.servers[stage].values()), default=0)
+            ahead = ahead and epoch > second[1] >= newest
             await asyncio.sleep(SAME_STEP_WAIT)
             again = await self._ask(stage, pid, request, payloads)
             if again is None:
@@ -165,6 +169,7 @@ class SpotChecker:
             first, second, epoch = met
             self.checks += 1
             if agree(first, second, self.tolerance):
+                self.dodges.pop(pid, None)  # dodges count in a row
                 return
             self.disagreements += 1
             thirds = self._others(stage, {pid, second_pid})
