@@ -67,11 +67,12 @@ class TorchCodec(CompressionBase):
         if len(buffer) < _HEADER.size:
             raise ValueError(f"averaging part of {len(buffer)} bytes has no header")
         fmt, block_size = _HEADER.unpack_from(buffer)
-        if fmt != _FORMATS[self.name] or block_size != self.block_size:
-            # every peer of a run uses its spec's codec: anything else is checked before any allocation
+        if fmt not in _FORMATS.values() or (fmt == _FORMATS["int8"] and block_size != self.block_size):
+            # every peer of a run uses its spec's codec (int8 blocks are what a receiver allocates scales by):
+            # anything else is refused before any allocation
             raise ValueError(
-                f"averaging part in format {fmt} with blocks of {block_size}, not this run's "
-                f"{self.name} ({_FORMATS[self.name]}) in blocks of {self.block_size}"
+                f"averaging part in format {fmt} with blocks of {block_size}; this run's codec is "
+                f"{self.name} in blocks of {self.block_size}"
             )
         shape = tuple(serialized_tensor.size)
         dtype = _DTYPES.get(serialized_tensor.dtype)
