@@ -20,14 +20,15 @@ from peer.config import RunSpec
 from peer.server.averaging import GradientAverager, group_bits, whole_group_missing
 from peer.server.hivemind_averager import round_loss
 from peer.server.replica_round import MATCHMAKING_STAGGER
+from peer.server.robust import aggregate, fixed_weights
 
 SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
 
 
-@pytest.fixture(scope="module")
-def replicas():
-    """Three replicas of one part: (peer id, averager) each, on three DHT nodes."""
-    spec = RunSpec.from_dict(SPEC)
+@pytest.fixture(scope="module", params=["mean", "median"])
+def replicas(request):
+    """Three replicas of one part: (peer id, averager) each, on three DHT nodes; each aggregate in turn."""
+    spec = RunSpec.from_dict({"averaging": {**SPEC["averaging"], "aggregate": request.param}})
     dhts, averagers, sockets = [], [], hivemind_sockets()
     try:
         for _ in range(3):
@@ -51,8 +52,9 @@ def _staggered(rank: int, fn, *args):
     return fn(*args)
 
 
-def _rounds(replicas, epoch: int, expectations: list[list[int]]):
-    """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once."""
+def _rounds(replicas, epoch: int, expectations: list[list[int]], values=(0.0, 1.0, 2.0), samples=(1, 2, 3)):
+    """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once, with
+    gradients of `values[i]` everywhere from `samples[i]` samples."""
     ids = [pid for pid, _ in replicas]
     with ThreadPoolExecutor(len(replicas)) as pool:
         futures = [
@@ -60,8 +62,8 @@ def _rounds(replicas, epoch: int, expectations: list[list[int]]):
                 _staggered,
                 i,
                 averager.average,
-                [torch.full((64,), float(i)), torch.full((8, 8), float(i))],
-                i + 1,  # samples: the mean is weighted by them
+                [torch.full((64,), values[i]), torch.full((8, 8), values[i])],
+                samples[i],  # the mean is weighted by them
                 epoch,
                 [ids[j] for j in expectations[i]],
             )
@@ -70,14 +72,31 @@ def _rounds(replicas, epoch: int, expectations: list[list[int]]):
         return [f.result(timeout=60) for f in futures]
 
 
+def _aggregate(replicas) -> str:
+    return replicas[0][1].cfg.aggregate
+
+
 def test_a_whole_group_averages_by_samples(replicas):
     results = _rounds(replicas, 1, [[0, 1, 2]] * 3)
     assert all(r is not None for r in results), results
-    mean = (0 * 1 + 1 * 2 + 2 * 3) / 6
+    mean = (0 * 1 + 1 * 2 + 2 * 3) / 6 if _aggregate(replicas) == "mean" else 1.0  # the median counts each once
     for r in results:
         assert r.group_size == 3 and r.group_samples == 6
         assert sorted(r.members) == sorted(pid for pid, _ in replicas)
         assert torch.allclose(r.gradients[0], torch.full((64,), mean))
+        assert torch.allclose(r.gradients[1], torch.full((8, 8), mean))
+
+
+def test_a_member_that_claims_many_samples_weighs_a_capped_claim_and_moves_the_median_not_at_all(replicas):
+    """Replica 2 sends 40 everywhere (within the norm check's bound) and claims 10^9 samples. Its weight is
+    what it gathered, capped at averaging.max_weight_ratio (8) times the lower median claim: the mean is
+    33.8, not 40; the median is the honest middle."""
+    results = _rounds(replicas, 9, [[0, 1, 2]] * 3, values=(0.5, 1.0, 40.0), samples=(1, 2, 10**9))
+    assert all(r is not None for r in results), results
+    expected = (0.5 * 1 + 1.0 * 2 + 40.0 * 16) / 19 if _aggregate(replicas) == "mean" else 1.0
+    for r in results:
+        assert r.group_samples == 3 + 10**9  # what the members said they hold; only the weights are capped
+        assert torch.allclose(r.gradients[0], torch.full((64,), expected))
 
 
 def test_replicas_that_expect_different_groups_never_step_apart(replicas):
@@ -109,6 +128,20 @@ def test_group_keys_and_the_verdict():
     assert whole_group_missing(infos, ["a", "b"], 32) == ["c"]
     assert whole_group_missing(infos, ["a", "b", "c"], 32) == []
     assert whole_group_missing(infos, ["a", "b"], 2) == []  # beyond max_group_size groups split by design
+
+
+def test_weights_are_capped_claims_and_the_robust_aggregates_ignore_a_minority():
+    assert fixed_weights([1, 2, 10**9], 8) == [1, 2, 16]
+    assert fixed_weights([0, 100], 8) == [0, 100]  # a member with nothing does not pull the cap to 0
+    assert fixed_weights([-5, 3], 0) == [0, 3]  # no cap, but never negative
+    parts = [torch.tensor([0.0, 1.0]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 3.0]), torch.tensor([1e6, -1e6])]
+    weights = [1.0, 1.0, 1.0, 1.0]
+    assert torch.equal(aggregate(parts, weights, "median"), torch.tensor([1.0, 1.0]))  # the lower middle
+    clipped = aggregate(parts, weights, "clipped")
+    assert (clipped - torch.tensor([1.0, 2.0])).abs().max() < 1.5  # the poison moved it by at most a radius
+    assert torch.allclose(aggregate(parts[:3], [1.0, 2.0, 1.0], "mean"), torch.tensor([1.0, 2.0]))
+    assert torch.equal(aggregate(parts, [1.0, 1.0, 1.0, 0.0], "median"), torch.tensor([1.0, 2.0]))  # 0: left out
+    assert torch.allclose(aggregate(parts[2:], [1.0, 1.0], "median"), torch.tensor([5e5 + 1, -5e5 + 1.5]))
 
 
 def test_a_round_that_lost_anything_is_a_failed_round():

@@ -21,6 +21,7 @@ from peer.config.loading import (
 )
 from peer.config.run import (
     ADMISSION_MODES,
+    AGGREGATES,
     AVERAGING_MODES,
     BYTE_VOCAB,
     COMPRESSIONS,
@@ -62,6 +63,7 @@ __all__ = [
     "TrainingConfig",
     "COMPRESSIONS",
     "BYTE_VOCAB",
+    "AGGREGATES",
     "AVERAGING_MODES",
     "CompressionConfig",
     "AveragingConfig",

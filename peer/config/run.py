@@ -100,6 +100,9 @@ BYTE_VOCAB = 256  # tokens of the byte-level tokenizer every run uses today
 AVERAGING_MODES = ("gradients", "local")
 
 
+AGGREGATES = ("mean", "median", "clipped")  # how a group's members' tensors become one (peer.server.robust)
+
+
 @dataclass
 class CompressionConfig:
     activations: str = "none"  # hidden states and their gradients between stages and experts: none, fp16, bf16, int8
@@ -125,6 +128,13 @@ class AveragingConfig:
     # after this many refused means in a row a replica steps alone with its own gradients: a poisoning
     # member delays the stage's steps, it does not stop them
     max_refused_rounds: int = 2
+    # how each part of a group's tensors becomes one: mean (sample-weighted, exact data parallelism),
+    # median (weighted coordinate-wise), clipped (a centered clip from the median): the last two bound what
+    # a minority of hostile members can move, at some cost in fidelity; with two members each is the mean
+    aggregate: str = "mean"
+    # a member's weight is the samples it announced to the group, at most this many times the lower median
+    # of the members' claims (one claiming 10^9 samples cannot outweigh the rest); 0: no cap
+    max_weight_ratio: float = 8.0
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
     # gradients: average gradients at every global step (exact data parallelism);
     # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
@@ -350,6 +360,10 @@ class RunSpec:
         if not a.max_norm_ratio >= 0:
             raise ConfigError(f"averaging.max_norm_ratio: must be >= 0 (0: no check), got {a.max_norm_ratio}")
         require_positive("averaging.max_refused_rounds", a.max_refused_rounds)
+        if a.aggregate not in AGGREGATES:
+            raise ConfigError(f"averaging.aggregate: must be one of {', '.join(AGGREGATES)}, got {a.aggregate!r}")
+        if not a.max_weight_ratio >= 0:
+            raise ConfigError(f"averaging.max_weight_ratio: must be >= 0 (0: no cap), got {a.max_weight_ratio}")
         for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")

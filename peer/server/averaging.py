@@ -88,6 +88,8 @@ class GradientAverager:
             next_chunk_timeout=cfg.averaging_timeout / 2,
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's
             compression=compression,
+            aggregate=cfg.aggregate,
+            max_weight_ratio=cfg.max_weight_ratio,
         )
         signal.signal(signal.SIGINT, previous)  # hivemind's averager sets SIGINT to ignored in its creator
         self.accepted_norms: collections.deque[float] = collections.deque(maxlen=16)  # of the last means taken
@@ -125,7 +127,8 @@ class GradientAverager:
         infos = {peer_name(pid): info for pid, info in (gathered or {}).items()}
         if not self._whole(infos, epoch):
             return None
-        total = sum(int(i.get("samples", 0)) for i in infos.values())
+        # what the members hold, as they said (the mean's weights are these, capped: peer.server.robust)
+        total = sum(max(0, c) for c in (i.get("samples", 0) for i in infos.values()) if isinstance(c, int))
         if total <= 0:  # the weights were all 0: the mean is 0/0; every member sees the same total and skips
             logger.warning("averaging group for step %d brought no samples: nobody steps", epoch)
             return None

@@ -4,8 +4,9 @@ not hivemind's public API and may change in any release):
 
 - `_outer_pipe`: running a method in the averager's own process (set_admitted, set_target_group_size);
 - `_matchmaking` and its key manager and leader set: the target group size between rounds;
-- `_run_allreduce_inplace_` and `_running_groups`: a strict all-reduce that fails a round that lost
-  any part of its result (the runner's `tensor_part_container.failed_size`, `banned_senders`);
+- `_run_allreduce_inplace_`, `_running_groups` and the runner's reducer: an all-reduce whose weights,
+  partition and aggregate the group's gathered data fixes (peer.server.robust), strict: a round that lost
+  any part of its result fails (the runner's `tensor_part_container.failed_size`, `banned_senders`);
 - `rpc_join_group`: refusing peers that are not admitted replicas."""
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing's alias 
 
 import hivemind
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from peer.server.robust import aggregate, fixed_weights
 
 logger = logging.getLogger(__name__)
 HIVEMIND_CHECKED = "1.1.12"  # the hivemind release whose internals this module was checked against
@@ -60,6 +65,11 @@ class StageAverager(DecentralizedAverager):
 
     _admitted: frozenset[str] | None = None  # peer ids that may average with us; None: anyone (admission off)
 
+    def __init__(self, *args, aggregate: str = "mean", max_weight_ratio: float = 0.0, **kwargs):
+        self._aggregate = aggregate  # how the parts we reduce become one (peer.server.robust.AGGREGATES)
+        self._max_weight_ratio = max_weight_ratio  # a member's weight cap, in lower medians of the claims; 0: none
+        super().__init__(*args, **kwargs)  # forks: what the averager's process reads is set before
+
     def set_admitted(self, peers: set[str] | None, timeout: float) -> None:
         future = MPFuture()
         admitted = None if peers is None else sorted(peers)
@@ -89,19 +99,39 @@ class StageAverager(DecentralizedAverager):
         future.result(timeout=timeout)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        """hivemind's all-reduce, made strict: a round that lost any part of the result fails.
+        """hivemind's all-reduce with what the group's gathered data fixes, made strict.
 
-        hivemind keeps the local values of parts a failed peer never returned, and averages the
-        parts it reduces without a sender that failed mid-stream, and reports success either way;
-        replicas would then step from different gradients (one side fails, the other steps). A
-        round that lost anything instead fails on every side that saw the loss.
+        Each member's weight is the samples it gathered (capped, peer.server.robust.fixed_weights), not
+        the weight its messages carry; every member that reduces takes an equal share of the tensors,
+        whatever bandwidth it claimed (a member claiming a huge one would reduce them all); the
+        aggregate is `aggregate` (mean, median, clipped). hivemind keeps the local values of parts a
+        failed peer never returned, and averages the parts it reduces without a sender that failed
+        mid-stream, and reports success either way; replicas would then step from different gradients
+        (one side fails, the other steps). A round that lost anything instead fails on every side that
+        saw the loss.
         """
         strangers = [p.to_base58() for p in group_info.peer_ids if self._refused(p)]
         if strangers:
             raise AllreduceException(f"the group lists peers that are not admitted replicas: {strangers}")
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
-        future = self._running_groups.get(group_info.group_id if group_id is None else group_id)
-        runner = future.result() if future is not None and future.done() else None
+        group_id = group_info.group_id if group_id is None else group_id
+        gathered = [_gathered(self.serializer, g) for g in group_info.gathered]
+        kwargs["peer_fractions"] = equal_shares(self.total_size, [mode for mode, _ in gathered])
+        runner = GroupRunner(
+            weights=fixed_weights([samples for _, samples in gathered], self._max_weight_ratio),
+            aggregate=self._aggregate,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
         loss = round_loss(runner)
         if loss:
             raise AllreduceException(loss)
@@ -112,3 +142,62 @@ class StageAverager(DecentralizedAverager):
         matchmaking.potential_leaders.target_group_size = size
         matchmaking.group_key_manager.target_group_size = size
         future.set_result(None)
+
+
+def _gathered(serializer, data: bytes) -> tuple[AveragingMode, int]:
+    """A member's mode and the samples it announced, from its gathered data (malformed: a client with none)."""
+    try:
+        _, mode, user = serializer.loads(data)
+        samples = serializer.loads(user).get("samples", 0)
+        return AveragingMode(mode), int(samples) if isinstance(samples, int) else 0
+    except Exception:  # what a member gathered is its own to get wrong; it then reduces nothing and weighs 0
+        return AveragingMode.CLIENT, 0
+
+
+def equal_shares(total_size: int, modes: list[AveragingMode]) -> tuple[int, ...]:
+    """Elements each member reduces: equal shares among those that reduce (all but clients)."""
+    reducers = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
+    shares = [0] * len(modes)
+    for rank, i in enumerate(reducers):
+        shares[i] = total_size // len(reducers) + (rank < total_size % len(reducers))
+    return tuple(shares)
+
+
+class GroupRunner(AllReduceRunner):
+    """hivemind's all-reduce runner with our reducer: fixed weights per sender and the chosen aggregate."""
+
+    def __init__(self, *, weights: list[float], aggregate: str, ordered_peer_ids, **kwargs):
+        super().__init__(ordered_peer_ids=ordered_peer_ids, **kwargs)
+        by_peer = dict(zip(ordered_peer_ids, weights, strict=True))
+        self.tensor_part_reducer = GroupReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            [by_peer[p] for p in self.sender_peer_ids],
+            aggregate,
+        )
+
+
+class GroupReducer(TensorPartReducer):
+    """hivemind's part reducer with the weights fixed per sender (those its messages carry are ignored), and
+    for a robust aggregate, each part made one from all senders' copies once they are all in."""
+
+    def __init__(self, part_shapes, weights: list[float], kind: str):
+        self.weights, self.kind = weights, kind
+        self.received: dict[int, dict[int, object]] = {}  # part index -> sender -> its part (robust aggregates)
+        super().__init__(part_shapes, len(weights))
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+        if self.kind != "mean" and 0 <= sender_index < self.num_senders:
+            self.received.setdefault(part_index, {})[sender_index] = tensor_part
+        weight = self.weights[sender_index] if 0 <= sender_index < self.num_senders else 0.0
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+    def check_current_part_finished(self):
+        index = self.current_part_index
+        if self.kind != "mean" and self.current_part_accumulated_from == self.num_current_senders:
+            received = self.received.pop(index, {})
+            senders = sorted(s for s in received if index < self.sender_failed_after[s])
+            if senders:  # none (all failed): hivemind's 0/0, and the round fails as lossy
+                parts, weights = [received[s] for s in senders], [self.weights[s] for s in senders]
+                robust = aggregate(parts, weights, self.kind)
+                self.accumulator, self.denominator = robust, 1.0
+        super().check_current_part_finished()

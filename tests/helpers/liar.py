@@ -5,7 +5,9 @@
   only answers at one step never compares it (run it with `--set server.perturb_outputs=...` to make its
   outputs wrong as well);
 - `last`: as a last stage, every backward's loss is 1 higher and the gradients it sends back are tripled,
-  what a broken or hostile last stage would do to every stage before it.
+  what a broken or hostile last stage would do to every stage before it;
+- `stay`: it reads the revocation list like everyone, but does not stop when it finds itself there: it keeps
+  serving (and its relay attachment) for whoever still takes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from peer.cli.main import main
+from peer.net.security import Security
 from peer.server.servicer import StageServicer
 from peer.server.stage import StageServer
 
@@ -40,9 +43,21 @@ def wrong_last():
     return wrong
 
 
+def staying():
+    refresh = Security.refresh_revocations
+
+    def ignore_own(self):
+        self.on_revoked = None  # what a peer does when it finds itself revoked: here, nothing
+        refresh(self)
+
+    return ignore_own
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dodge":
         StageServicer._forward = dodging()
+    elif sys.argv[1] == "stay":
+        Security.refresh_revocations = staying()
     else:
         StageServer.backward = wrong_last()
     print(f"LIAR {sys.argv[1]}", flush=True)

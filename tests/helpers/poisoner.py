@@ -3,7 +3,7 @@
 `python poisoner.py VALUE peer-arguments...` runs `peer ARGS` with two changes: the gradients it sends to
 every averaging round are VALUE everywhere (its weight, its sample count, stays as it was), and it takes
 whatever mean comes back. An admitted replica that does this is what averaging must withstand. It prints
-`POISONER sent step N` for each round it poisoned.
+`POISONER sent step N with S samples` for each round it poisoned (with no samples its values weigh nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def poisoning(value: float):
     send = GradientAverager._round
 
     def poisoned(self, gradients, samples, epoch, expected, admitted, gather):
-        print(f"POISONER sent step {epoch}", flush=True)
+        print(f"POISONER sent step {epoch} with {samples} samples", flush=True)
         return send(self, [torch.full_like(g, value) for g in gradients], samples, epoch, expected, admitted, gather)
 
     return poisoned

@@ -1,0 +1,80 @@
+"""How a group's members' tensors become one: the weights the group's own data fixes, and the aggregates.
+
+Pure functions on tensors; peer.server.hivemind_averager applies them to each part it reduces. Every
+member computes them from the same gathered data, so all reach the same weights and the same result.
+
+- weights: a member's weight is the samples it announced in the round's gathered data (every member
+  sees the same), never the weight its messages carry, and at most `ratio` times the lower median of
+  the members' positive claims (a member claiming 10^9 samples cannot outweigh the rest);
+- `mean`: the weighted mean (exact data parallelism);
+- `median`: the coordinate-wise median of the members that brought samples, each counted once (a
+  median weighted by claims is not robust: one claim can outweigh the rest);
+- `clipped`: a centered clip (Karimireddy, He and Jaggi, 2021) from that median: each member's
+  difference from the current centre counts with a norm of at most the members' median distance, a
+  few times over, each member once. An honest majority bounds what the rest can move.
+
+With two members or fewer, no aggregate can tell the honest one, and each is the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peer.config import AGGREGATES
+
+CLIP_ITERATIONS = 3  # centered-clip passes; each moves the centre by a clipped mean of the differences
+
+
+def fixed_weights(samples: list[int], ratio: float) -> list[float]:
+    """Each member's weight: its claimed samples (negative: 0), capped at `ratio` times the lower median of
+    the positive claims; 0: no cap."""
+    claims = [float(max(0, s)) for s in samples]
+    positive = sorted(c for c in claims if c > 0)
+    if ratio <= 0 or not positive:
+        return claims
+    cap = ratio * positive[(len(positive) - 1) // 2]
+    return [min(c, cap) for c in claims]
+
+
+def aggregate(parts: list[torch.Tensor], weights: list[float], kind: str) -> torch.Tensor:
+    """The members' `parts` (one shape) made one by `kind` (AGGREGATES), with `weights` (zero: left out; the
+    robust kinds count each other member once)."""
+    kept = [(w, p.float()) for w, p in zip(weights, parts, strict=True) if w > 0]
+    if not kept:
+        return torch.zeros_like(parts[0], dtype=torch.float32)
+    w = torch.tensor([w if kind == "mean" else 1.0 for w, _ in kept], dtype=torch.float32)
+    x = torch.stack([p.reshape(-1) for _, p in kept])
+    if kind == "mean" or len(kept) <= 2:
+        result = _mean(x, w)
+    elif kind == "median":
+        result = _median(x, w)
+    elif kind == "clipped":
+        result = _centered_clip(x, w)
+    else:
+        raise ValueError(f"unknown aggregate {kind!r}: one of {', '.join(AGGREGATES)}")
+    return result.reshape(parts[0].shape)
+
+
+def _mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w[:, None] * x).sum(0) / w.sum()
+
+
+def _median(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per coordinate, the smallest value at which the weights at or below it reach half the total (with even
+    counts, the lower of the middle two)."""
+    values, order = torch.sort(x, dim=0)
+    reached = torch.cumsum(w[order], dim=0) >= w.sum() / 2
+    first = reached.int().argmax(dim=0, keepdim=True)
+    return values.gather(0, first).squeeze(0)
+
+
+def _centered_clip(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    centre = _median(x, w)
+    radius = torch.linalg.vector_norm(x - centre, dim=1).median()
+    if radius <= 0:
+        return centre
+    for _ in range(CLIP_ITERATIONS):
+        diff = x - centre
+        scale = torch.clamp(radius / torch.linalg.vector_norm(diff, dim=1).clamp_min(1e-30), max=1.0)
+        centre = centre + (w * scale)[:, None].mul(diff).sum(0) / w.sum()
+    return centre
