@@ -133,6 +133,12 @@ class Rounds:
             self.samples_averaging = 0
             return samples, 0, time.perf_counter() - started
         await asyncio.sleep(stagger)
+        if rt.incarnation != incarnation and not rt.local:
+            # stopped after the take for longer than our record lives (the announcement found it expired and
+            # dropped the accumulator): trainers took us for gone and replay what we held, the taken gradients
+            # included; averaged, a partner's step would count them twice
+            self.samples_averaging = 0
+            return samples, -1, time.perf_counter() - started
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         # (less those this replica caught lying: peer.server.replica_state)
         admitted = {self.dht.peer_id, *self.peers} - self._distrusted if self.dht.gate is not None else None
