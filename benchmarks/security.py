@@ -6,8 +6,11 @@ Three measurements, each on a small model with real peers (separate processes) o
    credentials) against `mode = "open"` (coordinator-signed credentials, mutual TLS everywhere), a
    coordinator, one server per stage and one trainer each, spot checks off on both sides. Both
    swarms are up through the whole part (the same background load for each run); their trainers
-   take turns (off, open, open, off, ...) and the medians are compared. The first micro-batches of
-   each run (connection and TLS set-up) are not timed.
+   take turns (off, open, open, off, ...; `--tls-rounds` runs of `--tls-micro-batches` each) and the
+   medians are compared. The first micro-batches of each run (connection and TLS set-up) are not
+   timed. Beside samples/s (which on a loaded 2-core machine swings by several % from run to run),
+   the CPU seconds all of the swarm's processes spent per sample while its trainer ran (read from
+   /proc): what TLS and credentials cost, whatever else the machine did meanwhile.
 2. Spot checks at the default rate: open mode, stage 0 served by 2 replicas, a trainer with
    `trainer.spot_check=0` against one with the default rate, taking turns on the same swarm
    (honest_banned counts the default-rate trainers' bans there: all replicas are honest).
@@ -26,10 +29,11 @@ Three measurements, each on a small model with real peers (separate processes) o
 
 The last line is
 
-    tls_overhead_pct=... spot_check_overhead_pct=... micro_batches_until_ban=... caught_right=3/3 ...
+    tls_overhead_pct=... tls_cpu_overhead_pct=... spot_check_overhead_pct=... micro_batches_until_ban=... ...
     ... far_claim_refused_s=... takeover_refused_s=... poison_refused_s=... bomb_codes=... bomb_s=...
 
-where an overhead is (1 - with / without) x 100 of the median samples/s, and micro_batches_until_ban
+where an overhead is (1 - with / without) x 100 of the median samples/s (tls_cpu_overhead_pct: (with / without
+- 1) x 100 of the median CPU ms per sample; goal <= 5 for both), and micro_batches_until_ban
 the median number of micro-batches a trainer made up to and including the one whose check caught
 the perturbing server (the spot_check entry's index + 1; ban_indices lists the raw 0-based indices,
 "-" for a swarm where nobody was caught).
@@ -51,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.cputime import count_lines, cpu_seconds  # noqa: E402
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from dht.identity import Identity  # noqa: E402
 from peer.cli.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
@@ -132,12 +137,35 @@ class Swarm:
 
     def train(self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float) -> float:
         """Run a trainer for `micro_batches` to its end; its samples/s after the first `warmup`."""
+        return self.train_measured(name, micro_batches, warmup, extra, timeout)[0]
+
+    def train_measured(
+        self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float
+    ) -> tuple[float, float]:
+        """Run a trainer for `micro_batches` to its end: its samples/s after the first `warmup`, and the CPU
+        seconds all of this swarm's processes (coordinator, servers, trainer, with their children) spent per
+        thousand samples meanwhile (sampled every CPU_SAMPLE s while the trainer runs)."""
         proc = self.start_trainer(name, micro_batches, extra)
-        self._wait(lambda: proc.poll() is not None, ["coordinator", *self.servers], f"trainer {name}", timeout)
+        log, deadline = self.workdir / f"{name}.jsonl", time.monotonic() + timeout
+        first = last = None  # (micro-batches logged, CPU seconds) when `warmup` were done, and at the last look
+        while proc.poll() is None:
+            for other in ("coordinator", *self.servers):
+                if self.procs.procs[other][0].poll() is not None:
+                    raise SystemExit(f"{other} exited early:\n{self.procs.log(other)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"waited {timeout:.0f} s for trainer {name}")
+            done = count_lines(log, b'"micro_batch"')
+            roots = [self.procs.procs[n][0].pid for n in ("coordinator", *self.servers, name)]
+            look = (done, cpu_seconds(roots))
+            if done >= warmup and first is None:
+                first = look
+            if first is not None and look[1] is not None:
+                last = look
+            time.sleep(CPU_SAMPLE)
         if proc.returncode != 0:
             raise SystemExit(f"trainer {name} failed (code {proc.returncode}):\n{self.procs.log(name)[-3000:]}")
         batches = sorted(
-            (e for e in read_log(self.workdir / f"{name}.jsonl") if e["type"] == "micro_batch"),
+            (e for e in read_log(log) if e["type"] == "micro_batch"),
             key=lambda e: e["time"],
         )
         if len(batches) < warmup + 2:
@@ -145,10 +173,17 @@ class Swarm:
         timed = batches[warmup:]
         seconds = timed[-1]["time"] - batches[warmup - 1]["time"] if warmup else timed[-1]["time"] - timed[0]["time"]
         samples = sum(e["samples"] for e in (timed if warmup else timed[1:]))
-        return samples / max(seconds, 1e-9)
+        per_batch = samples / max(len(timed if warmup else timed[1:]), 1)
+        cpu = float("nan")
+        if first is not None and last is not None and last[0] > first[0]:
+            cpu = 1000 * (last[1] - first[1]) / ((last[0] - first[0]) * per_batch)
+        return samples / max(seconds, 1e-9), cpu
 
     def stop(self) -> None:
         self.procs.stop(grace=STOP_GRACE)
+
+
+CPU_SAMPLE = 0.1  # s between looks at a trainer's progress and its swarm's CPU time
 
 
 def overhead(without: list[float], with_: list[float]) -> float:
@@ -162,19 +197,27 @@ def fmt(rates: list[float]) -> str:
 def tls_phase(args, root: Path) -> dict[str, list[float]]:
     """Samples/s without and with admission (TLS + credentials), both swarms up, trainers taking turns."""
     swarms = {mode: Swarm(root / f"tls-{mode}", make_spec(args, mode)) for mode in ("off", "open")}
-    rates: dict[str, list[float]] = {"off": [], "open": []}
+    rates: dict[str, list[float]] = {"off": [], "open": [], "off_cpu": [], "open_cpu": []}
     try:
         for mode, swarm in swarms.items():
             took = swarm.start([(f"s{st}", st, []) for st in range(2)])
             print(f"[tls] {mode} swarm serving after {took:.1f} s", flush=True)
-        for r in range(args.rounds):
+        for r in range(args.tls_rounds):
             order = ("off", "open") if r % 2 == 0 else ("open", "off")
             for mode in order:
-                rate = swarms[mode].train(
-                    f"t{r}", args.micro_batches, args.warmup, ["--set", "trainer.spot_check=0"], args.trainer_timeout
+                rate, cpu = swarms[mode].train_measured(
+                    f"t{r}",
+                    args.tls_micro_batches,
+                    args.warmup,
+                    ["--set", "trainer.spot_check=0"],
+                    args.trainer_timeout,
                 )
                 rates[mode].append(rate)
-                print(f"[tls] round {r} admission={mode}: {rate:.1f} samples/s", flush=True)
+                rates[f"{mode}_cpu"].append(cpu)
+                print(
+                    f"[tls] round {r} admission={mode}: {rate:.1f} samples/s, {cpu:.2f} CPU s per 1000 samples",
+                    flush=True,
+                )
     finally:
         for swarm in swarms.values():
             swarm.stop()
@@ -332,8 +375,26 @@ def bomb_phase(swarm: Swarm) -> dict[str, str]:
     return {"bomb_codes": codes.replace(" ", ",") or "none", "bomb_s": seconds}
 
 
-FULL = {"micro_batches": 150, "warmup": 10, "rounds": 2, "repeats": 2, "ban_limit": 400, "trainer_timeout": 300.0}
-QUICK = {"micro_batches": 30, "warmup": 5, "rounds": 1, "repeats": 1, "ban_limit": 300, "trainer_timeout": 120.0}
+FULL = {
+    "micro_batches": 150,
+    "tls_micro_batches": 600,
+    "warmup": 10,
+    "rounds": 2,
+    "tls_rounds": 3,
+    "repeats": 2,
+    "ban_limit": 400,
+    "trainer_timeout": 300.0,
+}
+QUICK = {
+    "micro_batches": 30,
+    "tls_micro_batches": 60,
+    "warmup": 5,
+    "rounds": 1,
+    "tls_rounds": 1,
+    "repeats": 1,
+    "ban_limit": 300,
+    "trainer_timeout": 120.0,
+}
 
 
 def measure(args: argparse.Namespace, root: Path, figures: Figures, started: float) -> None:
@@ -341,7 +402,13 @@ def measure(args: argparse.Namespace, root: Path, figures: Figures, started: flo
     if "tls" not in skip:
         rates = tls_phase(args, root)
         figures["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
+        cpu_off, cpu_open = statistics.median(rates["off_cpu"]), statistics.median(rates["open_cpu"])
+        figures["tls_cpu_overhead_pct"] = f"{(cpu_open / cpu_off - 1.0) * 100.0:.1f}"
         figures["off_sps"], figures["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
+        figures["off_cpu_ms_per_sample"], figures["tls_cpu_ms_per_sample"] = (
+            fmt(rates["off_cpu"]),
+            fmt(rates["open_cpu"]),
+        )
         print(
             f"[tls] off {figures['off_sps']} vs open {figures['tls_sps']} samples/s "
             f"({time.monotonic() - started:.0f} s so far)",
@@ -409,7 +476,9 @@ def main() -> None:
     parser.add_argument("--target-batch", type=int, default=256, help="training.target_batch_size")
     parser.add_argument("--micro-batches", type=int, help="micro-batches of each timed trainer run (default 150)")
     parser.add_argument("--warmup", type=int, help="micro-batches of each trainer run not timed (default 10)")
-    parser.add_argument("--rounds", type=int, help="trainer runs per side of parts 1 and 2, alternating (default 2)")
+    parser.add_argument("--rounds", type=int, help="trainer runs per side of part 2, alternating (default 2)")
+    parser.add_argument("--tls-rounds", type=int, help="trainer runs per side of part 1, alternating (default 3)")
+    parser.add_argument("--tls-micro-batches", type=int, help="micro-batches of each part-1 trainer run (default 600)")
     parser.add_argument("--repeats", type=int, help="swarms with a perturbing server, part 3 (default 2)")
     parser.add_argument("--perturb", type=float, default=0.5, help="std of the perturbing server's noise")
     parser.add_argument("--ban-limit", type=int, help="part 3: micro-batches before giving up (default 400)")

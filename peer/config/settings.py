@@ -224,7 +224,13 @@ class ParallelConfig:
 class SecurityConfig:
     invite: str = ""  # an invite code from the run's coordinator (admission.mode = invite)
     admission_timeout: float = 30.0  # s to wait for the coordinator's answer to a credential request
-    poll: float = 0.2  # s between looks for that answer (peers) or for new requests (coordinator)
+    poll: float = 0.2  # s between a joining peer's looks for that answer
+    # s between the coordinator's passes over new credential requests (each is a DHT read: a pass every 0.2 s
+    # cost the coordinator about 5 % of a core)
+    requests_period: float = 0.5
+    # s between the coordinator's looks at its revocation file and at spot-check reports (revocations reach
+    # peers within admission.refresh anyway)
+    reports_period: float = 1.0
 
 
 @dataclass
@@ -290,6 +296,8 @@ class PeerConfig:
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             require_positive(f"relay.{name}", getattr(self.relay, name))
         port_range(self.relay.ports)  # ConfigError names a malformed range
+        for name in ("poll", "requests_period", "reports_period"):
+            require_positive(f"security.{name}", getattr(self.security, name))
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         if net.record_ttl < 2 * net.dht_request_timeout + net.announce_period:

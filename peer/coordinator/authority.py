@@ -1,10 +1,11 @@
 """The coordinator as the run's certificate authority: who is admitted, credentials, revocations.
 
 Peers ask through the DHT (peer.net.security); the coordinator reads the requests every
-`security.poll` s, decides by the run spec's `admission.mode`, and answers each under the peer's
+`security.requests_period` s, decides by the run spec's `admission.mode`, and answers each under the peer's
 own key. Invite codes and revocations live in files beside the coordinator's identity key
 (RUN.invites.json, RUN.revoked.json), written by `peer coordinator invite` / `revoke` and re-read
-by the running coordinator, which publishes the revocation list every `admission.refresh` s.
+by the running coordinator (every `security.reports_period` s), which publishes the revocation list every
+`admission.refresh` s.
 Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`).
 """
 
@@ -120,10 +121,14 @@ class Authority:
         """Two loops on threads of their own: credential requests, and revocations with spot-check reports, so a
         flood of requests (throwaway keys in open mode) delays no revocation."""
         self._threads = [
-            threading.Thread(target=self._loop, args=(steps,), name=name, daemon=True)
-            for name, steps in (
-                ("authority-requests", (self.answer_requests,)),
-                ("authority-revocations", (self.follow_revocations, self.read_reports)),
+            threading.Thread(target=self._loop, args=(period, steps), name=name, daemon=True)
+            for name, period, steps in (
+                ("authority-requests", self.cfg.security.requests_period, (self.answer_requests,)),
+                (
+                    "authority-revocations",
+                    self.cfg.security.reports_period,
+                    (self.follow_revocations, self.read_reports),
+                ),
             )
         ]
         for thread in self._threads:
@@ -132,8 +137,8 @@ class Authority:
     def stop(self) -> None:
         self._stop.set()
 
-    def _loop(self, steps) -> None:
-        while not self._stop.wait(self.cfg.security.poll):
+    def _loop(self, period: float, steps) -> None:
+        while not self._stop.wait(period):
             for step in steps:
                 try:
                     step()

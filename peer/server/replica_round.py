@@ -125,20 +125,10 @@ class Rounds:
         # trainers must know what this round covers before it can succeed: if we die right after it,
         # they ask the survivors whether we were in the group instead of replaying what it stepped
         self.round_seq = seq
-        if not await self._announce_round():
-            # trainers cannot learn what this round covers: were it to succeed here and this replica die, they
-            # would replay what its partners stepped. It stays out; its partners' group lacks it and fails alike
-            logger.warning("%s: could not announce the round for step %d in the DHT; sitting it out", self.label, epoch)
-            await self.run_torch(rt.restore_round, grads, samples, seq)
+        sat_out = await self._sits_out(grads, samples, seq, incarnation, epoch, stagger)
+        if sat_out is not None:
             self.samples_averaging = 0
-            return samples, 0, time.perf_counter() - started
-        await asyncio.sleep(stagger)
-        if rt.incarnation != incarnation and not rt.local:
-            # stopped after the take for longer than our record lives (the announcement found it expired and
-            # dropped the accumulator): trainers took us for gone and replay what we held, the taken gradients
-            # included; averaged, a partner's step would count them twice
-            self.samples_averaging = 0
-            return samples, -1, time.perf_counter() - started
+            return samples, sat_out, time.perf_counter() - started
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         # (less those this replica caught lying: peer.server.replica_state)
         admitted = {self.dht.peer_id, *self.peers} - self._distrusted if self.dht.gate is not None else None
@@ -179,6 +169,26 @@ class Rounds:
             self.samples_averaging = 0
         group_samples, members = outcome
         return group_samples, members, time.perf_counter() - started
+
+    async def _sits_out(
+        self, grads, samples: int, seq: int, incarnation: int, epoch: int, stagger: float
+    ) -> int | None:
+        """Announce the round, wait `stagger`; None to go on, else why this replica sits it out: 0 (its gradients
+        are back in the accumulator) or -1 (they are dropped)."""
+        rt = self.runtime
+        if not await self._announce_round():
+            # trainers cannot learn what this round covers: were it to succeed here and this replica die, they
+            # would replay what its partners stepped. It stays out; its partners' group lacks it and fails alike
+            logger.warning("%s: could not announce the round for step %d in the DHT; sitting it out", self.label, epoch)
+            await self.run_torch(rt.restore_round, grads, samples, seq)
+            return 0
+        await asyncio.sleep(stagger)
+        if rt.incarnation != incarnation and not rt.local:
+            # stopped after the take for longer than our record lives (the announcement found it expired and
+            # dropped the accumulator): trainers took us for gone and replay what we held, the taken gradients
+            # included; averaged, a partner's step would count them twice
+            return -1
+        return None
 
     async def _announce_round(self, tries: int = 3) -> bool:
         """Publish the record that says what the round covers (`round_seq`); False if the DHT never took it."""
