@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -137,53 +138,49 @@ class Swarm:
 
     def train(self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float) -> float:
         """Run a trainer for `micro_batches` to its end; its samples/s after the first `warmup`."""
-        return self.train_measured(name, micro_batches, warmup, extra, timeout)[0]
+        proc = self.start_trainer(name, micro_batches, extra)
+        self._wait(lambda: proc.poll() is not None, ["coordinator", *self.servers], f"trainer {name}", timeout)
+        return self._rate(proc, name, warmup)[0]
 
     def train_measured(
         self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float
     ) -> tuple[float, float]:
-        """Run a trainer for `micro_batches` to its end: its samples/s after the first `warmup`, and the CPU
-        seconds all of this swarm's processes (coordinator, servers, trainer, with their children) spent per
-        thousand samples meanwhile (sampled every CPU_SAMPLE s while the trainer runs)."""
+        """As `train`, and the CPU seconds all of this swarm's processes (coordinator, servers, trainer, with
+        their children) spent per thousand samples after the first `warmup` (looked at as often as `_wait` looks)."""
         proc = self.start_trainer(name, micro_batches, extra)
-        log, deadline = self.workdir / f"{name}.jsonl", time.monotonic() + timeout
-        first = last = None  # (micro-batches logged, CPU seconds) when `warmup` were done, and at the last look
-        while proc.poll() is None:
-            for other in ("coordinator", *self.servers):
-                if self.procs.procs[other][0].poll() is not None:
-                    raise SystemExit(f"{other} exited early:\n{self.procs.log(other)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"waited {timeout:.0f} s for trainer {name}")
-            done = count_lines(log, b'"micro_batch"')
-            roots = [self.procs.procs[n][0].pid for n in ("coordinator", *self.servers, name)]
-            look = (done, cpu_seconds(roots))
-            if done >= warmup and first is None:
-                first = look
-            if first is not None and look[1] is not None:
-                last = look
-            time.sleep(CPU_SAMPLE)
+        log, looks = self.workdir / f"{name}.jsonl", []  # (micro-batches logged, CPU seconds) after warmup
+        roots = [self.procs.procs[n][0].pid for n in ("coordinator", *self.servers, name)]
+
+        def look() -> bool:
+            done, cpu = count_lines(log, b'"micro_batch"'), cpu_seconds(roots)
+            if done >= warmup and cpu is not None:
+                looks.append((done, cpu))
+            return proc.poll() is not None
+
+        self._wait(look, ["coordinator", *self.servers], f"trainer {name}", timeout)
+        rate, per_batch = self._rate(proc, name, warmup)
+        cpu = float("nan")
+        if len(looks) >= 2 and looks[-1][0] > looks[0][0]:
+            cpu = 1000 * (looks[-1][1] - looks[0][1]) / ((looks[-1][0] - looks[0][0]) * per_batch)
+        return rate, cpu
+
+    def _rate(self, proc, name: str, warmup: int) -> tuple[float, float]:
+        """A finished trainer's samples/s after its first `warmup` micro-batches, and its samples per micro-batch."""
         if proc.returncode != 0:
             raise SystemExit(f"trainer {name} failed (code {proc.returncode}):\n{self.procs.log(name)[-3000:]}")
         batches = sorted(
-            (e for e in read_log(log) if e["type"] == "micro_batch"),
+            (e for e in read_log(self.workdir / f"{name}.jsonl") if e["type"] == "micro_batch"),
             key=lambda e: e["time"],
         )
         if len(batches) < warmup + 2:
             raise SystemExit(f"trainer {name} logged only {len(batches)} micro-batches")
-        timed = batches[warmup:]
-        seconds = timed[-1]["time"] - batches[warmup - 1]["time"] if warmup else timed[-1]["time"] - timed[0]["time"]
-        samples = sum(e["samples"] for e in (timed if warmup else timed[1:]))
-        per_batch = samples / max(len(timed if warmup else timed[1:]), 1)
-        cpu = float("nan")
-        if first is not None and last is not None and last[0] > first[0]:
-            cpu = 1000 * (last[1] - first[1]) / ((last[0] - first[0]) * per_batch)
-        return samples / max(seconds, 1e-9), cpu
+        timed = batches[warmup:] if warmup else batches[1:]
+        begun = batches[warmup - 1]["time"] if warmup else batches[0]["time"]
+        samples = sum(e["samples"] for e in timed)
+        return samples / max(timed[-1]["time"] - begun, 1e-9), samples / len(timed)
 
     def stop(self) -> None:
         self.procs.stop(grace=STOP_GRACE)
-
-
-CPU_SAMPLE = 0.1  # s between looks at a trainer's progress and its swarm's CPU time
 
 
 def overhead(without: list[float], with_: list[float]) -> float:
@@ -402,7 +399,9 @@ def measure(args: argparse.Namespace, root: Path, figures: Figures, started: flo
     if "tls" not in skip:
         rates = tls_phase(args, root)
         figures["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
-        cpu_off, cpu_open = statistics.median(rates["off_cpu"]), statistics.median(rates["open_cpu"])
+        cpu_off, cpu_open = (
+            statistics.median([c for c in rates[k] if c == c] or [math.nan]) for k in ("off_cpu", "open_cpu")
+        )
         figures["tls_cpu_overhead_pct"] = f"{(cpu_open / cpu_off - 1.0) * 100.0:.1f}"
         figures["off_sps"], figures["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
         figures["off_cpu_ms_per_sample"], figures["tls_cpu_ms_per_sample"] = (

@@ -142,6 +142,10 @@ def test_weights_are_capped_claims_and_the_robust_aggregates_ignore_a_minority()
     assert torch.allclose(aggregate(parts[:3], [1.0, 2.0, 1.0], "mean"), torch.tensor([1.0, 2.0]))
     assert torch.equal(aggregate(parts, [1.0, 1.0, 1.0, 0.0], "median"), torch.tensor([1.0, 2.0]))  # 0: left out
     assert torch.allclose(aggregate(parts[2:], [1.0, 1.0], "median"), torch.tensor([5e5 + 1, -5e5 + 1.5]))
+    assert torch.allclose(aggregate(parts[:2], [1.0, 3.0], "clipped"), torch.tensor([0.75, 1.75]))  # two: the mean
+    broken = [*parts[:3], torch.tensor([float("nan"), 0.0])]  # a part with NaN is no honest member's: left out
+    assert torch.equal(aggregate(broken, weights, "median"), torch.tensor([1.0, 2.0]))
+    assert torch.isfinite(aggregate(broken, weights, "clipped")).all()
 
 
 def test_a_round_that_lost_anything_is_a_failed_round():

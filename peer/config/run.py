@@ -129,11 +129,13 @@ class AveragingConfig:
     # member delays the stage's steps, it does not stop them
     max_refused_rounds: int = 2
     # how each part of a group's tensors becomes one: mean (sample-weighted, exact data parallelism),
-    # median (weighted coordinate-wise), clipped (a centered clip from the median): the last two bound what
-    # a minority of hostile members can move, at some cost in fidelity; with two members each is the mean
+    # median (coordinate-wise, each member with samples once), clipped (a centered clip from the median): the
+    # last two bound what a minority of hostile members can move, at some cost in fidelity; with two members
+    # each is the sample-weighted mean
     aggregate: str = "mean"
     # a member's weight is the samples it announced to the group, at most this many times the lower median
-    # of the members' claims (one claiming 10^9 samples cannot outweigh the rest); 0: no cap
+    # of the members' positive claims (one claiming 10^9 samples cannot outweigh the rest; of two replicas
+    # with 1 and 100 samples, the second weighs 8: the first 11 % instead of 1 %); 0: no cap
     max_weight_ratio: float = 8.0
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
     # gradients: average gradients at every global step (exact data parallelism);

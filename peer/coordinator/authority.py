@@ -5,7 +5,7 @@ Peers ask through the DHT (peer.net.security); the coordinator reads the request
 own key. Invite codes and revocations live in files beside the coordinator's identity key
 (RUN.invites.json, RUN.revoked.json), written by `peer coordinator invite` / `revoke` and re-read
 by the running coordinator (every `security.reports_period` s), which publishes the revocation list every
-`admission.refresh` s.
+half `admission.refresh` (at most as often as it looks).
 Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`).
 """
 

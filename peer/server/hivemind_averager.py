@@ -186,10 +186,22 @@ class GroupReducer(TensorPartReducer):
         super().__init__(part_shapes, len(weights))
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+        if 0 <= part_index < self.num_parts and tensor_part.shape != self.part_shapes[part_index]:
+            # a part must be the shape this reducer expects (a codec checks a part against its own declared
+            # shape only): else it would broadcast into the sum, or fail the stack of a robust aggregate.
+            # Raising here bans the sender, and the round fails as lossy
+            raise AllreduceException(
+                f"sender {sender_index} sent part {part_index} of shape {tuple(tensor_part.shape)}, "
+                f"not {tuple(self.part_shapes[part_index])}"
+            )
         if self.kind != "mean" and 0 <= sender_index < self.num_senders:
             self.received.setdefault(part_index, {})[sender_index] = tensor_part
         weight = self.weights[sender_index] if 0 <= sender_index < self.num_senders else 0.0
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+    def finalize(self):
+        self.received.clear()
+        super().finalize()
 
     def check_current_part_finished(self):
         index = self.current_part_index

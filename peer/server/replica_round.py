@@ -180,8 +180,7 @@ class Rounds:
             # trainers cannot learn what this round covers: were it to succeed here and this replica die, they
             # would replay what its partners stepped. It stays out; its partners' group lacks it and fails alike
             logger.warning("%s: could not announce the round for step %d in the DHT; sitting it out", self.label, epoch)
-            await self.run_torch(rt.restore_round, grads, samples, seq)
-            return 0
+            return 0 if await self.run_torch(self._restore_unless_dropped, grads, samples, seq, incarnation) else -1
         await asyncio.sleep(stagger)
         if rt.incarnation != incarnation and not rt.local:
             # stopped after the take for longer than our record lives (the announcement found it expired and
@@ -189,6 +188,15 @@ class Rounds:
             # included; averaged, a partner's step would count them twice
             return -1
         return None
+
+    def _restore_unless_dropped(self, grads, samples: int, seq: int, incarnation: int) -> bool:
+        """Torch thread: the taken gradients back into the accumulator, unless it was dropped since the take
+        (trainers replay them then: put back into the new one, they would count twice). Whether they went back."""
+        rt = self.runtime
+        if rt.incarnation != incarnation and not rt.local:
+            return False
+        rt.restore_round(grads, samples, seq)
+        return True
 
     async def _announce_round(self, tries: int = 3) -> bool:
         """Publish the record that says what the round covers (`round_seq`); False if the DHT never took it."""

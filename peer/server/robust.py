@@ -13,7 +13,8 @@ member computes them from the same gathered data, so all reach the same weights 
   difference from the current centre counts with a norm of at most the members' median distance, a
   few times over, each member once. An honest majority bounds what the rest can move.
 
-With two members or fewer, no aggregate can tell the honest one, and each is the mean.
+With two members or fewer, no aggregate can tell the honest one, and each is the (sample-weighted) mean.
+The robust kinds leave out a part with NaN or Inf (no honest member sends one).
 """
 
 from __future__ import annotations
@@ -40,19 +41,25 @@ def aggregate(parts: list[torch.Tensor], weights: list[float], kind: str) -> tor
     """The members' `parts` (one shape) made one by `kind` (AGGREGATES), with `weights` (zero: left out; the
     robust kinds count each other member once)."""
     kept = [(w, p.float()) for w, p in zip(weights, parts, strict=True) if w > 0]
+    if kind != "mean":  # a part with NaN or Inf is no honest member's; the mean lets the norm check refuse it
+        kept = [(w, p) for w, p in kept if bool(torch.isfinite(p).all())]
     if not kept:
         return torch.zeros_like(parts[0], dtype=torch.float32)
-    w = torch.tensor([w if kind == "mean" else 1.0 for w, _ in kept], dtype=torch.float32)
     x = torch.stack([p.reshape(-1) for _, p in kept])
-    if kind == "mean" or len(kept) <= 2:
-        result = _mean(x, w)
-    elif kind == "median":
-        result = _median(x, w)
-    elif kind == "clipped":
-        result = _centered_clip(x, w)
+    if kind == "mean" or len(kept) <= 2:  # two cannot outvote each other: the sample-weighted mean
+        result = _mean(x, torch.tensor([w for w, _ in kept], dtype=torch.float32))
     else:
-        raise ValueError(f"unknown aggregate {kind!r}: one of {', '.join(AGGREGATES)}")
+        result = _robust(x, kind)
     return result.reshape(parts[0].shape)
+
+
+def _robust(x: torch.Tensor, kind: str) -> torch.Tensor:
+    w = torch.ones(x.shape[0], dtype=torch.float32)
+    if kind == "median":
+        return _median(x, w)
+    if kind == "clipped":
+        return _centered_clip(x, w)
+    raise ValueError(f"unknown aggregate {kind!r}: one of {', '.join(AGGREGATES)}")
 
 
 def _mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
