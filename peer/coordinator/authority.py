@@ -54,6 +54,8 @@ class Authority:
         self.issued = self.refused = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # stores grants a few at a time, for the life of the authority (not a pool per pass)
+        self._grant_pool = concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant")
         self._published = 0.0
         self._revoked_mtime = -1.0
 
@@ -136,6 +138,7 @@ class Authority:
 
     def stop(self) -> None:
         self._stop.set()
+        self._grant_pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self, period: float, steps) -> None:
         while not self._stop.wait(period):
@@ -152,8 +155,8 @@ class Authority:
         waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
         waiting.sort(key=lambda item: item[0] not in self._admitted)
         answers = [(pid, request, self._grant(pid, request)) for pid, request in waiting[: self.admission.max_pending]]
-        with concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant") as pool:
-            list(pool.map(lambda answer: self._store_grant(*answer), answers))
+        if answers:  # most passes have none: no pool then
+            list(self._grant_pool.map(lambda answer: self._store_grant(*answer), answers))
 
     def _grant(self, peer_id: str, request: CredentialRequest) -> CredentialGrant:
         certificate, error = self.decide(peer_id, request)

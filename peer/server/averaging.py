@@ -31,6 +31,7 @@ from peer.config import RunSpec
 from peer.model import allocation
 from peer.server.averaging_codec import averaging_codec
 from peer.server.hivemind_averager import StageAverager, peer_name
+from peer.server.robust import claimed_samples
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class GradientAverager:
         if not self._whole(infos, epoch):
             return None
         # what the members hold, as they said (the mean's weights are these, capped: peer.server.robust)
-        total = sum(max(0, c) for c in (i.get("samples", 0) for i in infos.values()) if isinstance(c, int))
+        total = sum(claimed_samples(i) for i in infos.values())
         if total <= 0:  # the weights were all 0: the mean is 0/0; every member sees the same total and skips
             logger.warning("averaging group for step %d brought no samples: nobody steps", epoch)
             return None

@@ -23,7 +23,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from peer.server.robust import aggregate, fixed_weights
+from peer.server.robust import aggregate, claimed_samples, fixed_weights
 
 logger = logging.getLogger(__name__)
 HIVEMIND_CHECKED = "1.1.12"  # the hivemind release whose internals this module was checked against
@@ -148,8 +148,7 @@ def _gathered(serializer, data: bytes) -> tuple[AveragingMode, int]:
     """A member's mode and the samples it announced, from its gathered data (malformed: a client with none)."""
     try:
         _, mode, user = serializer.loads(data)
-        samples = serializer.loads(user).get("samples", 0)
-        return AveragingMode(mode), int(samples) if isinstance(samples, int) else 0
+        return AveragingMode(mode), claimed_samples(serializer.loads(user))
     except Exception:  # what a member gathered is its own to get wrong; it then reduces nothing and weighs 0
         return AveragingMode.CLIENT, 0
 

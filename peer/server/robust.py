@@ -26,6 +26,12 @@ from peer.config import AGGREGATES
 CLIP_ITERATIONS = 3  # centered-clip passes; each moves the centre by a clipped mean of the differences
 
 
+def claimed_samples(info) -> int:
+    """The samples a member's gathered data announces; anything but a non-negative int is 0."""
+    samples = info.get("samples", 0) if isinstance(info, dict) else 0
+    return max(0, samples) if isinstance(samples, int) else 0
+
+
 def fixed_weights(samples: list[int], ratio: float) -> list[float]:
     """Each member's weight: its claimed samples (negative: 0), capped at `ratio` times the lower median of
     the positive claims; 0: no cap."""
