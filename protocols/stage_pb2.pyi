@@ -136,16 +136,18 @@ class Coverage(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "epoch", "expert")
+    __slots__ = ("run_id", "stage", "epoch", "expert", "inviter")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
+    INVITER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     epoch: int
     expert: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., expert: _Optional[str] = ...) -> None: ...
+    inviter: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., expert: _Optional[str] = ..., inviter: _Optional[str] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
     __slots__ = ("joining", "epoch")

@@ -58,3 +58,34 @@ def test_two_replicas_per_stage_two_trainers(swarm):
         averaged = sum(1 for f in a.history if f.samples > 0)
         assert averaged == len(a.history)
     assert max(epochs) >= SPEC["training"]["total_steps"] // 2, epochs
+
+
+def test_a_replica_invited_while_it_steps_counts_its_inviter_in_its_next_round():
+    """A partner's invitation says it is in that round: the invited replica's own round counts it in, even if
+    its copy of the partner's record is stale or the partner ignored an earlier invitation (it was loading a
+    state). Else the invited replica stepped alone and the inviter waited out its whole round in hivemind."""
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.server.replica_round import Rounds
+
+    stale = ServerRecord(stage=1, endpoint="127.0.0.1:1", throughput=1.0, epoch=3, state="joining", updated=5.0)
+    replica = SimpleNamespace(
+        leaving=False,
+        stepping=True,
+        averaging_epoch=6,  # applying step 6: a round for 7 is joined as soon as it lands
+        _pending_round=None,
+        peers={"inviter": stale},
+        _unresponsive={"inviter": 5.0},
+        _inviters={},
+        _distrusted=set(),
+    )
+    assert Rounds.join_round(replica, 7, "inviter")
+    assert replica._pending_round == 7
+    assert "inviter" not in replica._unresponsive
+    assert Rounds._inviting(replica, 7) == {"inviter": stale}
+    assert Rounds._inviting(replica, 8) == {}  # a later round: that invitation is spent
+    assert replica._inviters == {}
+    # a stranger (no record) names nobody
+    assert Rounds.join_round(replica, 7, "stranger")
+    assert Rounds._inviting(replica, 7) == {} and replica._inviters == {}

@@ -195,9 +195,18 @@ class StageClient:
         return await call(stage_pb2.InfoRequest(expert=expert), timeout=timeout)
 
     async def round(
-        self, endpoint: str, run_id: str, stage: int, epoch: int, timeout: float, expert: str = "", peer=None
+        self,
+        endpoint: str,
+        run_id: str,
+        stage: int,
+        epoch: int,
+        timeout: float,
+        expert: str = "",
+        peer=None,
+        inviter: str = "",
     ) -> stage_pb2.RoundResponse:
-        request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch, expert=expert)
+        """Invite a replica (`peer`) to the round for `epoch`; `inviter`: our own peer id."""
+        request = stage_pb2.RoundRequest(run_id=run_id, stage=stage, epoch=epoch, expert=expert, inviter=inviter)
         service = EXPERT_SERVICE if expert else SERVICE
         call = self._unary(endpoint, f"/{service}/Round", stage_pb2.RoundResponse, peer)
         return await call(request, timeout=timeout)

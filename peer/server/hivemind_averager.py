@@ -168,6 +168,8 @@ class GroupRunner(AllReduceRunner):
     def __init__(self, *, weights: list[float], aggregate: str, ordered_peer_ids, **kwargs):
         super().__init__(ordered_peer_ids=ordered_peer_ids, **kwargs)
         by_peer = dict(zip(ordered_peer_ids, weights, strict=True))
+        # hivemind's own reducer is replaced unused: finished, so that it does not warn it received nothing
+        self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = GroupReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             [by_peer[p] for p in self.sender_peer_ids],

@@ -118,6 +118,9 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._late_rounds = 0  # rounds in a row given up because this process came back too late
         self._retry_after = 0.0  # no new round before this (monotonic s): a partner is catching up
         self._pending_round: int | None = None  # a round a partner invited us to while we finished a step
+        # peer id -> the epoch it invited us to: it is in that round, so ours counts it in whatever our
+        # (maybe stale) copy of its record says; entries of past epochs go at each round
+        self._inviters: dict[str, int] = {}
         self.round_seq = 0  # additions the running round covers
         self.samples_averaging = 0  # samples taken out of the accumulator for the running round
         self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation

@@ -14,6 +14,7 @@ from dht.records import ServerRecord
 
 logger = logging.getLogger(__name__)
 MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
+MAX_INVITERS = 64  # invitations remembered (one per partner) until their round
 MAX_LATE_ROUNDS = 3  # a replica that keeps coming back late to its rounds steps alone after this many
 
 
@@ -31,6 +32,7 @@ class Rounds:
             return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
+        partners.update(self._inviting(epoch))
         asked = time.monotonic()
         answers = await self._invite(partners, epoch, timeout)
         took = time.monotonic() - asked
@@ -102,7 +104,14 @@ class Rounds:
         answers = await asyncio.gather(
             *(
                 self.client.round(
-                    r.endpoint, self.run_id, self.stage, epoch, timeout, expert=self.part.expert, peer=pid
+                    r.endpoint,
+                    self.run_id,
+                    self.stage,
+                    epoch,
+                    timeout,
+                    expert=self.part.expert,
+                    peer=pid,
+                    inviter=self.dht.peer_id,
                 )
                 for pid, r in partners.items()
             ),
@@ -206,10 +215,27 @@ class Rounds:
             await asyncio.sleep(0.2 * (attempt + 1))
         return False
 
-    def join_round(self, epoch: int) -> bool:
-        """A partner invites this replica to the round for `epoch`: True if it takes part."""
+    def _inviting(self, epoch: int) -> dict[str, ServerRecord]:
+        """The partners that invited us to the round for `epoch` (they are in it), by peer id, with their records:
+        counted in although our copy of a record may be stale (an older step, or not yet serving), or its peer
+        ignored an earlier invitation of ours while it was loading its state. Past epochs' entries go."""
+        self._inviters = {pid: e for pid, e in self._inviters.items() if e >= epoch}
+        return {
+            pid: r
+            for pid, e in self._inviters.items()
+            if e == epoch and (r := self.peers.get(pid)) is not None and pid not in self._distrusted
+        }
+
+    def join_round(self, epoch: int, inviter: str = "") -> bool:
+        """A partner (`inviter`, its peer id if it said) invites this replica to the round for `epoch`: True if
+        it takes part."""
         if self.leaving:
             return False
+        if inviter and inviter in self.peers:
+            self._unresponsive.pop(inviter, None)  # it is alive and at work, whatever it ignored before
+            self._inviters[inviter] = epoch
+            while len(self._inviters) > MAX_INVITERS:  # a bound: the oldest invitation goes first
+                self._inviters.pop(next(iter(self._inviters)))
         if self.stepping:
             if self.averaging_epoch == epoch:
                 return True  # already in this very round

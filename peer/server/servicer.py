@@ -262,7 +262,9 @@ class ServicerBase:
             replica = self._replica(request.run_id, request.stage, request.expert)
         except Refused as e:
             await refuse(context, e.code, e.message, e.reason)
-        joining = replica.join_round(request.epoch)
+        # an inviter is who the call comes from: with admission on, only the admitted caller may name itself
+        inviter = request.inviter if CALLER.get() in (None, "", request.inviter) else ""
+        joining = replica.join_round(request.epoch, inviter)
         return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
 
     async def GetState(self, request_bytes: bytes, context):
