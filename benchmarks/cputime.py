@@ -1,11 +1,15 @@
-"""CPU time of process trees and progress read from log files, for benchmarks that compare what runs cost.
+"""CPU time of process trees and progress read from log files, for benchmarks that compare what runs cost, and
+two swarms measured in one window while their trainers run at once (`train_together`).
 
 Linux only (/proc): user + system seconds of a process and all its descendants, read at once for many trees.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -45,3 +49,54 @@ def cpu_seconds(roots: list[int]) -> float | None:
         total += times[pid]
         todo += children.get(pid, [])
     return total if seen else None
+
+
+def train_together(swarms: dict, name: str, micro_batches: int, warmup: int, extra: list[str], timeout):
+    """A trainer on each swarm at once, each for `micro_batches`: per swarm, (samples/s, CPU s per 1000 samples)
+    over one window, from when every trainer is past its first `warmup` micro-batches to when one of them has
+    done 90 % of its own (before any of them drains at its end). The CPU is all of the swarm's processes (coordinator,
+    servers, trainer, with their children) read from /proc. Both sides share the window, so the machine's state
+    (its fast and slow spells) is the same for both, and they compete for the same cores."""
+    procs = {mode: swarm.start_trainer(name, micro_batches, extra) for mode, swarm in swarms.items()}
+    logs = {mode: swarm.workdir / f"{name}.jsonl" for mode, swarm in swarms.items()}
+    roots = {
+        mode: [swarm.procs.procs[n][0].pid for n in ("coordinator", *swarm.servers, name)]
+        for mode, swarm in swarms.items()
+    }
+    first = last = None  # (monotonic time, {mode: (micro-batches logged, CPU seconds)})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+        look = (
+            time.monotonic(),
+            {mode: (count_lines(logs[mode], b'"micro_batch"'), cpu_seconds(roots[mode])) for mode in swarms},
+        )
+        counts = [done for done, _ in look[1].values()]
+        if first is None and min(counts) >= warmup:
+            first = look
+        elif first is not None:
+            last = look
+            if max(counts) >= 0.9 * micro_batches:
+                break
+        time.sleep(0.2)
+    for mode, swarm in swarms.items():
+        proc = procs[mode]
+        swarm._wait(lambda p=proc: p.poll() is not None, ["coordinator", *swarm.servers], f"trainer {name}", timeout)
+    if first is None or last is None:
+        raise SystemExit(f"trainers {name} never ran together past their warm-up")
+    figures = {}
+    for mode, swarm in swarms.items():
+        per_batch = swarm._rate(procs[mode], name, warmup)[1]
+        (done0, cpu0), (done1, cpu1) = first[1][mode], last[1][mode]
+        samples = (done1 - done0) * per_batch
+        cpu = 1000 * (cpu1 - cpu0) / samples if samples and None not in (cpu0, cpu1) else math.nan
+        figures[mode] = (samples / max(last[0] - first[0], 1e-9), cpu)
+    return figures
+
+
+def paired(without: list[float], with_: list[float], cost: bool = False) -> float:
+    """The median over rounds of each round's overhead in %: throughput lost (1 - with / without), or with `cost`
+    the extra cost (with / without - 1). Rounds are paired: both sides ran in the same window."""
+    ratios = [w / o for o, w in zip(without, with_, strict=True) if o == o and w == w and o > 0]
+    if not ratios:
+        return math.nan
+    return (statistics.median(ratios) - 1.0) * 100.0 if cost else (1.0 - statistics.median(ratios)) * 100.0

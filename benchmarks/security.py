@@ -5,12 +5,13 @@ Three measurements, each on a small model with real peers (separate processes) o
 1. TLS + credentials: the trainer's samples/s with `[admission] mode = "off"` (plaintext gRPC, no
    credentials) against `mode = "open"` (coordinator-signed credentials, mutual TLS everywhere), a
    coordinator, one server per stage and one trainer each, spot checks off on both sides. Both
-   swarms are up through the whole part (the same background load for each run); their trainers
-   take turns (off, open, open, off, ...; `--tls-rounds` runs of `--tls-micro-batches` each) and the
-   medians are compared. The first micro-batches of each run (connection and TLS set-up) are not
-   timed. Beside samples/s (which on a loaded 2-core machine swings by several % from run to run),
-   the CPU seconds all of the swarm's processes spent per sample while its trainer ran (read from
-   /proc): what TLS and credentials cost, whatever else the machine did meanwhile.
+   swarms are up through the whole part, and their trainers run at the same time (`--tls-rounds`
+   rounds of `--tls-micro-batches` each): each round measures both over one window, from when both
+   trainers are past their first `--warmup` micro-batches to when one has done 90 % of its own. This
+   machine's fast and slow spells (tens of % between runs) then fall on both sides alike, and the two
+   swarms compete for the same cores: the one that costs more per sample gets fewer samples. Beside
+   samples/s, the CPU seconds all of each swarm's processes spent per sample in that window (read
+   from /proc). Each round's ratio is taken, then the median over rounds.
 2. Spot checks at the default rate: open mode, stage 0 served by 2 replicas, a trainer with
    `trainer.spot_check=0` against one with the default rate, taking turns on the same swarm
    (honest_banned counts the default-rate trainers' bans there: all replicas are honest).
@@ -32,8 +33,9 @@ The last line is
     tls_overhead_pct=... tls_cpu_overhead_pct=... spot_check_overhead_pct=... micro_batches_until_ban=... ...
     ... far_claim_refused_s=... takeover_refused_s=... poison_refused_s=... bomb_codes=... bomb_s=...
 
-where an overhead is (1 - with / without) x 100 of the median samples/s (tls_cpu_overhead_pct: (with / without
-- 1) x 100 of the median CPU ms per sample; goal <= 5 for both), and micro_batches_until_ban
+where an overhead is (1 - with / without) x 100 of samples/s (for TLS: the median over rounds of each round's ratio;
+tls_cpu_overhead_pct: (with / without - 1) x 100 of the CPU ms per sample, likewise; goal <= 5 for both), and
+micro_batches_until_ban
 the median number of micro-batches a trainer made up to and including the one whose check caught
 the perturbing server (the spot_check entry's index + 1; ban_indices lists the raw 0-based indices,
 "-" for a swarm where nobody was caught).
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -56,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cputime import count_lines, cpu_seconds  # noqa: E402
+from benchmarks.cputime import paired, train_together  # noqa: E402
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from dht.identity import Identity  # noqa: E402
 from peer.cli.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
@@ -142,28 +143,6 @@ class Swarm:
         self._wait(lambda: proc.poll() is not None, ["coordinator", *self.servers], f"trainer {name}", timeout)
         return self._rate(proc, name, warmup)[0]
 
-    def train_measured(
-        self, name: str, micro_batches: int, warmup: int, extra: list[str], timeout: float
-    ) -> tuple[float, float]:
-        """As `train`, and the CPU seconds all of this swarm's processes (coordinator, servers, trainer, with
-        their children) spent per thousand samples after the first `warmup` (looked at as often as `_wait` looks)."""
-        proc = self.start_trainer(name, micro_batches, extra)
-        log, looks = self.workdir / f"{name}.jsonl", []  # (micro-batches logged, CPU seconds) after warmup
-        roots = [self.procs.procs[n][0].pid for n in ("coordinator", *self.servers, name)]
-
-        def look() -> bool:
-            done, cpu = count_lines(log, b'"micro_batch"'), cpu_seconds(roots)
-            if done >= warmup and cpu is not None:
-                looks.append((done, cpu))
-            return proc.poll() is not None
-
-        self._wait(look, ["coordinator", *self.servers], f"trainer {name}", timeout)
-        rate, per_batch = self._rate(proc, name, warmup)
-        cpu = float("nan")
-        if len(looks) >= 2 and looks[-1][0] > looks[0][0]:
-            cpu = 1000 * (looks[-1][1] - looks[0][1]) / ((looks[-1][0] - looks[0][0]) * per_batch)
-        return rate, cpu
-
     def _rate(self, proc, name: str, warmup: int) -> tuple[float, float]:
         """A finished trainer's samples/s after its first `warmup` micro-batches, and its samples per micro-batch."""
         if proc.returncode != 0:
@@ -192,7 +171,8 @@ def fmt(rates: list[float]) -> str:
 
 
 def tls_phase(args, root: Path) -> dict[str, list[float]]:
-    """Samples/s without and with admission (TLS + credentials), both swarms up, trainers taking turns."""
+    """Samples/s and CPU per sample without and with admission (TLS + credentials): both swarms up, their trainers
+    running at the same time (`train_together`), `tls_rounds` times."""
     swarms = {mode: Swarm(root / f"tls-{mode}", make_spec(args, mode)) for mode in ("off", "open")}
     rates: dict[str, list[float]] = {"off": [], "open": [], "off_cpu": [], "open_cpu": []}
     try:
@@ -200,21 +180,22 @@ def tls_phase(args, root: Path) -> dict[str, list[float]]:
             took = swarm.start([(f"s{st}", st, []) for st in range(2)])
             print(f"[tls] {mode} swarm serving after {took:.1f} s", flush=True)
         for r in range(args.tls_rounds):
-            order = ("off", "open") if r % 2 == 0 else ("open", "off")
-            for mode in order:
-                rate, cpu = swarms[mode].train_measured(
-                    f"t{r}",
-                    args.tls_micro_batches,
-                    args.warmup,
-                    ["--set", "trainer.spot_check=0"],
-                    args.trainer_timeout,
-                )
+            both = train_together(
+                swarms,
+                f"t{r}",
+                args.tls_micro_batches,
+                args.warmup,
+                ["--set", "trainer.spot_check=0"],
+                args.trainer_timeout,
+            )
+            for mode, (rate, cpu) in both.items():
                 rates[mode].append(rate)
                 rates[f"{mode}_cpu"].append(cpu)
-                print(
-                    f"[tls] round {r} admission={mode}: {rate:.1f} samples/s, {cpu:.2f} CPU s per 1000 samples",
-                    flush=True,
-                )
+            print(
+                f"[tls] round {r}: off {both['off'][0]:.1f} samples/s, {both['off'][1]:.2f} CPU s per 1000 samples; "
+                f"open {both['open'][0]:.1f} samples/s, {both['open'][1]:.2f} CPU s per 1000 samples",
+                flush=True,
+            )
     finally:
         for swarm in swarms.values():
             swarm.stop()
@@ -374,7 +355,7 @@ def bomb_phase(swarm: Swarm) -> dict[str, str]:
 
 FULL = {
     "micro_batches": 150,
-    "tls_micro_batches": 600,
+    "tls_micro_batches": 450,
     "warmup": 10,
     "rounds": 2,
     "tls_rounds": 3,
@@ -384,10 +365,10 @@ FULL = {
 }
 QUICK = {
     "micro_batches": 30,
-    "tls_micro_batches": 60,
+    "tls_micro_batches": 100,
     "warmup": 5,
     "rounds": 1,
-    "tls_rounds": 1,
+    "tls_rounds": 2,
     "repeats": 1,
     "ban_limit": 300,
     "trainer_timeout": 120.0,
@@ -398,11 +379,8 @@ def measure(args: argparse.Namespace, root: Path, figures: Figures, started: flo
     skip = set(filter(None, args.skip.split(",")))
     if "tls" not in skip:
         rates = tls_phase(args, root)
-        figures["tls_overhead_pct"] = f"{overhead(rates['off'], rates['open']):.1f}"
-        cpu_off, cpu_open = (
-            statistics.median([c for c in rates[k] if c == c] or [math.nan]) for k in ("off_cpu", "open_cpu")
-        )
-        figures["tls_cpu_overhead_pct"] = f"{(cpu_open / cpu_off - 1.0) * 100.0:.1f}"
+        figures["tls_overhead_pct"] = f"{paired(rates['off'], rates['open']):.1f}"
+        figures["tls_cpu_overhead_pct"] = f"{paired(rates['off_cpu'], rates['open_cpu'], cost=True):.1f}"
         figures["off_sps"], figures["tls_sps"] = fmt(rates["off"]), fmt(rates["open"])
         figures["off_cpu_ms_per_sample"], figures["tls_cpu_ms_per_sample"] = (
             fmt(rates["off_cpu"]),
@@ -476,8 +454,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, help="micro-batches of each timed trainer run (default 150)")
     parser.add_argument("--warmup", type=int, help="micro-batches of each trainer run not timed (default 10)")
     parser.add_argument("--rounds", type=int, help="trainer runs per side of part 2, alternating (default 2)")
-    parser.add_argument("--tls-rounds", type=int, help="trainer runs per side of part 1, alternating (default 3)")
-    parser.add_argument("--tls-micro-batches", type=int, help="micro-batches of each part-1 trainer run (default 600)")
+    parser.add_argument("--tls-rounds", type=int, help="rounds of part 1, both trainers at once (default 3)")
+    parser.add_argument("--tls-micro-batches", type=int, help="micro-batches of each part-1 trainer run (default 450)")
     parser.add_argument("--repeats", type=int, help="swarms with a perturbing server, part 3 (default 2)")
     parser.add_argument("--perturb", type=float, default=0.5, help="std of the perturbing server's noise")
     parser.add_argument("--ban-limit", type=int, help="part 3: micro-batches before giving up (default 400)")

@@ -31,8 +31,7 @@ class Rounds:
         if await self._alone_after_poison(epoch):
             return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
-        partners = {pid: r for pid, r in self._serving_peers().items() if r.epoch <= epoch}
-        partners.update(self._inviting(epoch))
+        partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
         asked = time.monotonic()
         answers = await self._invite(partners, epoch, timeout)
         took = time.monotonic() - asked
