@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MIN_WINDOW_BATCHES = 5  # micro-batches each side must log in a window of train_together for it to count
 
 
 def count_lines(path: Path, marker: bytes) -> int:
@@ -78,25 +79,35 @@ def train_together(swarms: dict, name: str, micro_batches: int, warmup: int, ext
             if max(counts) >= 0.9 * micro_batches:
                 break
         time.sleep(0.2)
+    failed = [mode for mode, p in procs.items() if p.poll() not in (None, 0)]
+    for mode in failed:  # one trainer failed: the others are stopped, and its log is said
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        swarms[mode]._rate(procs[mode], name, warmup)
     for mode, swarm in swarms.items():
-        proc = procs[mode]
-        swarm._wait(lambda p=proc: p.poll() is not None, ["coordinator", *swarm.servers], f"trainer {name}", timeout)
+        left = max(deadline - time.monotonic(), 1.0)
+        swarm._wait(
+            lambda p=procs[mode]: p.poll() is not None, ["coordinator", *swarm.servers], f"trainer {name}", left
+        )
     if first is None or last is None:
-        raise SystemExit(f"trainers {name} never ran together past their warm-up")
+        raise SystemExit(f"trainers {name} never ran together past their warm-up within {timeout:.0f} s")
     figures = {}
     for mode, swarm in swarms.items():
         per_batch = swarm._rate(procs[mode], name, warmup)[1]
         (done0, cpu0), (done1, cpu1) = first[1][mode], last[1][mode]
         samples = (done1 - done0) * per_batch
-        cpu = 1000 * (cpu1 - cpu0) / samples if samples and None not in (cpu0, cpu1) else math.nan
-        figures[mode] = (samples / max(last[0] - first[0], 1e-9), cpu)
+        if done1 - done0 < MIN_WINDOW_BATCHES or None in (cpu0, cpu1):
+            figures[mode] = (math.nan, math.nan)  # too short a window to say anything
+            continue
+        figures[mode] = (samples / max(last[0] - first[0], 1e-9), 1000 * (cpu1 - cpu0) / samples)
     return figures
 
 
 def paired(without: list[float], with_: list[float], cost: bool = False) -> float:
     """The median over rounds of each round's overhead in %: throughput lost (1 - with / without), or with `cost`
     the extra cost (with / without - 1). Rounds are paired: both sides ran in the same window."""
-    ratios = [w / o for o, w in zip(without, with_, strict=True) if o == o and w == w and o > 0]
+    ratios = [w / o for o, w in zip(without, with_, strict=True) if o == o and w == w and o > 0 and w > 0]
     if not ratios:
         return math.nan
     return (statistics.median(ratios) - 1.0) * 100.0 if cost else (1.0 - statistics.median(ratios)) * 100.0

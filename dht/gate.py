@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dht.credential import Credential, CredentialError, RevokedError, read_credential
 
 ERROR_TTL = 30.0  # s a certificate found invalid stays so without a new check (it may be "not yet valid")
+AUTHORITY = frozenset({"authority"})  # what the run's coordinator signs with: it may publish any record
 
 
 class Gate:
@@ -54,19 +55,28 @@ class Gate:
             raise RevokedError(f"peer {found.peer_id} was revoked by the run's coordinator")
         return found
 
+    def roles_of(self, owner: str, certificate: bytes | None) -> frozenset[str] | None:
+        """The roles a record signed by `owner` and carrying `certificate` speaks with: None if it does not count
+        (no valid credential naming `owner`); AUTHORITY for the run's coordinator. One credential check."""
+        if owner == self.coordinator:
+            return AUTHORITY
+        try:
+            return frozenset(self.check(certificate, owner).roles)
+        except CredentialError:
+            return None
+
+    @staticmethod
+    def may_publish(roles: frozenset[str] | None, writers: frozenset[str]) -> bool:
+        """Whether a record whose signer speaks with `roles` (from `roles_of`) may be one the roles `writers` publish."""
+        return roles is AUTHORITY or bool(roles and roles.intersection(writers))
+
     def may_write(self, owner: str, certificate: bytes | None, writers: frozenset[str]) -> bool:
         """Whether `owner`'s credential has one of the roles `writers` (the coordinator may write anything)."""
-        if owner == self.coordinator:
-            return True
-        try:
-            return bool(writers.intersection(self.check(certificate, owner).roles))
-        except CredentialError:
-            return False
+        return self.may_publish(self.roles_of(owner, certificate), writers)
 
     def admits(self, owner: str, certificate: bytes | None) -> bool:
         """Whether a record signed by `owner` and carrying `certificate` counts."""
-        if owner == self.coordinator:
-            return True
+        return self.roles_of(owner, certificate) is not None
         try:
             self.check(certificate, owner)
         except CredentialError:

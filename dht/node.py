@@ -155,8 +155,8 @@ class SwarmDHT:
                 logger.warning("ignored a record under %s with a bad signature (claims owner %s)", key, owner)
                 continue
             payload, certificate = opened
-            gate = self.gate
-            if gate is not None and gated and not gate.admits(owner, certificate):
+            roles = self.gate.roles_of(owner, certificate) if self.gate is not None and gated else None
+            if self.gate is not None and gated and roles is None:
                 logger.debug("ignored a record under %s from %s: not an admitted peer", key, owner)
                 continue
             try:
@@ -165,7 +165,7 @@ class SwarmDHT:
                 logger.warning("ignored a malformed %s from %s: %s", model.__name__, owner, e)
                 continue
             record.owner = owner
-            if gate is not None and gated and not gate.may_write(owner, certificate, record.writers()):
+            if roles is not None and not self.gate.may_publish(roles, record.writers()):
                 del records[owner]  # a trainer's credential announcing a server, say
                 logger.debug("ignored a %s from %s: its roles may not publish one", model.__name__, owner)
         return records

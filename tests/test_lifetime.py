@@ -54,6 +54,12 @@ def _follow_until(proc: subprocess.Popen, log: Path, pattern: str, timeout: floa
     raise AssertionError(f"no {pattern!r} within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
+def _tails(log: Path, workdir: Path, chars: int = 1500) -> str:
+    """The end of a run's own log and of each peer log in its work directory: why a swarm did not come up."""
+    logs = [log, *sorted(workdir.rglob("*.log"))] if workdir.exists() else [log]
+    return "\n".join(f"--- {p}:\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
+
+
 def _names(pids) -> list[str]:
     out = []
     for pid in pids:
@@ -109,7 +115,7 @@ def test_a_killed_demo_leaves_nothing_behind(tmp_path):
         except AssertionError:
             pids.update(descendants(proc.pid))  # 30 s without trainers on a slow machine: kill it anyway
         names = _names(pids)
-        assert sum("p2pd" in n for n in names) >= 3, names  # the swarm really was up
+        assert sum("p2pd" in n for n in names) >= 3, f"{names}\n{_tails(log, workdir)}"  # the swarm really was up
         pids.update(descendants(proc.pid))
         assert _shared_memory(pids), "the swarm's averagers made no torch shared-memory files to clean up"
         os.kill(proc.pid, signal.SIGKILL)
@@ -147,7 +153,7 @@ def test_a_terminated_benchmark_stops_its_swarm(tmp_path):
         while time.monotonic() < deadline and sum("p2pd" in n for n in _names(pids)) < 2:
             pids.update(descendants(proc.pid))
             time.sleep(0.2)
-        assert sum("p2pd" in n for n in _names(pids)) >= 2, _names(pids)
+        assert sum("p2pd" in n for n in _names(pids)) >= 2, f"{_names(pids)}\n{_tails(log, tmp_path / 'w')}"
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(GONE_WITHIN) == 130  # interrupted, and said so in its last line
         assert log.read_text().strip().splitlines()[-1].endswith("status=interrupted")

@@ -89,3 +89,37 @@ def test_a_replica_invited_while_it_steps_counts_its_inviter_in_its_next_round()
     # a stranger (no record) names nobody
     assert Rounds.join_round(replica, 7, "stranger")
     assert Rounds._inviting(replica, 7) == {} and replica._inviters == {}
+
+
+def test_a_replica_also_asks_those_that_invited_it_while_its_own_invitations_were_out():
+    """Two replicas starting rounds at once each invite the other: one that invited us while our invitations were
+    out is asked too (it is in the round: it answers joining), and an inviter that does not answer is forgotten."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.server.replica_round import Rounds
+
+    def record(epoch: int) -> ServerRecord:
+        return ServerRecord(stage=1, endpoint="127.0.0.1:1", throughput=1.0, epoch=epoch, state="serving")
+
+    asked = []
+
+    async def invite(partners, epoch, timeout):
+        asked.append(sorted(partners))
+        replica._inviters["late"] = epoch  # its invitation arrives while ours are out
+        return {
+            pid: ConnectionError() if pid == "gone" else SimpleNamespace(joining=pid == "late", epoch=epoch)
+            for pid in partners
+        }
+
+    replica = SimpleNamespace(
+        peers={"a": record(5), "late": record(4), "gone": record(5)}, _inviters={"gone": 5}, _distrusted=set()
+    )
+    replica._invite = invite
+    replica._inviting = lambda epoch: Rounds._inviting(replica, epoch)
+    partners = {"a": record(5), "gone": record(5)}
+    answers, _ = asyncio.run(Rounds._answers(replica, partners, 5, 1.0))
+    assert asked == [["a", "gone"], ["gone"], ["late"]]  # nobody joined at first: the silent one is asked again
+    assert "late" in partners and answers["late"].joining
+    assert "gone" not in replica._inviters and "late" in replica._inviters

@@ -48,6 +48,7 @@ class Authority:
         self.ca = RunAuthority(identity, spec.name)
         self.invites_path, self.revoked_path = invites, revoked
         self.revoked: dict[str, dict] = {}
+        self.pardoned: dict[str, float] = {}  # peer id -> when its owner pardoned it (the revocation file's)
         self._answered: OrderedDict[tuple[str, str], float] = OrderedDict()  # (peer, nonce) answered
         self._admitted: OrderedDict[str, float] = OrderedDict()  # peers given a credential: their renewals go first
         self._lock = threading.Lock()
@@ -187,7 +188,8 @@ class Authority:
             mtime = self.revoked_path.stat().st_mtime
             if mtime != self._revoked_mtime:
                 self._revoked_mtime = mtime
-                found = read_json(self.revoked_path).get("revoked", {})
+                data = read_json(self.revoked_path)
+                found, self.pardoned = data.get("revoked", {}), data.get("pardoned", {})
                 new, gone = sorted(set(found) - set(self.revoked)), sorted(set(self.revoked) - set(found))
                 self.revoked = found
                 for peer in new:
@@ -213,7 +215,8 @@ class Authority:
         if not reports:
             return
         done = {pid: r.samples for pid, r in self.dht.get(keys.trainers_key(self.spec.name), TrainerRecord).items()}
-        pardoned = read_json(self.revoked_path).get("pardoned", {})
+        self.follow_revocations()  # the revocation file read when it changed: its pardons are current
+        pardoned = self.pardoned
         oldest = time.time() - self.admission.report_ttl
         reporters: dict[str, set[str]] = {}
         for trainer, report in reports.items():

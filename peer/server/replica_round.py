@@ -32,16 +32,7 @@ class Rounds:
             return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
         partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
-        asked = time.monotonic()
-        answers = await self._invite(partners, epoch, timeout)
-        took = time.monotonic() - asked
-        silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
-        if silent and not _joiners(answers):
-            # nobody joined: before stepping alone, ask those who did not answer once more. A deadline
-            # that passed while this process was stopped or starved looks like a hung partner, and a
-            # partner that went on alone meanwhile must be seen (we resync from it) rather than
-            # matched by a second lone step at the same epoch (two replicas apart for good)
-            answers.update(await self._invite(silent, epoch, timeout))
+        answers, took = await self._answers(partners, epoch, timeout)
         joiners = _joiners(answers)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         # hung or gone: not waited for again
@@ -86,6 +77,28 @@ class Rounds:
         stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
         expected = sorted([self.dht.peer_id, *joiners])
         await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
+
+    async def _answers(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> tuple[dict, float]:
+        """The partners' answers to the invitation to the round for `epoch`, and the seconds the first invitations
+        took. Replicas that invited us meanwhile are added to `partners` and asked too (they are in the round)."""
+        asked = time.monotonic()
+        answers = await self._invite(partners, epoch, timeout)
+        took = time.monotonic() - asked
+        silent = {pid: partners[pid] for pid, a in answers.items() if isinstance(a, BaseException)}
+        if silent and not _joiners(answers):
+            # nobody joined: before stepping alone, ask those who did not answer once more. A deadline
+            # that passed while this process was stopped or starved looks like a hung partner, and a
+            # partner that went on alone meanwhile must be seen (we resync from it) rather than
+            # matched by a second lone step at the same epoch (two replicas apart for good)
+            answers.update(await self._invite(silent, epoch, timeout))
+        late = {pid: r for pid, r in self._inviting(epoch).items() if pid not in partners and r.epoch <= epoch}
+        if late:
+            partners.update(late)
+            answers.update(await self._invite(late, epoch, timeout))
+        for pid, answer in answers.items():
+            if isinstance(answer, BaseException):
+                self._inviters.pop(pid, None)  # an inviter that does not answer is not waited for again
+        return answers, took
 
     async def _alone_after_poison(self, epoch: int) -> bool:
         """After averaging.max_refused_rounds poisoned means in a row (peer.server.averaging), step with our own
@@ -232,6 +245,7 @@ class Rounds:
             return False
         if inviter and inviter in self.peers:
             self._unresponsive.pop(inviter, None)  # it is alive and at work, whatever it ignored before
+            self._inviters.pop(inviter, None)  # its newest invitation goes last: the oldest go first
             self._inviters[inviter] = epoch
             while len(self._inviters) > MAX_INVITERS:  # a bound: the oldest invitation goes first
                 self._inviters.pop(next(iter(self._inviters)))

@@ -68,7 +68,7 @@ class Stepping:
     def _start_step(self) -> None:
         self.stepping = True
         epoch = self.runtime.epoch
-        if not self._serving_peers() or self.averager is None:
+        if not (self._serving_peers() or self._inviting(epoch)) or self.averager is None:
             # alone: queued on the torch thread now, before any later request, so the step lands
             # exactly where plain gradient accumulation would put it
             self._tasks.append(asyncio.create_task(self._finish_step(self._step_alone())))

@@ -36,7 +36,6 @@ from peer.trainer.tracking import Tracker
 from protocols import codec, stage_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
-ANSWER_LEAD = 16  # steps an answer may claim past what most replicas said at the last look (peer.swarm.consensus)
 
 
 @dataclass
@@ -279,9 +278,9 @@ class Trainer(Calls, Settling, Reporting):
         s = self.summary
         s.samples += task.samples
         s.micro_batches += 1
-        # an answer's step counts only a little past what most replicas said at the last look (a hostile server
-        # may answer any step; honest ones run ahead of that look by the steps taken since)
-        s.epoch = max(s.epoch, min(epoch, self.router.max_epoch + ANSWER_LEAD))
+        # an answer's step counts only server.max_resync_jump past what most replicas said at the last look (a
+        # hostile server may answer any step; honest ones run ahead of that look by the steps taken since)
+        s.epoch = max(s.epoch, min(epoch, self.router.max_epoch + self.cfg.server.max_resync_jump))
         s.losses.append(loss)
         self.recent.append((time.monotonic(), task.samples, loss))
         self._write(
