@@ -64,8 +64,10 @@ def _names(pids) -> list[str]:
     out = []
     for pid in pids:
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            out.append(f"{pid} {command[:100]}")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            command = b" ".join(argv).decode(errors="replace")
+            # the program's own name first: a deep checkout's path would push it past the shortened command
+            out.append(f"{pid} {os.path.basename(argv[0].decode(errors='replace'))} {command[:100]}")
         except OSError:
             out.append(str(pid))
     return out
