@@ -155,8 +155,9 @@ class SwarmDHT:
                 logger.warning("ignored a record under %s with a bad signature (claims owner %s)", key, owner)
                 continue
             payload, certificate = opened
-            roles = self.gate.roles_of(owner, certificate) if self.gate is not None and gated else None
-            if self.gate is not None and gated and roles is None:
+            checked = self.gate is not None and gated
+            roles = self.gate.roles_of(owner, certificate) if checked else None
+            if checked and roles is None:
                 logger.debug("ignored a record under %s from %s: not an admitted peer", key, owner)
                 continue
             try:
