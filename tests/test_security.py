@@ -149,6 +149,16 @@ def test_invite_codes_admit_once(swarm):
     assert again.wait(60) != 0 and "was used already" in again.output()
 
 
+def _stage_story(swarm, *names) -> str:
+    """What a slow catch needs explained: each replica's steps and rounds, the trainer's spot checks."""
+    story = []
+    for name in names:
+        lines = (swarm.workdir / f"{name}.log").read_text(errors="replace").splitlines()
+        told = [line[:200] for line in lines if re.search(r"step \d+|round|resync|spot check|Serving|Joined", line)]
+        story.append(f"--- {name}: {len(told)} lines\n" + "\n".join(told[:40]))
+    return "\n".join(story)
+
+
 def test_a_server_that_perturbs_its_outputs_is_caught_banned_and_revoked(swarm):
     ids = _identities(swarm.workdir, "honest-a", "honest-b", "noisy", "last")
     swarm.coordinator({**SPEC, "admission": {"mode": "open", "revoke_after_reports": 1, "refresh": 2.0}})
@@ -167,7 +177,7 @@ def test_a_server_that_perturbs_its_outputs_is_caught_banned_and_revoked(swarm):
     assert caught and {e["wrong"] for e in caught} == {ids["noisy"]}, caught
     # the noisy server is one of the two replicas compared in 2/3 of the spot checks: caught after ~6
     # micro-batches on average, after 100 about once in 10^7 runs
-    assert caught[0]["index"] < 100, caught[0]
+    assert caught[0]["index"] < 100, (caught[0], _stage_story(swarm, "honest-a", "honest-b", "noisy", "trainer"))
     swarm.peers[0].wait_for(rf"Revoked peer {ids['noisy']}: spot checks of 1 trainer", 30)
     peers[2].wait_for(r"credential was revoked", 30)
     assert peers[2].wait(60) is not None
