@@ -55,3 +55,24 @@ def test_one_server_per_stage_matches_plain_pytorch(swarm):
             state.samples_stepped + state.samples_accumulated
             == len(swarm_losses) * SPEC["training"]["micro_batch_size"]
         )
+
+
+def test_a_step_takes_the_lr_its_samples_put_it_at_scaled_by_its_size():
+    """Swarm steps vary in size and stages step at different samples: the schedule follows the samples."""
+    from peer.model.optim import lr_at
+    from peer.model.runtime import StageRuntime
+
+    spec = RunSpec.from_dict(SPEC)
+    t = spec.training
+    runtime = StageRuntime(spec, 0)
+    sizes, stepped = [4, 8, 12, 8, 8], 0  # target 8: half, whole, one and a half, whole, whole
+    for size in sizes:
+        grads = [torch.zeros_like(p) for p in runtime.params]
+        runtime.apply_step(grads, size, 0)
+        # the plain loop's lr at this sample, times the step's share of the target batch
+        assert math.isclose(runtime.optimizer.param_groups[0]["lr"], lr_at(stepped / 8, t) * size / 8, rel_tol=1e-12)
+        stepped += size
+    assert runtime.epoch == len(sizes) and runtime.samples_stepped == sum(sizes)
+    # a step of exactly the target batch after k of them is the plain loop's step k
+    runtime.apply_step([torch.zeros_like(p) for p in runtime.params], 8, 0)
+    assert runtime.optimizer.param_groups[0]["lr"] == lr_at(sum(sizes) // 8, t)

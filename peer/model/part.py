@@ -27,7 +27,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.model import allocation
-from peer.model.optim import build_optimizer, set_lr
+from peer.model.optim import build_optimizer, schedule_of, set_lr
 from peer.model.part_state import Fingerprint, PartState
 
 logger = logging.getLogger(__name__)
@@ -265,7 +265,8 @@ class PartRuntime(PartState):
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
         self.restored = []  # taken with the rest of the accumulator into this step
-        self._optimizer_step(grads, self.epoch)
+        position, scale = schedule_of(self.samples_stepped, group_samples, self.spec.training.target_batch_size)
+        self._optimizer_step(grads, position, scale)
         self.epoch += 1
         self.samples_stepped += group_samples
         self.stepped_seq = max(self.stepped_seq, seq)
@@ -295,13 +296,14 @@ class PartRuntime(PartState):
             grads, samples = self.take_gradients()
             self.apply_inner_step(grads, samples, self.taken_seq)
 
-    def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: int) -> None:
-        """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step`; a new version."""
+    def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: float, scale: float = 1.0) -> None:
+        """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step` times `scale`; a new
+        version."""
         if self.keeps_stash:
             self._stash = (self.version, [p.detach().clone() for p in self.params])
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-        set_lr(self.optimizer, schedule_step, self.spec.training)
+        set_lr(self.optimizer, schedule_step, self.spec.training, scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

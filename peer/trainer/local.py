@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,23 +38,30 @@ def train_local(
     eval_every: int = 0,
     eval_batches: int = 4,
     on_step: Callable[[int, float], None] | None = None,
+    seeds: Sequence[int] = (),
+    validation: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    eval_at: Collection[int] = (),
 ) -> LocalResult:
     """Train the whole model for `steps` optimizer steps of target_batch_size samples, as the swarm would.
 
-    Micro-batches come from Sampler(seed) in the same order a trainer with that seed sends them.
+    Micro-batches come from Sampler(seed) in the same order a trainer with that seed sends them; with
+    `seeds`, one sampler each, taken in turn (as that many trainers with those seeds feed one run).
+    Validation runs every `eval_every` steps and after each step in `eval_at` on `validation` (default: `eval_batches` held-out micro-batches).
     """
     t = spec.training
     model = StageModel(spec)
     optimizer = build_optimizer(model.parameters(), t)
-    sampler = Sampler(corpus.train, t.seq_len, t.micro_batch_size, seed)
+    samplers = [Sampler(corpus.train, t.seq_len, t.micro_batch_size, s) for s in (seeds or [seed])]
     per_step = -(-t.target_batch_size // t.micro_batch_size)  # micro-batches per optimizer step
-    val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches) if eval_every else []
+    val = validation if validation is not None else []
+    if (eval_every or eval_at) and validation is None:
+        val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches)
     result = LocalResult()
     started = time.perf_counter()
     for step in range(steps):
         set_lr(optimizer, step, t)
         for _ in range(per_step):
-            inputs, targets = sampler.next()
+            inputs, targets = samplers[len(result.micro_batch_losses) % len(samplers)].next()
             loss = model(inputs, targets)
             aux = model.aux_loss()  # MoE load balancing, part of the objective but not of the reported loss
             objective = loss if aux is None else loss + aux
@@ -65,7 +72,7 @@ def train_local(
         optimizer.zero_grad(set_to_none=True)
         if on_step is not None:
             on_step(step, result.micro_batch_losses[-1])
-        if eval_every and (step + 1) % eval_every == 0:
+        if (eval_every and (step + 1) % eval_every == 0) or step + 1 in eval_at:
             result.val_losses.append((step + 1, evaluate(model, val)))
     result.seconds = time.perf_counter() - started
     return result
