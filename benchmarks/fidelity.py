@@ -18,12 +18,11 @@ plain loop's at the number of samples the swarm's trainers trained (interpolated
 The curves: trainer 0 validates through the swarm every few steps; each such point is printed beside
 the plain loop's loss at the samples trained by then.
 
-    python benchmarks/fidelity.py [--steps 20] [--configs abcd] [--quick] [--workdir DIR]
+    python benchmarks/fidelity.py [--steps 16] [--configs abcd] [--quick] [--workdir DIR]
 
 Last line: per configuration `val_X` (swarm, nats/byte), `plain_X` (plain loop at equal samples),
 `samples_X`, `ratio_X` (swarm / plain); then `ratio` (the worst of (a)-(c); goal <= 1.02) and
-`diloco_ratio` ((d); goal <= 1.03). `--quick`: 8 steps, validation on a quarter of the set, 2 steps
-between averaging rounds in (d). `--configs efg` runs the ablations (docs/architecture.md, "Fidelity").
+`diloco_ratio` ((d); goal <= 1.03). `--quick`: 8 steps, validation on a quarter of the set. `--configs efg` runs the ablations (docs/architecture.md, "Fidelity").
 """
 
 from __future__ import annotations
@@ -41,16 +40,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import DEMO_SPEC, Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
+from peer.cli.demo import (  # noqa: E402
+    DEMO_SPEC,
+    Processes,
+    last_per_step,
+    loopback_coordinator,
+    loopback_join,
+    read_log,
+    spec_to_toml,
+)
 from peer.cli.generate import load_model  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.coordinator import checkpoint  # noqa: E402
 from peer.data.corpus import load_corpus  # noqa: E402
 from peer.data.validation import from_bytes  # noqa: E402
+from peer.model.llama import StageModel  # noqa: E402
 from peer.trainer.local import evaluate, train_local  # noqa: E402
 
 START_TIMEOUT = 120.0  # s for a swarm's peers to come up
-QUICK = {"steps": 8, "validation_bytes": 8192, "inner_steps": 2}
+QUICK = {"steps": 8, "validation_bytes": 8192}
 
 
 @dataclass
@@ -61,12 +69,16 @@ class Config:
     overrides: dict = field(default_factory=dict)  # run spec sections, merged over the demo's
 
 
-def configs(inner_steps: int) -> dict[str, Config]:
+def configs(args: argparse.Namespace) -> dict[str, Config]:
+    local = {"mode": "local", "inner_steps": args.inner_steps}
+    local.update(
+        {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None}
+    )
     return {
         "a": Config("1 trainer, 1 server a stage", 1, 1),
         "b": Config("2 trainers, 2 servers a stage", 2, 2),
         "c": Config("(b), int8 activations", 2, 2, {"compression": {"activations": "int8"}}),
-        "d": Config("(b), local updates (DiLoCo)", 2, 2, {"averaging": {"mode": "local", "inner_steps": inner_steps}}),
+        "d": Config("(b), local updates (DiLoCo)", 2, 2, {"averaging": local}),
         # ablations, outside the goal's figures: where (b) loses, pipelining from two trainers or averaging
         "e": Config("2 trainers, 1 server a stage", 1, 2),
         "f": Config("1 trainer, 2 servers a stage", 2, 1),
@@ -142,7 +154,7 @@ def train_swarm(spec: RunSpec, config: Config, work: Path, eval_every: int) -> S
         procs.stop()
     entries = [e for name in names for e in read_log(work / f"{name}.jsonl")]
     batches = sorted((e["time"], e["samples"]) for e in entries if e["type"] == "micro_batch")
-    evals = [e for e in read_log(work / "trainer0.jsonl") if e["type"] == "eval"]
+    evals = last_per_step([e for e in read_log(work / "trainer0.jsonl") if e["type"] == "eval"])
     curve = [(e["epoch"], sum(n for t, n in batches if t <= e["time"]), e["loss"]) for e in evals]
     step = _last_step(root)
     return SwarmRun(sum(n for _, n in batches), step, float("nan"), curve, seconds)
@@ -164,37 +176,44 @@ def validate_checkpoint(root: Path, val: list) -> float:
     return evaluate(model, val)
 
 
-@dataclass
 class PlainRun:
-    points: list[tuple[int, float]]  # (samples, validation loss) after each step
-    seconds: float
+    """The plain loop's trajectory on some trainers' data orders: its weights after every step, each
+    validated once, when a comparison asks for it (a validation costs about two steps here)."""
+
+    def __init__(self, spec: RunSpec, corpus, seeds: list[int], steps: int, val: list):
+        t = spec.training
+        self.spec, self.val, self.losses = spec, val, {}
+        self.per_step = -(-t.target_batch_size // t.micro_batch_size) * t.micro_batch_size
+        self.states = [StageModel(spec).state_dict()]  # the weights every replica starts from (the run's seed)
+
+        def keep(step: int, loss: float, model: StageModel) -> None:
+            self.states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+        torch.manual_seed(0)
+        self.seconds = train_local(spec, corpus, steps, seeds=seeds, on_step=keep).seconds
+
+    def loss(self, step: int) -> float:
+        if step not in self.losses:
+            model = StageModel(self.spec)
+            model.load_state_dict(self.states[step])
+            self.losses[step] = evaluate(model, self.val)
+        return self.losses[step]
 
     def at(self, samples: float) -> float:
-        """The validation loss at `samples`, linear between the steps around it."""
-        points = [(0, self.points[0][1]), *self.points] if self.points[0][0] > 0 else self.points
-        for (s0, l0), (s1, l1) in zip(points, points[1:], strict=False):
-            if s0 <= samples <= s1:
-                return l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
-        return points[-1][1]
+        """The validation loss at `samples`, linear between the steps around it (the last step past them)."""
+        position = min(samples / self.per_step, len(self.states) - 1)
+        low = int(position)
+        if low == position:
+            return self.loss(low)
+        return self.loss(low) + (self.loss(low + 1) - self.loss(low)) * (position - low)
 
 
-def train_plain(spec: RunSpec, corpus, seeds: list[int], samples: int, val: list) -> PlainRun:
-    """The plain loop on the trainers' data orders, past `samples`, validating after every step."""
-    t = spec.training
-    steps = -(-samples // t.target_batch_size) + 1
-    torch.manual_seed(0)
-    result = train_local(spec, corpus, steps, seeds=seeds, validation=val, eval_every=1)
-    per_step = -(-t.target_batch_size // t.micro_batch_size) * t.micro_batch_size
-    return PlainRun([(step * per_step, loss) for step, loss in result.val_losses], result.seconds)
-
-
-def compare(key: str, config: Config, spec: RunSpec, work: Path, args, corpus, val: list, figures: Figures) -> float:
+def compare(key: str, config: Config, spec: RunSpec, work: Path, plain: PlainRun, val: list, figures: Figures) -> float:
     print(f"({key}) {config.what}: {spec.training.total_steps} steps of {spec.training.target_batch_size}", flush=True)
-    swarm = train_swarm(spec, config, work, max(1, spec.training.total_steps // 4))
+    swarm = train_swarm(spec, config, work, max(1, spec.training.total_steps // 2))
     swarm.val = validate_checkpoint(work / "checkpoints", val)
-    # the plain loop's own spec: the demo's schedule in steps of target_batch_size (local mode changes it)
-    plain_spec = make_spec(args, Config(config.what, config.replicas, config.trainers))
-    plain = train_plain(plain_spec, corpus, list(range(config.trainers)), swarm.samples, val)
+    if swarm.samples > plain.per_step * (len(plain.states) - 1):
+        print(f"    the swarm trained {swarm.samples} samples, past the plain loop's last step: compared with that")
     ratio = swarm.val / plain.at(swarm.samples)
     print(f"    {'step':>5} {'samples':>8} {'swarm':>7} {'plain':>7}   (trainer 0's validations through the swarm)")
     for step, samples, loss in swarm.curve:
@@ -213,14 +232,14 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     for key, value in QUICK.items():
         if args.quick and getattr(args, key) is None:
             setattr(args, key, value)
-    args.steps = args.steps or 20
+    args.steps = args.steps or 16
     args.validation_bytes = args.validation_bytes or 32768
-    args.inner_steps = args.inner_steps or 5
+    args.inner_steps = args.inner_steps or max(1, args.steps // 4)  # (d): two averaging rounds, the last at the end
     corpus = load_corpus()
-    ratios = {}
+    ratios, plains = {}, {}
     with workdir(args.workdir, "swarmtrain-fidelity-") as work:
         for key in dict.fromkeys(args.configs):
-            config = configs(args.inner_steps)[key]
+            config = configs(args)[key]
             spec = make_spec(args, config)
             t = spec.training
             val = from_bytes(
@@ -228,7 +247,12 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
             ).batches
             shutil.rmtree(work / key, ignore_errors=True)  # a kept workdir's earlier run of this configuration
             (work / key).mkdir()
-            ratios[key] = compare(key, config, spec, work / key, args, corpus, val, figures)
+            seeds = tuple(range(config.trainers))
+            if seeds not in plains:  # (b)-(d) share theirs; a few steps past the swarm's, which overshoots a little
+                # the plain loop's own spec: the demo's schedule in steps of target_batch_size (not local mode's)
+                plain_spec = make_spec(args, Config(config.what, config.replicas, config.trainers))
+                plains[seeds] = PlainRun(plain_spec, corpus, list(seeds), args.steps + 4, val)
+            ratios[key] = compare(key, config, spec, work / key, plains[seeds], val, figures)
     worst = [r for k, r in ratios.items() if k in "abc"]
     if worst:
         figures["ratio"] = max(worst)
@@ -238,11 +262,16 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of each swarm (default 20)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of each swarm (default 16)")
     parser.add_argument("--configs", default="abcd", help="which configurations to run (default abcd)")
     parser.add_argument(
-        "--inner-steps", type=int, default=None, help="(d): each replica's steps between averaging rounds (default 5)"
+        "--inner-steps",
+        type=int,
+        default=None,
+        help="(d): each replica's steps between averaging rounds (default: a quarter of --steps, two rounds)",
     )
+    parser.add_argument("--outer-lr", type=float, help="(d): averaging.outer_lr (default: the spec's, 0.7)")
+    parser.add_argument("--outer-momentum", type=float, help="(d): averaging.outer_momentum (default: the spec's, 0.9)")
     parser.add_argument(
         "--validation-bytes", type=int, default=None, help="held-out bytes validated on (default 32768)"
     )

@@ -193,3 +193,23 @@ def _tiny_corpus(tmp_path: Path) -> Path:
     for i in range(40):
         (data / f"d{i}.txt").write_text("some text " * 200)
     return data
+
+
+def test_the_demo_summary_shows_each_step_validated_once():
+    """The trainer validates again at the end, often at the step of its last validation: one row, the last."""
+    from rich.console import Console
+
+    import peer.cli.demo as demo
+    from peer.config import RunSpec
+
+    evals = [
+        {"epoch": 30, "loss": 3.0, "time": 1.0},
+        {"epoch": 60, "loss": 2.5, "time": 2.0},
+        {"epoch": 60, "loss": 2.4, "time": 3.0},  # the one at the end, a few samples later
+    ]
+    progress = {"step": 60, "samples": 100, "elapsed": 10.0, "evals": evals, "val": 2.4}
+    console = Console(record=True, width=200)
+    demo._summary(console, progress, 4.0, RunSpec.from_toml(demo.DEMO_SPEC))
+    text = console.export_text()
+    assert text.count("validation loss at step 60") == 1 and "2.400" in text and "2.500" not in text
+    assert text.count("validation loss at step 30") == 1

@@ -3,7 +3,7 @@
 Run by tests/test_tp.py as `python tests/tp_check.py STAGE WORLD`: it starts ranks 1.. the way
 `peer join --tp` does (peer.model.rank processes, gloo), drives the split stage through its public
 operations, and compares outputs, input gradients, parameter gradients (gathered to full), the
-optimizer step, and a state handed to an unsplit replica.
+optimizer step, a state handed to an unsplit replica, and (stage 0) the gradients of a clipped backward.
 """
 
 from __future__ import annotations
@@ -99,8 +99,24 @@ def main() -> None:
     report["shards_cover"] = sorted(k for part in parts for k in part) == sorted(tensors)
     split.load_state(*whole.snapshot())
     report["state_from_whole"] = biggest(split.full_parameters(), whole.full_parameters())
+    if stage == 0 and not local:
+        report.update(clipped_step(split, whole, inputs, grad_out))
     ranks.close()
     print(json.dumps(report))
+
+
+def clipped_step(split, whole, inputs, grad_out) -> dict:
+    """8 backwards fill the running median of gradient norms, then one 1000x as large is clipped: the ranks
+    must clip by the whole stage's norm, all alike, as the unsplit stage does."""
+    for rt in (split, whole):
+        rt.drop_accumulator()
+        for i in range(8):
+            rt.backward(f"c{i}", inputs, grad_out * (1 + i / 8), None)
+        rt.backward("big", inputs, grad_out * 1000, None)
+    grads_split, _ = split.take_for_round()
+    grads_whole, _ = whole.take_for_round()
+    scale = max(float(g.abs().max()) for g in grads_whole)
+    return {"clipped": [split.clipped, whole.clipped], "clipped_grad": biggest(grads_split, grads_whole) / scale}
 
 
 if __name__ == "__main__":

@@ -324,12 +324,19 @@ def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
     table.add_row("samples trained", str(p["samples"]))
     table.add_row("wall time", f"{p['elapsed']:.0f} s")
     table.add_row("swarm samples/s (whole run)", f"{p['samples'] / max(p['elapsed'], 1e-6):.1f}")
-    for e in sorted(p["evals"], key=lambda e: e["epoch"]):
+    for e in last_per_step(p["evals"]):
         table.add_row(f"validation loss at step {e['epoch']}", f"{e['loss']:.3f} nats/byte")
     table.add_row("unigram baseline", f"{baseline:.3f} nats/byte")
     console.print(table)
     if p["val"] is not None:
         console.print(f"Final validation loss {p['val']:.3f} nats/byte vs unigram {baseline:.3f}.")
+
+
+def last_per_step(evals: list[dict]) -> list[dict]:
+    """A trainer's validations by step, the last of each step (the one at the end may repeat the step of
+    the one before it)."""
+    last = {e["epoch"]: e for e in sorted(evals, key=lambda e: e["time"])}
+    return [last[step] for step in sorted(last)]
 
 
 def dict_to_toml(data: dict) -> str:

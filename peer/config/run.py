@@ -77,6 +77,9 @@ class TrainingConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     weight_decay: float = 0.1  # AdamW decoupled weight decay
     eps: float = 1e-8  # AdamW epsilon
+    # clip each optimizer step's gradient to this L2 norm, taken per stage (over a split stage's ranks): each
+    # stage's share of the model is clipped on its own (docs/architecture.md, "Fidelity"); 0: no clipping
+    max_grad_norm: float = 0.0
     # the stages' matmuls in the whole run: float32, or bf16 / fp16 under torch.autocast (master weights,
     # optimizer state, gradients and what travels stay float32); a server's server.compute_dtype overrides it
     dtype: str = "float32"
@@ -326,6 +329,8 @@ class RunSpec:
             raise ConfigError(f"training.warmup_steps: must be >= 0, got {t.warmup_steps}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"training.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
+        if not t.max_grad_norm >= 0:
+            raise ConfigError(f"training.max_grad_norm: must be >= 0 (0: no clipping), got {t.max_grad_norm}")
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"training.betas: must be two numbers in [0, 1), got {t.betas}")
         if t.max_request_tokens and t.max_request_tokens < t.micro_batch_size * t.seq_len:

@@ -13,6 +13,7 @@ initialised from its own seed, so any partition starts equal to the whole.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +144,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.ffn(self.post_attention_layernorm(x))
+
+
+def stage_of_parameter(spec: RunSpec, name: str) -> int:
+    """The stage that holds whole-model parameter `name` (stages name their parameters as the whole model)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer:
+        return spec.stage_of_block(int(layer.group(1)))
+    return 0 if name.startswith("model.embed_tokens.") else spec.stages.num_stages - 1
 
 
 class StageModel(nn.Module):

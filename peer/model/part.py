@@ -84,6 +84,7 @@ class PartRuntime(PartState):
         self.version = 0  # changes whenever the parameters do: cached forwards on other weights are stale
         self.samples_accumulated = 0  # samples in the accumulator
         self.samples_stepped = 0  # samples accounted by finished steps (whole averaging group)
+        self.norm_clipped_steps = 0  # optimizer steps whose gradient training.max_grad_norm clipped
         self.history: deque[Fingerprint] = deque(maxlen=fingerprint_history)
         self._checked_values: list[float] | None = None  # a loading state's fingerprint, checked (part_state)
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
@@ -123,32 +124,43 @@ class PartRuntime(PartState):
 
         Not finite: BadGradient (the caller gets INVALID_ARGUMENT). Far above the running median of
         per-sample norms: scaled down to `clip_factor` x that median, and logged. A hostile trainer
-        can thus move a step by at most that much per micro-batch (docs/security.md).
+        can thus move a step by at most that much per micro-batch (docs/security.md). The norm is the
+        whole part's (a split part's ranks sum their shards'), and a split part's ranks all take rank
+        0's decision, so they clip alike.
         """
-        present = [g for g in grads if g is not None]
-        if not present:
+        if all(g is None for g in grads):
             return list(grads)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in present])).item()
+        norm = math.sqrt(self._squared_norm(grads))
         if not math.isfinite(norm):
             self.refused_gradients += 1
             raise BadGradient("the gradients this backward produced are not finite; nothing was added")
         per_sample = norm / max(samples, 1)
+        scale = 1.0
         if len(self.grad_norms) >= 8 and self.clip_factor > 0:
             limit = self.clip_factor * statistics.median(self.grad_norms)
             if per_sample > limit > 0:
                 scale = limit / per_sample
-                grads = [None if g is None else g * scale for g in grads]
-                self.clipped += 1
-                logger.warning(
-                    "%s: clipped a backward's gradient norm %.3g per sample to %.3g (%.0fx the running median)",
-                    self.name,
-                    per_sample,
-                    limit,
-                    self.clip_factor,
-                )
-                per_sample = limit
-        self.grad_norms.append(per_sample)
+        scale = self._shared_scale(scale)
+        if scale < 1.0:
+            grads = [None if g is None else g * scale for g in grads]
+            self.clipped += 1
+            logger.warning(
+                "%s: clipped a backward's gradient norm %.3g per sample to %.3g (%.0fx the running median)",
+                self.name,
+                per_sample,
+                per_sample * scale,
+                self.clip_factor,
+            )
+        self.grad_norms.append(per_sample * scale)
         return list(grads)
+
+    def _squared_norm(self, grads) -> float:
+        """The squared norm of one backward's gradients over the whole part (a split part sums its ranks')."""
+        return sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads if g is not None)
+
+    def _shared_scale(self, scale: float) -> float:
+        """The clip scale every rank of the part takes (a split part: rank 0's)."""
+        return scale
 
     @property
     def progress(self) -> int:
@@ -301,6 +313,12 @@ class PartRuntime(PartState):
         version."""
         if self.keeps_stash:
             self._stash = (self.version, [p.detach().clone() for p in self.params])
+        limit = self.spec.training.max_grad_norm
+        if limit > 0:  # every rank of a split part takes the same norm (a sum over the ranks), so they clip alike
+            norm = math.sqrt(self._squared_norm(grads))
+            if norm > limit:
+                grads = [g * (limit / norm) for g in grads]
+                self.norm_clipped_steps += 1
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()
         set_lr(self.optimizer, schedule_step, self.spec.training, scale)

@@ -246,6 +246,19 @@ class ShardedStageRuntime(StageRuntime):
     def _agree(self, flag: bool) -> bool:
         return self.tp.agree(flag)
 
+    def _squared_norm(self, grads) -> float:
+        """Summed over the ranks: each rank's shards, and the replicated parameters once (rank 0's)."""
+        mine = [
+            g
+            for g, dim in zip(grads, self.dims, strict=True)
+            if g is not None and (dim is not None or not self.tp.rank)
+        ]
+        local = sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in mine)
+        return float(self.tp.sum(torch.tensor([local], dtype=torch.float64)).item())
+
+    def _shared_scale(self, scale: float) -> float:
+        return float(self.tp.broadcast(torch.tensor([scale], dtype=torch.float64)).item())
+
     # ---- the operations callers use on rank 0 -------------------------------------------------
     def forward(self, uid, inputs, targets, train):
         self.check_inputs(inputs)  # checked before anything is sent: every rank then runs alike

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.data.corpus import Corpus, Sampler, validation_batches
-from peer.model.llama import StageModel
+from peer.model.llama import StageModel, stage_of_parameter
 from peer.model.optim import build_optimizer, set_lr
 
 
@@ -20,6 +21,28 @@ class LocalResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     samples: int = 0
     seconds: float = 0.0
+    clipped_steps: int = 0  # stage steps whose gradient training.max_grad_norm clipped
+
+
+def parameters_by_stage(spec: RunSpec, model: StageModel) -> list[list[torch.nn.Parameter]]:
+    """The whole model's parameters, grouped by the stage of the swarm that holds each."""
+    groups = [[] for _ in range(spec.stages.num_stages)]
+    for name, param in model.named_parameters():
+        groups[stage_of_parameter(spec, name)].append(param)
+    return groups
+
+
+def clip_per_stage(stages: list[list[torch.nn.Parameter]], limit: float) -> int:
+    """Clip each stage's gradient to norm `limit` as its servers do (peer.model.part); how many were clipped."""
+    clipped = 0
+    for params in stages:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
+        if norm > limit:
+            for g in grads:
+                g.mul_(limit / norm)
+            clipped += 1
+    return clipped
 
 
 @torch.no_grad()
@@ -37,7 +60,7 @@ def train_local(
     seed: int = 0,
     eval_every: int = 0,
     eval_batches: int = 4,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float, StageModel], None] | None = None,
     seeds: Sequence[int] = (),
     validation: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     eval_at: Collection[int] = (),
@@ -46,7 +69,7 @@ def train_local(
 
     Micro-batches come from Sampler(seed) in the same order a trainer with that seed sends them; with
     `seeds`, one sampler each, taken in turn (as that many trainers with those seeds feed one run).
-    Validation runs every `eval_every` steps and after each step in `eval_at` on `validation` (default: `eval_batches` held-out micro-batches).
+    `on_step(step, last micro-batch loss, model)` is called after each step. Validation runs every `eval_every` steps and after each step in `eval_at` on `validation` (default: `eval_batches` held-out micro-batches).
     """
     t = spec.training
     model = StageModel(spec)
@@ -56,6 +79,7 @@ def train_local(
     val = validation if validation is not None else []
     if (eval_every or eval_at) and validation is None:
         val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches)
+    stages = parameters_by_stage(spec, model)
     result = LocalResult()
     started = time.perf_counter()
     for step in range(steps):
@@ -68,10 +92,12 @@ def train_local(
             (objective * inputs.shape[0] / (per_step * t.micro_batch_size)).backward()
             result.micro_batch_losses.append(loss.item())
             result.samples += inputs.shape[0]
+        if t.max_grad_norm > 0:
+            result.clipped_steps += clip_per_stage(stages, t.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if on_step is not None:
-            on_step(step, result.micro_batch_losses[-1])
+            on_step(step, result.micro_batch_losses[-1], model)
         if (eval_every and (step + 1) % eval_every == 0) or step + 1 in eval_at:
             result.val_losses.append((step + 1, evaluate(model, val)))
     result.seconds = time.perf_counter() - started
