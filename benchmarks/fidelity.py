@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -109,6 +110,27 @@ class SwarmRun:
     val: float  # the checkpoint's validation loss
     curve: list[tuple[int, int, float]]  # trainer 0's validations: (step, samples trained by then, loss)
     seconds: float  # from the trainers' start to their end
+    backwards: list[int]  # the servers' backwards: on their forward's graph, on stashed weights, recomputed
+    step_sizes: dict[int, int]  # stage 0's steps by the samples they took
+
+
+BACKWARDS_RE = re.compile(
+    r"backwards: (\d+) on their forward's graph, (\d+) on the weights a step back.*?(\d+) recomputed"
+)
+STEP_RE = re.compile(r"stage 0 step \d+: (\d+) samples")
+
+
+def server_story(work: Path) -> tuple[list[int], dict[int, int]]:
+    """What the servers said as they stopped (their backwards, summed) and stage 0's step sizes."""
+    backwards, sizes = [0, 0, 0], {}
+    for log in sorted(work.glob("s*.log")):
+        text = log.read_text(errors="replace")
+        for match in BACKWARDS_RE.finditer(text):
+            backwards = [a + int(b) for a, b in zip(backwards, match.groups(), strict=True)]
+        if log.name.startswith("s0"):
+            for size in STEP_RE.findall(text):
+                sizes[int(size)] = sizes.get(int(size), 0) + 1
+    return backwards, dict(sorted(sizes.items()))
 
 
 def start_swarm(procs: Processes, work: Path, spec: RunSpec, config: Config) -> str:
@@ -157,7 +179,7 @@ def train_swarm(spec: RunSpec, config: Config, work: Path, eval_every: int) -> S
     evals = last_per_step([e for e in read_log(work / "trainer0.jsonl") if e["type"] == "eval"])
     curve = [(e["epoch"], sum(n for t, n in batches if t <= e["time"]), e["loss"]) for e in evals]
     step = _last_step(root)
-    return SwarmRun(sum(n for _, n in batches), step, float("nan"), curve, seconds)
+    return SwarmRun(sum(n for _, n in batches), step, float("nan"), curve, seconds, *server_story(work))
 
 
 def last_step(spec: RunSpec) -> int:
@@ -218,6 +240,11 @@ def compare(key: str, config: Config, spec: RunSpec, work: Path, plain: PlainRun
     print(f"    {'step':>5} {'samples':>8} {'swarm':>7} {'plain':>7}   (trainer 0's validations through the swarm)")
     for step, samples, loss in swarm.curve:
         print(f"    {step:>5} {samples:>8} {loss:7.3f} {plain.at(samples):7.3f}")
+    print(
+        f"    stage 0's steps by their samples (all replicas' lines): {swarm.step_sizes}; the servers' backwards: "
+        f"{swarm.backwards[0]} on their forward's graph, {swarm.backwards[1]} on stashed weights (a step late), "
+        f"{swarm.backwards[2]} recomputed on newer weights"
+    )
     print(
         f"    checkpoint at step {swarm.step}: {swarm.samples} samples in {swarm.seconds:.0f} s, validation "
         f"{swarm.val:.3f}; plain loop at equal samples {plain.at(swarm.samples):.3f}: ratio {ratio:.3f}",

@@ -193,6 +193,15 @@ class StageServer(Replica):
                 self._balance_task.cancel()
         if self.grpc_server is not None:
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        rt = self.runtime  # said first: a leave can be cut short
+        logger.info(
+            "stage %d backwards: %d on their forward's graph, %d on the weights a step back (stashed: they apply "
+            "a step late), %d recomputed on the current weights",
+            self.stage,
+            rt.cache_hits,
+            rt.cache_stashed,
+            rt.cache_misses,
+        )
         await self.finish()
         if self.grpc_server is not None:
             await self.grpc_server.stop(0.5)
