@@ -243,7 +243,7 @@ def compare(key: str, config: Config, spec: RunSpec, work: Path, plain: PlainRun
     print(
         f"    stage 0's steps by their samples (all replicas' lines): {swarm.step_sizes}; the servers' backwards: "
         f"{swarm.backwards[0]} on their forward's graph, {swarm.backwards[1]} on stashed weights (a step late), "
-        f"{swarm.backwards[2]} recomputed on newer weights"
+        f"{swarm.backwards[2]} recomputed on the current weights (the last stage's, all of them)"
     )
     print(
         f"    checkpoint at step {swarm.step}: {swarm.samples} samples in {swarm.seconds:.0f} s, validation "
