@@ -268,6 +268,11 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
         for key in dict.fromkeys(args.configs):
             config = configs(args)[key]
             spec = make_spec(args, config)
+            if last_step(spec) < 1:
+                raise SystemExit(
+                    f"fidelity: ({key}) would not average once: --inner-steps {args.inner_steps} is more than each "
+                    f"replica's {spec.training.total_steps} steps"
+                )
             t = spec.training
             val = from_bytes(
                 corpus.validation, t.seq_len, t.micro_batch_size, args.validation_bytes, "held out"

@@ -71,14 +71,21 @@ def test_a_step_takes_the_lr_its_samples_put_it_at_scaled_by_its_size():
     spec = RunSpec.from_dict(SPEC)
     t = spec.training
     runtime = StageRuntime(spec, 0)
-    sizes, stepped = [4, 8, 12, 8, 8], 0  # target 8: half, whole, one and a half, whole, whole
-    for size in sizes:
-        grads = [torch.zeros_like(p) for p in runtime.params]
-        runtime.apply_step(grads, size, 0)
+
+    def step(size: int) -> float:
+        runtime.apply_step([torch.zeros_like(p) for p in runtime.params], size, 0)
+        return runtime.optimizer.param_groups[0]["lr"]
+
+    stepped = 0
+    for size in [4, 8, 4, 8]:  # target 8: half, whole, half, whole
         # the plain loop's lr at this sample, times the step's share of the target batch
-        assert math.isclose(runtime.optimizer.param_groups[0]["lr"], lr_at(stepped / 8, t) * size / 8, rel_tol=1e-12)
+        assert math.isclose(step(size), lr_at(stepped / 8, t) * size / 8, rel_tol=1e-12)
         stepped += size
-    assert runtime.epoch == len(sizes) and runtime.samples_stepped == sum(sizes)
+    assert runtime.epoch == 4 and runtime.samples_stepped == stepped == 24
     # a step of exactly the target batch after k of them is the plain loop's step k
-    runtime.apply_step([torch.zeros_like(p) for p in runtime.params], 8, 0)
-    assert runtime.optimizer.param_groups[0]["lr"] == lr_at(sum(sizes) // 8, t)
+    assert step(8) == lr_at(3, t)
+    # a larger one (a failed round's samples carried over) takes the peak of its place, no more
+    assert step(12) == lr_at(4, t)
+    # a member claiming a huge count moves the schedule at most to 2 x steps + 1 (here 13 of 22)
+    step(10**12)
+    assert step(8) == lr_at(2 * 7 + 1, t) < lr_at(7, t)

@@ -37,12 +37,18 @@ def set_lr(optimizer: torch.optim.Optimizer, step: float, cfg: TrainingConfig, s
         group["lr"] = lr_at(step, cfg) * scale
 
 
-def schedule_of(samples_before: int, step_samples: int, target: int) -> tuple[float, float]:
-    """(schedule position, lr scale) of a step of `step_samples` after `samples_before` samples stepped.
+def schedule_of(samples_before: int, step_samples: int, epoch: int, cfg: TrainingConfig) -> tuple[float, float]:
+    """(schedule position, lr scale) of a step of `step_samples` after `samples_before` samples stepped in
+    `epoch` steps.
 
     A swarm's steps vary in size (each stage steps when it counts about target_batch_size samples, from
     announcements a progress period old), and its stages step at different samples. The schedule follows
-    the samples, not the step count, so every stage gives each sample the lr the plain loop gives it, and
-    the lr scales with the step's size (linear scaling): a step of half the target moves the weights about
-    half as far. A step of exactly the target at `samples_before` = k * target is the plain loop's step k."""
-    return samples_before / target, step_samples / target
+    the samples, not the step count, so every stage gives each sample the lr the plain loop gives it, and a
+    step smaller than the plain loop's moves the weights less (linear scaling). The plain loop's step is
+    target_batch_size rounded up to whole micro-batches: a step of exactly that after k of them is its step
+    k, bit for bit. Bounds, since the counts are the group members' claims: the scale is at most 1 (a
+    larger step, as after a failed round, takes the peak lr, no more) and the position at most
+    2 x epoch + 1 (a member claiming a huge count cannot end the schedule)."""
+    plain_step = -(-cfg.target_batch_size // cfg.micro_batch_size) * cfg.micro_batch_size
+    position = min(max(samples_before, 0) / plain_step, 2.0 * epoch + 1.0)
+    return position, min(max(step_samples, 0) / plain_step, 1.0)

@@ -38,6 +38,13 @@ def next_incarnation(previous: int) -> int:
     return max(previous + 1, time.time_ns())
 
 
+def squared_norm(tensors: list[torch.Tensor]) -> float:
+    """The sum of squares of `tensors` (float64, one device sync); 0 for none."""
+    if not tensors:
+        return 0.0
+    return float(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]).square().sum().item())
+
+
 class BadGradient(ValueError):
     """A backward whose parameter gradients are not finite: refused, nothing added."""
 
@@ -156,7 +163,7 @@ class PartRuntime(PartState):
 
     def _squared_norm(self, grads) -> float:
         """The squared norm of one backward's gradients over the whole part (a split part sums its ranks')."""
-        return sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads if g is not None)
+        return squared_norm([g for g in grads if g is not None])
 
     def _shared_scale(self, scale: float) -> float:
         """The clip scale every rank of the part takes (a split part: rank 0's)."""
@@ -277,7 +284,7 @@ class PartRuntime(PartState):
     ) -> Fingerprint:
         """One optimizer step with `grads` (already averaged over the group), covering additions up to `seq`."""
         self.restored = []  # taken with the rest of the accumulator into this step
-        position, scale = schedule_of(self.samples_stepped, group_samples, self.spec.training.target_batch_size)
+        position, scale = schedule_of(self.samples_stepped, group_samples, self.epoch, self.spec.training)
         self._optimizer_step(grads, position, scale)
         self.epoch += 1
         self.samples_stepped += group_samples

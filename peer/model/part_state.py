@@ -141,6 +141,11 @@ class PartState:
         """
         if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
             raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        stepped = metadata.get("samples_stepped", 0)
+        if not isinstance(stepped, int) or isinstance(stepped, bool) or stepped < 0:
+            # the schedule's position follows it (peer.model.optim.schedule_of): a negative count would give
+            # a negative learning rate
+            raise StateError(f"the state's samples_stepped is {stepped!r}, not a count of samples")
         source = "outer/anchor" if self.local else "param"
         for name, shape in zip(self.param_names, shapes, strict=True):
             for kind in (source, "outer/momentum") if self.local else (source,):

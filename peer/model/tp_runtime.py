@@ -30,6 +30,7 @@ import time
 import torch
 
 from peer.config import ParallelConfig, RunSpec
+from peer.model.part import squared_norm
 from peer.model.part_state import Fingerprint, StateError, shards_by_bytes
 from peer.model.runtime import InputError, Late, RankDied, StageRuntime
 from peer.model.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
@@ -253,8 +254,7 @@ class ShardedStageRuntime(StageRuntime):
             for g, dim in zip(grads, self.dims, strict=True)
             if g is not None and (dim is not None or not self.tp.rank)
         ]
-        local = sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in mine)
-        return float(self.tp.sum(torch.tensor([local], dtype=torch.float64)).item())
+        return float(self.tp.sum(torch.tensor([squared_norm(mine)], dtype=torch.float64)).item())
 
     def _shared_scale(self, scale: float) -> float:
         return float(self.tp.broadcast(torch.tensor([scale], dtype=torch.float64)).item())

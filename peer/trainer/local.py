@@ -13,6 +13,7 @@ from peer.config import RunSpec
 from peer.data.corpus import Corpus, Sampler, validation_batches
 from peer.model.llama import StageModel, stage_of_parameter
 from peer.model.optim import build_optimizer, set_lr
+from peer.model.part import squared_norm
 
 
 @dataclass
@@ -37,7 +38,7 @@ def clip_per_stage(stages: list[list[torch.nn.Parameter]], limit: float) -> int:
     clipped = 0
     for params in stages:
         grads = [p.grad for p in params if p.grad is not None]
-        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
+        norm = math.sqrt(squared_norm(grads))
         if norm > limit:
             for g in grads:
                 g.mul_(limit / norm)
