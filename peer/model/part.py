@@ -91,7 +91,6 @@ class PartRuntime(PartState):
         self.version = 0  # changes whenever the parameters do: cached forwards on other weights are stale
         self.samples_accumulated = 0  # samples in the accumulator
         self.samples_stepped = 0  # samples accounted by finished steps (whole averaging group)
-        self.norm_clipped_steps = 0  # optimizer steps whose gradient training.max_grad_norm clipped
         self.history: deque[Fingerprint] = deque(maxlen=fingerprint_history)
         self._checked_values: list[float] | None = None  # a loading state's fingerprint, checked (part_state)
         self.throughput = 0.0  # samples/s of forward+backward, exponential moving average
@@ -325,7 +324,6 @@ class PartRuntime(PartState):
             norm = math.sqrt(self._squared_norm(grads))
             if norm > limit:
                 grads = [g * (limit / norm) for g in grads]
-                self.norm_clipped_steps += 1
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).clone()
         set_lr(self.optimizer, schedule_step, self.spec.training, scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,23 +63,19 @@ def train_local(
     eval_batches: int = 4,
     on_step: Callable[[int, float, StageModel], None] | None = None,
     seeds: Sequence[int] = (),
-    validation: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    eval_at: Collection[int] = (),
 ) -> LocalResult:
     """Train the whole model for `steps` optimizer steps of target_batch_size samples, as the swarm would.
 
     Micro-batches come from Sampler(seed) in the same order a trainer with that seed sends them; with
     `seeds`, one sampler each, taken in turn (as that many trainers with those seeds feed one run).
-    `on_step(step, last micro-batch loss, model)` is called after each step. Validation runs every `eval_every` steps and after each step in `eval_at` on `validation` (default: `eval_batches` held-out micro-batches).
+    `on_step(step, last micro-batch loss, model)` is called after each step.
     """
     t = spec.training
     model = StageModel(spec)
     optimizer = build_optimizer(model.parameters(), t)
     samplers = [Sampler(corpus.train, t.seq_len, t.micro_batch_size, s) for s in (seeds or [seed])]
     per_step = -(-t.target_batch_size // t.micro_batch_size)  # micro-batches per optimizer step
-    val = validation if validation is not None else []
-    if (eval_every or eval_at) and validation is None:
-        val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches)
+    val = validation_batches(corpus, t.seq_len, t.micro_batch_size, eval_batches) if eval_every else []
     stages = parameters_by_stage(spec, model)
     result = LocalResult()
     started = time.perf_counter()
@@ -99,7 +95,7 @@ def train_local(
         optimizer.zero_grad(set_to_none=True)
         if on_step is not None:
             on_step(step, result.micro_batch_losses[-1], model)
-        if (eval_every and (step + 1) % eval_every == 0) or step + 1 in eval_at:
+        if eval_every and (step + 1) % eval_every == 0:
             result.val_losses.append((step + 1, evaluate(model, val)))
     result.seconds = time.perf_counter() - started
     return result
