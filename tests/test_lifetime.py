@@ -23,6 +23,7 @@ from helpers.swarm import ROOT, write_spec
 from peer.cli.demo import loopback_coordinator
 from peer.process.forkserver import Forkserver
 from peer.process.lifetime import tied_to_me
+from peer.process.reaper import LOG_DIR_ENV
 
 GONE_WITHIN = 10.0  # s
 
@@ -216,7 +217,7 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     """peer.process.forkserver, which the fixtures start their peers with: each child runs its own command line,
     directory, environment and output, with its own exit code; when the template ends, a running
     child and all it started (its reaper's work) end with it."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path), **{LOG_DIR_ENV: str(tmp_path)})
     with Forkserver(env=env) as server:
         log = tmp_path / "version.log"
         with open(log, "wb") as out:
@@ -251,7 +252,8 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     while [p for p in pids if alive(p)] or runtime_dirs(Path("/tmp"), tmp_path):
         assert time.monotonic() < deadline, (
             f"left after the template ended: {[(p, _cmdline(p)) for p in pids if alive(p)]}, "
-            f"{runtime_dirs(Path('/tmp'), tmp_path)}"
+            f"{runtime_dirs(Path('/tmp'), tmp_path)}\n"
+            + "\n".join(f.read_text() for f in tmp_path.glob("reaper-*.log"))
         )
         time.sleep(0.1)
     assert coordinator.poll() == -signal.SIGKILL

@@ -34,6 +34,8 @@ LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what i
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
 SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
 SOCKET_PROBE = 0.2  # s a probe's connect may take
+RMTREE_TRIES = 20  # times the runtime dir is removed again while something still writes in it
+RMTREE_PAUSE = 0.1  # s between those tries
 
 
 # ---- reading /proc ------------------------------------------------------------------------------
@@ -267,9 +269,21 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=_quiet
         for path in watch.sockets | set(stale):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+        remove_dir(runtime_dir, log)
         log(f"shared memory files removed: {remove_shared_memory([watch.peer, *watch.seen])}")
     log("done")
+
+
+def remove_dir(path: str, log=_quiet) -> None:
+    """Remove the runtime dir, again while something (a helper still exiting) puts files in it; `log` hears what stays."""
+    failed: list[str] = []
+    for _ in range(RMTREE_TRIES):
+        failed.clear()
+        shutil.rmtree(path, onerror=lambda _f, where, e: failed.append(f"{where}: {e[1]}"))
+        if not os.path.lexists(path):
+            return
+        log(f"runtime dir not removed yet: {failed[:5]}")
+        time.sleep(RMTREE_PAUSE)
 
 
 def remove_shared_memory(pids, directory: str = SHM_DIR) -> int:
@@ -340,4 +354,4 @@ def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
         log(f"failed: {type(e).__name__}: {e}")
         raise
     finally:  # whatever happened, the peer's runtime dir goes
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+        remove_dir(runtime_dir, log)
