@@ -141,6 +141,10 @@ class AveragingConfig:
     # with 1 and 100 samples, the second weighs 8: the first 11 % instead of 1 %); 0: no cap
     max_weight_ratio: float = 8.0
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
+    # s a replica about to step first waits for the backwards of the training forwards it ran on its current
+    # weights (new training forwards wait too, until the step is done): their gradients then count in this
+    # step instead of one step late on the stashed weights; 0: no wait
+    drain_limit: float = 1.0
     # gradients: average gradients at every global step (exact data parallelism);
     # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
     # on the averaged pseudo-gradients every `inner_steps`
@@ -364,6 +368,8 @@ class RunSpec:
             raise ConfigError(f"averaging.outer_momentum: must be within [0, 1), got {a.outer_momentum}")
         if a.pause_limit < 0:
             raise ConfigError(f"averaging.pause_limit: must be >= 0, got {a.pause_limit}")
+        if not a.drain_limit >= 0:
+            raise ConfigError(f"averaging.drain_limit: must be >= 0, got {a.drain_limit}")
         if not a.max_norm_ratio >= 0:
             raise ConfigError(f"averaging.max_norm_ratio: must be >= 0 (0: no check), got {a.max_norm_ratio}")
         require_positive("averaging.max_refused_rounds", a.max_refused_rounds)

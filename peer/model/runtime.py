@@ -321,3 +321,7 @@ class StageRuntime(PartRuntime):
 
     def _after_load(self) -> None:
         self._cache.clear()
+
+    def awaiting_backward(self) -> frozenset:
+        # a list of the items in one C call: the torch thread may change the cache meanwhile
+        return frozenset(uid for uid, c in list(self._cache.items()) if c.version == self.version)

@@ -104,6 +104,9 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.leaving = False
         self.state = "joining"
         self.stepping = False
+        # cleared while a step drains and until it is done (peer.server.replica_round): new training forwards wait
+        self.forwards_open = asyncio.Event()
+        self.forwards_open.set()
         self._inner_queued = False  # local mode: an inner step is queued on the torch thread
         self.averaging_epoch = -1
         self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
@@ -152,6 +155,15 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
     def load(self) -> float:
         """Requests in flight or queued, as announced (an expert host reports its own)."""
         return float(self.inflight)
+
+    async def forward_gate(self) -> None:
+        """A training forward waits here while this replica drains for a step, until the step is done (at most
+        averaging.drain_limit + pause_limit): it then runs on the new weights, its gradients count in the next step."""
+        if self.forwards_open.is_set():
+            return
+        limit = self.spec.averaging.drain_limit + self.spec.averaging.pause_limit
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.forwards_open.wait(), limit)
 
     async def run_torch(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -15,6 +16,8 @@ from dht.records import ServerRecord
 logger = logging.getLogger(__name__)
 MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
 MAX_INVITERS = 64  # invitations remembered (one per partner) until their round
+DRAIN_POLL = 0.005  # s between looks, while a step drains, at the backwards still to come
+SNAPSHOT_TRIES = 3  # reads of the runtime's cached forwards tried while the torch thread changes them
 MAX_LATE_ROUNDS = 3  # a replica that keeps coming back late to its rounds steps alone after this many
 
 
@@ -141,6 +144,9 @@ class Rounds:
         """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
         rt = self.runtime
         started = time.perf_counter()
+        if self._drains():
+            self.forwards_open.clear()  # until the step is done (_finish_step): new forwards then see its weights
+        await self._drain()
         grads, samples, seq, incarnation = await self.run_torch(self._take)
         self.samples_averaging = samples
         # trainers must know what this round covers before it can succeed: if we die right after it,
@@ -190,6 +196,33 @@ class Rounds:
             self.samples_averaging = 0
         group_samples, members = outcome
         return group_samples, members, time.perf_counter() - started
+
+    def _drains(self) -> bool:
+        """Whether a step first waits for the backwards of forwards on the current weights (averaging.drain_limit)."""
+        return self.spec.averaging.drain_limit > 0 and not self.runtime.local
+
+    def _awaiting(self) -> frozenset:
+        """The runtime's forwards on the current weights still waiting for their backward, read from this thread."""
+        for _ in range(SNAPSHOT_TRIES):
+            with contextlib.suppress(RuntimeError):  # the torch thread changed the cache while it was read
+                return self.runtime.awaiting_backward()
+        return frozenset()
+
+    async def _drain(self) -> None:
+        """With new training forwards held (`forwards_open` cleared), wait at most averaging.drain_limit until the
+        backwards of the forwards already run on the current weights have come: their gradients are then in this
+        step, computed on the weights their forwards ran on. A backward that does not come (its trainer died or
+        went elsewhere) holds the step at most that long; it then counts one step late, on the stashed weights."""
+        if not self._drains():
+            return
+        until = time.monotonic() + self.spec.averaging.drain_limit
+        # read on the torch thread, behind the forwards admitted before the hold: they have run by then
+        waiting = await self.run_torch(self.runtime.awaiting_backward)
+        while waiting and time.monotonic() < until:
+            await asyncio.sleep(DRAIN_POLL)
+            waiting = waiting & self._awaiting()
+        if waiting:
+            logger.info("%s: %d backward(s) not back after the drain; they count a step late", self.label, len(waiting))
 
     async def _sits_out(
         self, grads, samples: int, seq: int, incarnation: int, epoch: int, stagger: float

@@ -83,8 +83,20 @@ class Stepping:
         return grads, samples, rt.taken_seq, rt.incarnation
 
     def _step_alone(self) -> asyncio.Future:
-        """Queue, on the torch thread now (before any later request), a step of this replica alone."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, self._step_job)
+        """Queue, on the torch thread, a step of this replica alone: now (before any later request), or after a
+        drain (peer.server.replica_round), with new training forwards held until the step is queued."""
+        if not self._drains():
+            return asyncio.get_running_loop().run_in_executor(self.executor, self._step_job)
+        self.forwards_open.clear()
+        return asyncio.ensure_future(self._alone_after_drain())
+
+    async def _alone_after_drain(self):
+        try:
+            await self._drain()
+            step = asyncio.get_running_loop().run_in_executor(self.executor, self._step_job)
+        finally:
+            self.forwards_open.set()  # forwards now queue behind the step: they run on its weights
+        return await step
 
     def _step_job(self):
         """Torch thread: a step of this replica alone, from its own accumulator."""
@@ -153,6 +165,7 @@ class Stepping:
         finally:
             self.stepping = False
             self.averaging_epoch = -1
+            self.forwards_open.set()
         pending, self._pending_round = self._pending_round, None
         if pending is not None and pending == self.runtime.epoch:
             self.join_round(pending)
