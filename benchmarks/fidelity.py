@@ -19,18 +19,29 @@ The curves: trainer 0 validates through the swarm every few steps; each such poi
 the plain loop's loss at the samples trained by then.
 
     python benchmarks/fidelity.py [--steps 16] [--configs abcd] [--quick] [--workdir DIR]
+    python benchmarks/fidelity.py --wall [--steps N] [--workdir DIR]
 
 Last line: per configuration `val_X` (swarm, nats/byte), `plain_X` (plain loop at equal samples),
 `samples_X`, `ratio_X` (swarm / plain); then `ratio` (the worst of (a)-(c); goal <= 1.02) and
 `diloco_ratio` ((d); goal <= 1.03). `--quick`: 8 steps, validation on a quarter of the set. `--configs efg` runs the ablations (docs/architecture.md, "Fidelity").
+
+`--wall` compares in wall time instead: `peer demo` runs as a user runs it (its own spec; `--steps` to
+shorten it), timed from start to its summary, which ends with its checkpoint's validation on the whole
+held-out set; then the plain loop (the demo's spec, the two trainers' seeds in turn, this process's
+threads) gets the same wall time: its steps are what fits in it (its schedule set to them) less the
+demo's final validation, which it does too. Last line: `wall_s`, `demo_samples`, `demo_val`,
+`plain_steps`, `plain_samples`, `plain_s`, `plain_val`, `wall_ratio` (demo / plain; goal <= 1.10).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.cli.demo import (  # noqa: E402
     DEMO_SPEC,
+    FINAL_EVAL_BATCH,
     Processes,
     last_per_step,
     loopback_coordinator,
@@ -56,9 +68,11 @@ from peer.coordinator import checkpoint  # noqa: E402
 from peer.data.corpus import load_corpus  # noqa: E402
 from peer.data.validation import from_bytes  # noqa: E402
 from peer.model.llama import StageModel  # noqa: E402
+from peer.process.lifetime import tied_to_me  # noqa: E402
 from peer.trainer.local import evaluate, train_local  # noqa: E402
 
 START_TIMEOUT = 120.0  # s for a swarm's peers to come up
+DEMO_TIMEOUT = 900.0  # s for `peer demo` start to summary (--wall)
 QUICK = {"steps": 8, "validation_bytes": 8192}
 
 
@@ -292,6 +306,81 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
         figures["diloco_ratio"] = ratios["d"]
 
 
+def wall(args: argparse.Namespace, figures: Figures) -> None:
+    """`peer demo` as a user runs it, start to summary, against the plain loop given the same wall time."""
+    corpus = load_corpus()
+    with workdir(args.workdir, "swarmtrain-fidelity-wall-") as work:
+        seconds, demo = run_demo_process(work / "demo", args.steps)
+        figures.update({"wall_s": round(seconds), "demo_samples": demo["samples"], "demo_val": demo["val"]})
+        spec = RunSpec.from_toml(DEMO_SPEC)
+        step_seconds = plain_step_seconds(spec, corpus)
+        # the plain loop's own final validation (the same model size and set) comes out of the same wall time
+        spec.training.total_steps = max(1, int((seconds - demo["val_seconds"]) / step_seconds))
+        print(f"plain loop: {step_seconds:.3f} s a step here, so {spec.training.total_steps} steps", flush=True)
+        model = StageModel(spec)
+        result = train_local(spec, corpus, spec.training.total_steps, seeds=[0, 1], on_step=keep_last(model))
+        t = spec.training
+        whole = from_bytes(corpus.validation, t.seq_len, FINAL_EVAL_BATCH, len(corpus.validation), "held out")
+        plain = evaluate(model, whole.batches)
+        print(f"plain loop: {result.samples} samples in {result.seconds:.0f} s, validation {plain:.3f}", flush=True)
+        figures.update(
+            {"plain_steps": t.total_steps, "plain_samples": result.samples, "plain_s": round(result.seconds)}
+        )
+        figures["plain_val"] = plain
+        figures["wall_ratio"] = demo["val"] / plain
+
+
+def run_demo_process(work: Path, steps: int | None) -> tuple[float, dict]:
+    """Run `peer demo`; its wall time and what its summary says (samples, final validation and its seconds)."""
+    work.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "peer.cli.main",
+        "demo",
+        "--workdir",
+        str(work),
+        *(["--steps", str(steps)] * bool(steps)),
+    ]
+    started = time.monotonic()
+    with open(work / "demo.out", "w") as out:
+        proc = subprocess.Popen(tied_to_me(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(DEMO_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)  # the demo stops its swarm
+                proc.wait(30)
+    seconds = time.monotonic() - started
+    text = (work / "demo.out").read_text()
+    print(text[-1500:], flush=True)
+    final = re.search(r"Final validation on the whole held-out set .*?: ([0-9.]+) nats/byte \((\d+) s\)", text)
+    samples = re.search(r"samples trained\s*│?\s*(\d+)", text)
+    if code != 0 or final is None or samples is None:
+        raise RuntimeError(f"peer demo exited {code} without its final validation; its output is in {work}")
+    return seconds, {
+        "val": float(final.group(1)),
+        "val_seconds": float(final.group(2)),
+        "samples": int(samples.group(1)),
+    }
+
+
+def plain_step_seconds(spec: RunSpec, corpus, steps: int = 4) -> float:
+    """Seconds a plain-loop step of `spec` takes here (the first, warming up, left out)."""
+    times = []
+    train_local(spec, corpus, steps, on_step=lambda *_: times.append(time.perf_counter()))
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def keep_last(into: StageModel):
+    """An on_step that copies the loop's weights into `into` (validated after the loop)."""
+
+    def keep(step: int, loss: float, model: StageModel) -> None:
+        into.load_state_dict(model.state_dict())
+
+    return keep
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of each swarm (default 16)")
@@ -307,10 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--validation-bytes", type=int, default=None, help="held-out bytes validated on (default 32768)"
     )
+    parser.add_argument(
+        "--wall",
+        action="store_true",
+        help="instead: `peer demo` start to summary against the plain loop in the same wall time, both validated on "
+        "the whole held-out set (--steps: the demo's steps; default the demo's own)",
+    )
     add_quick(parser, "8 steps a swarm, validation on 8 kB")
     add_workdir(parser)
     return parser
 
 
 if __name__ == "__main__":
-    run(build_parser(), body)
+    run(build_parser(), lambda args, figures: (wall if args.wall else body)(args, figures))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -360,11 +361,21 @@ def test_the_demo_continues_a_held_out_snippet_with_its_last_checkpoint(tmp_path
     import numpy as np
     from rich.console import Console
 
-    from peer.cli.demo import _sample
+    from peer.cli.demo import _final_validation, _last_checkpoint, _sample
+    from peer.data.validation import from_bytes
+    from peer.trainer.local import evaluate
 
     checkpoint.write(tmp_path, SPEC.to_dict(), SPEC.fingerprint(), 1, parts_of(trained_stages()))
     out = StringIO()
     held_out = SimpleNamespace(validation=np.frombuffer(b"x = 1\ndef main():\n    return 0\n" * 20, np.uint8))
-    _sample(Console(file=out, width=200), tmp_path, held_out, wait=1.0)
+    console = Console(file=out, width=200)
+    model = _last_checkpoint(console, tmp_path, wait=1.0)
+    _sample(console, model, held_out)
     said = out.getvalue()
     assert "continued by the trained model" in said and "def main():" in said and "[...]" in said, said
+    # its final validation covers the whole held-out set (38 sequences here: one batch), whatever the batching
+    final = _final_validation(console, model, held_out, SPEC)
+    t = SPEC.training
+    whole = from_bytes(held_out.validation, t.seq_len, 2, len(held_out.validation), "held out").batches
+    assert math.isclose(final, evaluate(model, whole), rel_tol=1e-5), (final, evaluate(model, whole))
+    assert "Final validation on the whole held-out set" in out.getvalue()

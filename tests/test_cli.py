@@ -209,7 +209,10 @@ def test_the_demo_summary_shows_each_step_validated_once():
     ]
     progress = {"step": 60, "samples": 100, "elapsed": 10.0, "evals": evals, "val": 2.4}
     console = Console(record=True, width=200)
-    demo._summary(console, progress, 4.0, RunSpec.from_toml(demo.DEMO_SPEC))
-    rows = [line for line in console.export_text().splitlines() if "validation loss at step" in line]
+    demo._summary(console, progress, 4.0, RunSpec.from_toml(demo.DEMO_SPEC), 2.35)
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if "validation loss at step" in line]
     assert len(rows) == 2 and "step 30" in rows[0] and "3.000" in rows[0], rows
     assert "step 60" in rows[1] and "2.400" in rows[1], rows
+    # the last word is the whole held-out set's, not the trainer's quick look
+    assert "Final validation loss 2.350 nats/byte" in text, text

@@ -150,3 +150,27 @@ def test_a_state_sent_in_shards_is_one_step_even_if_the_donor_steps_meanwhile():
     assert len(merged) == sum(len(p) for p in parts) == first_meta["tensor_count"]
     assert all(torch.equal(merged[k], t) for k, t in before.items())  # the step-1 weights, not step 2's
     assert donor.snapshot(0, 3, epoch=2)[0]["epoch"] == 2  # a later request gets the state as it is now
+
+
+def test_the_forwards_a_step_would_wait_for_are_those_on_its_weights_without_their_backward():
+    """What a replica drains before a step (peer.server.replica_round): training forwards cached on the current
+    weights whose backward has not come; not one whose backward came, not one from before the last step."""
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    runtime = StageRuntime(spec, 0)
+    tokens = torch.randint(0, 256, (3, 8), generator=torch.Generator().manual_seed(0))
+    grad_out = torch.randn(3, 8, 32)
+    for uid in ("a", "b"):
+        runtime.forward(uid, tokens, None, True)
+    runtime.forward("eval", tokens, None, False)  # no backward will come: nothing cached
+    assert runtime.awaiting_backward() == {"a", "b"} and runtime.samples_awaiting_backward() == 6
+    runtime.backward("a", tokens, grad_out, None)
+    assert runtime.awaiting_backward() == {"b"} and runtime.samples_awaiting_backward() == 3
+    me = "me"
+    grads, samples = runtime.take_for_round()
+    runtime.apply_round(grads, samples, runtime.taken_seq, [me], {me: (runtime.incarnation, runtime.taken_seq)})
+    # "b" ran on the weights before this step: its backward applies a step late whatever a drain waits for now
+    assert runtime.awaiting_backward() == frozenset() and runtime.samples_awaiting_backward() == 0
+    runtime.backward("b", tokens, grad_out, None)
+    assert runtime.cache_stashed == 1

@@ -28,13 +28,16 @@ from peer.cli.generate import load_model, sample
 from peer.config import RunSpec
 from peer.coordinator import checkpoint
 from peer.data.corpus import load_corpus, unigram_entropy
+from peer.data.validation import from_bytes
 from peer.process.lifetime import interrupt_on_signals, tied_to_me, user_tempdir
+from peer.trainer.local import evaluate
 
 DEMO_SPEC = Path(__file__).with_name("demo.toml")
 STAGES, REPLICAS, TRAINERS = 2, 2, 2
 TRAINER_INFLIGHT = 1  # micro-batches each trainer keeps in flight: few, so gradients are rarely a step stale
 START_TIMEOUT = 120.0  # s for every peer to come up
 RUN_TIMEOUT = 600.0  # s before the demo gives up on the trainers
+FINAL_EVAL_BATCH = 64  # sequences per batch of the final validation on the whole held-out set
 
 
 def loopback_join(maddr: str, name: str, *extra: str) -> list[str]:
@@ -193,9 +196,12 @@ def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -
         trainers = _start_trainers(procs, maddr, spec)
         code = _follow(console, procs, trainers, work, spec, started)
         progress = _progress(work, spec, started)
-        _summary(console, progress, baseline, spec)
-        if code == 0:
-            _sample(console, work / "checkpoints", corpus)
+        model = _last_checkpoint(console, work / "checkpoints") if code == 0 else None
+        procs.stop()  # the swarm's work is done: its cores go to the final validation
+        final = _final_validation(console, model, corpus, spec) if model is not None else None
+        _summary(console, progress, baseline, spec, final)
+        if model is not None:
+            _sample(console, model, corpus)
     except KeyboardInterrupt:
         console.print("Interrupted; stopping the swarm.")
         code = 130
@@ -256,19 +262,37 @@ def _start_trainers(procs: Processes, maddr: str, spec: RunSpec) -> list[str]:
     return trainers
 
 
-def _sample(console: Console, root: Path, corpus, wait: float = 20.0) -> None:
-    """What the swarm learned: the checkpoint written at the end continues a held-out snippet."""
+def _last_checkpoint(console: Console, root: Path, wait: float = 20.0):
+    """The whole model from the checkpoint the coordinator writes at the end (None, said, if none came)."""
     deadline = time.monotonic() + wait
     while checkpoint.latest(root) is None and time.monotonic() < deadline:
         time.sleep(0.5)
     if checkpoint.latest(root) is None:
-        console.print("No checkpoint was written at the end, so no sample.")
-        return
+        console.print("No checkpoint was written at the end: no final validation, no sample.")
+        return None
+    return load_model(root)
+
+
+def _final_validation(console: Console, model, corpus, spec: RunSpec) -> float:
+    """The trained model's loss on the whole held-out set (what `benchmarks/fidelity.py --wall` compares)."""
+    started = time.monotonic()
+    t = spec.training
+    batches = from_bytes(corpus.validation, t.seq_len, FINAL_EVAL_BATCH, len(corpus.validation), "held out").batches
+    loss = evaluate(model, batches)
+    console.print(
+        f"Final validation on the whole held-out set ({len(corpus.validation) / 1e6:.2f} MB): {loss:.3f} nats/byte "
+        f"({time.monotonic() - started:.0f} s)."
+    )
+    return loss
+
+
+def _sample(console: Console, model, corpus) -> None:
+    """What the swarm learned: the checkpoint written at the end continues a held-out snippet."""
     text = bytes(corpus.validation[:4096])
     start = text.find(b"\ndef ")
     prompt = text[start + 1 : start + 49] if start >= 0 else text[:48]
     # the demo's model reads bytes: its token ids are the prompt's bytes, and the continuation's
-    continuation = bytes(sample(load_model(root), list(prompt), 120, temperature=0.7, top_k=20))
+    continuation = bytes(sample(model, list(prompt), 120, temperature=0.7, top_k=20))
     console.print("A held-out snippet, continued by the trained model (peer generate):")
     console.print((prompt + b"[...]" + continuation).decode("utf-8", errors="replace"), markup=False, highlight=False)
 
@@ -316,7 +340,7 @@ class _Null:
         return False
 
 
-def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
+def _summary(console: Console, p: dict, baseline: float, spec: RunSpec, final: float | None) -> None:
     table = Table(title="Demo summary")
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -326,10 +350,12 @@ def _summary(console: Console, p: dict, baseline: float, spec: RunSpec) -> None:
     table.add_row("swarm samples/s (whole run)", f"{p['samples'] / max(p['elapsed'], 1e-6):.1f}")
     for e in last_per_step(p["evals"]):
         table.add_row(f"validation loss at step {e['epoch']}", f"{e['loss']:.3f} nats/byte")
+    if final is not None:
+        table.add_row("final validation loss (whole held-out set)", f"{final:.3f} nats/byte")
     table.add_row("unigram baseline", f"{baseline:.3f} nats/byte")
     console.print(table)
-    if p["val"] is not None:
-        console.print(f"Final validation loss {p['val']:.3f} nats/byte vs unigram {baseline:.3f}.")
+    if final is not None:
+        console.print(f"Final validation loss {final:.3f} nats/byte vs unigram {baseline:.3f}.")
 
 
 def last_per_step(evals: list[dict]) -> list[dict]:

@@ -410,3 +410,7 @@ class PartRuntime(PartState):
         """The training forwards run on the current weights whose backward has not come yet (keys of their
         cached graphs): a step now would leave their gradients to count one step late. Safe from any thread."""
         return frozenset()
+
+    def samples_awaiting_backward(self) -> int:
+        """Samples of the forwards `awaiting_backward` names (a step that drains counts them in). Any thread."""
+        return 0

@@ -325,3 +325,6 @@ class StageRuntime(PartRuntime):
     def awaiting_backward(self) -> frozenset:
         # a list of the items in one C call: the torch thread may change the cache meanwhile
         return frozenset(uid for uid, c in list(self._cache.items()) if c.version == self.version)
+
+    def samples_awaiting_backward(self) -> int:
+        return sum(c.inputs.shape[0] for c in list(self._cache.values()) if c.version == self.version)

@@ -160,7 +160,7 @@ class ExpertHost:
     async def forward(self, uid: str, call_uid: str, inputs: torch.Tensor, train: bool, deadline: float | None):
         """(outputs, epoch); outputs None when the deadline passed before the batch ran."""
         if train:
-            await self.replicas[uid].forward_gate()  # while the expert drains for a step (peer.server.replica_round)
+            await self.replicas[uid].forward_gate(deadline)  # while the expert drains (peer.server.replica_round)
         return await self.forward_batchers[uid].submit(inputs.shape[0], (call_uid, inputs, train, deadline))
 
     async def backward(self, uid: str, call_uid: str, inputs, grad_outputs, samples: int):

@@ -77,6 +77,12 @@ class Part:
         return record.stage == self.stage and record.expert == self.expert
 
 
+def _opened() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 class Replica(Stepping, Rounds, StateTransfer, Handover):
     """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
 
@@ -104,9 +110,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.leaving = False
         self.state = "joining"
         self.stepping = False
-        # cleared while a step drains and until it is done (peer.server.replica_round): new training forwards wait
-        self.forwards_open = asyncio.Event()
-        self.forwards_open.set()
+        self.forwards_open = _opened()  # cleared while a step drains (peer.server.replica_round): forwards wait
         self._inner_queued = False  # local mode: an inner step is queued on the torch thread
         self.averaging_epoch = -1
         self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
@@ -156,12 +160,16 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         """Requests in flight or queued, as announced (an expert host reports its own)."""
         return float(self.inflight)
 
-    async def forward_gate(self) -> None:
-        """A training forward waits here while this replica drains for a step, until the step is done (at most
-        averaging.drain_limit + pause_limit): it then runs on the new weights, its gradients count in the next step."""
+    async def forward_gate(self, deadline: float | None = None) -> None:
+        """A training forward waits here while this replica drains for a step, until the step's job is queued on the
+        torch thread (at most averaging.drain_limit + pause_limit): it then runs behind it, on the new weights. It
+        waits at most half the time left to its `deadline` (time.monotonic()): the rest is for its own work, and a
+        forward that runs on the old weights (its gradients count a step late) beats one its caller gives up on."""
         if self.forwards_open.is_set():
             return
         limit = self.spec.averaging.drain_limit + self.spec.averaging.pause_limit
+        if deadline is not None:
+            limit = min(limit, max(0.0, (deadline - time.monotonic()) / 2))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.forwards_open.wait(), limit)
 

@@ -145,7 +145,7 @@ class Rounds:
         rt = self.runtime
         started = time.perf_counter()
         if self._drains():
-            self.forwards_open.clear()  # until the step is done (_finish_step): new forwards then see its weights
+            self.forwards_open.clear()  # until the step's job is queued (or the round ends early: _finish_step)
         await self._drain()
         grads, samples, seq, incarnation = await self.run_torch(self._take)
         self.samples_averaging = samples
@@ -188,7 +188,9 @@ class Rounds:
             return finish() if round_future.done() else None
 
         try:
-            outcome = await self.run_torch(hold)
+            held = asyncio.get_running_loop().run_in_executor(self.executor, hold)
+            self.forwards_open.set()  # forwards now queue behind the step's job: its weights, unless the round is slow
+            outcome = await held
             if outcome is None:
                 await asyncio.wrap_future(round_future)
                 outcome = await self.run_torch(finish)

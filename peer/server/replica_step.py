@@ -7,6 +7,7 @@ state, and run on its event loop (the jobs on its torch thread)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -34,13 +35,21 @@ class Stepping:
             if self.runtime.inner_steps >= self.spec.averaging.inner_steps or (flagged and self.runtime.has_work()):
                 self._start_step()
             return
-        local = self.runtime.samples_accumulated
+        local = self.runtime.samples_accumulated + self._samples_draining()
         total = local + sum(r.samples for r in at_epoch)
         # the others' counts are a progress period old, so a replica also starts when it alone has its
         # share of the target: with balanced routing the group then averages close to the target batch
         target = self.spec.training.target_batch_size
         if total >= target or local * (1 + len(at_epoch)) >= target or flagged:
             self._start_step()
+
+    def _samples_draining(self) -> int:
+        """Samples a drain would add to a step started now: those of forwards awaiting their backward here."""
+        if not self._drains():
+            return 0
+        with contextlib.suppress(RuntimeError):  # the torch thread changed its cache while it was read: none
+            return self.runtime.samples_awaiting_backward()
+        return 0
 
     def _maybe_inner_step(self) -> None:
         """Local mode: queue an inner step on the torch thread now, if the accumulator holds a batch."""

@@ -357,7 +357,7 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
             return self.runtime.forward(request.uid, inputs, targets, request.train), self.runtime.progress
 
         if request.train:
-            await self.server.forward_gate()  # while the stage drains for a step (peer.server.replica_round)
+            await self.server.forward_gate(deadline)  # while the stage drains for a step (peer.server.replica_round)
         result, epoch = await self.server.run_torch(job)
         if targets is not None:
             return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}

@@ -48,10 +48,12 @@ def clip_per_stage(stages: list[list[torch.nn.Parameter]], limit: float) -> int:
 
 @torch.no_grad()
 def evaluate(model: StageModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The mean per-sequence loss over `batches` (a last, smaller batch weighs by its sequences)."""
     model.eval()
-    losses = [model(x, y).item() for x, y in batches]
+    with torch.no_grad():
+        losses = [(model(x, y).item(), x.shape[0]) for x, y in batches]
     model.train()
-    return sum(losses) / len(losses)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def train_local(
