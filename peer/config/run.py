@@ -142,9 +142,10 @@ class AveragingConfig:
     max_weight_ratio: float = 8.0
     pause_limit: float = 0.5  # s a server's forwards and backwards wait for a round; later they go on, one step stale
     # s a replica about to step first waits for the backwards of the training forwards it ran on its current
-    # weights (new training forwards wait too, until the step is done): their gradients then count in this
-    # step instead of one step late on the stashed weights; 0: no wait
-    drain_limit: float = 1.0
+    # weights (new training forwards wait too, until the step is queued): their gradients then count in this
+    # step instead of one step late on the stashed weights, at the cost of a pipeline bubble per step; 0: no
+    # wait (the demo's spec sets 1)
+    drain_limit: float = 0.0
     # gradients: average gradients at every global step (exact data parallelism);
     # local: DiLoCo, inner optimizer steps on each replica's own gradients, then an outer Nesterov step
     # on the averaged pseudo-gradients every `inner_steps`

@@ -92,9 +92,10 @@ class Stepping:
         return grads, samples, rt.taken_seq, rt.incarnation
 
     def _step_alone(self) -> asyncio.Future:
-        """Queue, on the torch thread, a step of this replica alone: now (before any later request), or after a
-        drain (peer.server.replica_round), with new training forwards held until the step is queued."""
-        if not self._drains():
+        """Queue, on the torch thread, a step of this replica alone: now (before any later request), or, when forwards
+        on its weights await their backward, after a drain (peer.server.replica_round), new forwards held meanwhile."""
+        if not self._drains() or not self._awaiting():
+            # nothing to wait for: queued now, before this backward's answer leaves, as plain accumulation steps
             return asyncio.get_running_loop().run_in_executor(self.executor, self._step_job)
         self.forwards_open.clear()
         return asyncio.ensure_future(self._alone_after_drain())
