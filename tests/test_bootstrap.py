@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 
+import pytest
 from helpers.swarm import PEER
 
 from dht.identity import Identity
@@ -26,6 +27,7 @@ SPEC = {
 }
 
 
+@pytest.mark.slow  # a long scenario (about 20 s): the slow tier, to keep the README suite under 10 minutes
 def test_a_run_on_a_plain_dht_is_joined_through_any_peer_while_its_coordinator_is_stopped(swarm):
     bootstrap = swarm.start(
         "bootstrap", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], python=True

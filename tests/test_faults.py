@@ -79,6 +79,7 @@ def check_same_parameters(infos: list, stage: int) -> None:
                 assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5), f"stage {stage} step {epoch}: {x} != {y}"
 
 
+@pytest.mark.slow  # a long scenario (about 20 s): the slow tier, to keep the README suite under 10 minutes
 def test_sigstop_moves_on_within_deadline_then_forgiven(swarm):
     swarm.coordinator(SPEC)
     # a frozen peer is taken for gone after 5 s instead of 10 (DHT calls short enough for that TTL)

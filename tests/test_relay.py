@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 from helpers.calls import info
 from helpers.swarm import PEER
 
@@ -43,6 +44,7 @@ def wait_micro_batches(swarm, trainer: str, n: int, timeout: float) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.slow  # a long scenario (about 20 s): the slow tier, to keep the README suite under 10 minutes
 def test_a_server_behind_a_relay_serves_and_moves_when_its_relay_dies(swarm):
     swarm.coordinator(SPEC, extra=["--set", "coordinator.relay=false"])
     relays = {name: swarm.start(name, _join(swarm, name, "--role", "relay")) for name in ("r1", "r2")}
