@@ -222,8 +222,10 @@ def _start_coordinator(console: Console, procs: Processes, work: Path, spec: Run
             str(info),
             "--checkpoints",
             str(work / "checkpoints"),
+            "--set",  # it looks at the swarm (reads and stores in the DHT) every 3 s, not 1 s: the DHT's traffic
+            "coordinator.report_period=3",  # costs this machine's cores (docs/architecture.md, "Fidelity")
             "--set",
-            "coordinator.report_period=1",
+            "dashboard.period=3",
             "--set",
             f"coordinator.checkpoint_every_steps={spec.training.total_steps}",
             "--set",
