@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.cli.demo import (  # noqa: E402
     DEMO_SPEC,
-    FINAL_EVAL_BATCH,
     Processes,
+    held_out_loss,
     last_per_step,
     loopback_coordinator,
     loopback_join,
@@ -320,8 +320,7 @@ def wall(args: argparse.Namespace, figures: Figures) -> None:
         model = StageModel(spec)
         result = train_local(spec, corpus, spec.training.total_steps, seeds=[0, 1], on_step=keep_last(model))
         t = spec.training
-        whole = from_bytes(corpus.validation, t.seq_len, FINAL_EVAL_BATCH, len(corpus.validation), "held out")
-        plain = evaluate(model, whole.batches)
+        plain = held_out_loss(model, corpus, spec)
         print(f"plain loop: {result.samples} samples in {result.seconds:.0f} s, validation {plain:.3f}", flush=True)
         figures.update(
             {"plain_steps": t.total_steps, "plain_samples": result.samples, "plain_s": round(result.seconds)}

@@ -275,12 +275,16 @@ def _last_checkpoint(console: Console, root: Path, wait: float = 20.0):
     return load_model(root)
 
 
+def held_out_loss(model, corpus, spec: RunSpec) -> float:
+    """A model's loss on the whole held-out set, in batches of FINAL_EVAL_BATCH sequences of the spec's length."""
+    whole = from_bytes(corpus.validation, spec.training.seq_len, FINAL_EVAL_BATCH, len(corpus.validation), "held out")
+    return evaluate(model, whole.batches)
+
+
 def _final_validation(console: Console, model, corpus, spec: RunSpec) -> float:
     """The trained model's loss on the whole held-out set (what `benchmarks/fidelity.py --wall` compares)."""
     started = time.monotonic()
-    t = spec.training
-    batches = from_bytes(corpus.validation, t.seq_len, FINAL_EVAL_BATCH, len(corpus.validation), "held out").batches
-    loss = evaluate(model, batches)
+    loss = held_out_loss(model, corpus, spec)
     console.print(
         f"Final validation on the whole held-out set ({len(corpus.validation) / 1e6:.2f} MB): {loss:.3f} nats/byte "
         f"({time.monotonic() - started:.0f} s)."
