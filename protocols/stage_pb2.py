@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protocols import tensor_pb2 as protocols_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protocols/stage.proto\x12\nswarmtrain\x1a\x16protocols/tensor.proto\"\xbd\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\t\x12\"\n\x06inputs\x18\x04 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12#\n\x07targets\x18\x05 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\'\n\x0coutput_codec\x18\x06 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\r\n\x05train\x18\x07 \x01(\x08\"e\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xe6\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\t\x12\"\n\x06inputs\x18\x04 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12(\n\x0cgrad_outputs\x18\x05 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12#\n\x07targets\x18\x06 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\'\n\x0coutput_codec\x18\x07 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\x0b\n\x03\x64ry\x18\x08 \x01(\x08\"\xa1\x01\n\x10\x42\x61\x63kwardResponse\x12\'\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\x13\n\x0bstepped_seq\x18\x07 \x01(\x04\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\t\"\xa7\x02\n\x0cInfoResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\x05 \x01(\x04\x12\x17\n\x0fsamples_stepped\x18\x06 \x01(\x04\x12\x12\n\nthroughput\x18\x07 \x01(\x02\x12\x0c\n\x04load\x18\x08 \x01(\x02\x12,\n\x07history\x18\t \x03(\x0b\x32\x1b.swarmtrain.StepFingerprint\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x13\n\x0bstepped_seq\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x19\n\x11samples_averaging\x18\r \x01(\x04\"z\n\x0fStepFingerprint\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x0e\n\x06values\x18\x03 \x03(\x01\x12\x0f\n\x07members\x18\x04 \x03(\t\x12&\n\x08\x63overage\x18\x05 \x03(\x0b\x32\x14.swarmtrain.Coverage\"=\n\x08\x43overage\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"]\n\x0cRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\t\x12\x0f\n\x07inviter\x18\x05 \x01(\t\"/\n\rRoundResponse\x12\x0f\n\x07joining\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"~\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x12\n\nnum_shards\x18\x04 \x01(\r\x12\x12\n\x05\x65poch\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x65xpert\x18\x06 \x01(\tB\x08\n\x06_epoch\"?\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.swarmtrain.Tensor\"P\n\rStateResponse\x12\x15\n\rmetadata_json\x18\x01 \x01(\t\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.swarmtrain.NamedTensor2\xbd\x03\n\x05Stage\x12\x42\n\x07\x46orward\x12\x1a.swarmtrain.ForwardRequest\x1a\x1b.swarmtrain.ForwardResponse\x12\x45\n\x08\x42\x61\x63kward\x12\x1b.swarmtrain.BackwardRequest\x1a\x1c.swarmtrain.BackwardResponse\x12\x39\n\rForwardStream\x12\x11.swarmtrain.Chunk\x1a\x11.swarmtrain.Chunk(\x01\x30\x01\x12:\n\x0e\x42\x61\x63kwardStream\x12\x11.swarmtrain.Chunk\x1a\x11.swarmtrain.Chunk(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.swarmtrain.InfoRequest\x1a\x18.swarmtrain.InfoResponse\x12<\n\x05Round\x12\x18.swarmtrain.RoundRequest\x1a\x19.swarmtrain.RoundResponse\x12\x39\n\x08GetState\x12\x18.swarmtrain.StateRequest\x1a\x11.swarmtrain.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protocols/stage.proto\x12\nswarmtrain\x1a\x16protocols/tensor.proto\"\xcb\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\t\x12\"\n\x06inputs\x18\x04 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12#\n\x07targets\x18\x05 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\'\n\x0coutput_codec\x18\x06 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\r\n\x05train\x18\x07 \x01(\x08\x12\x0c\n\x04step\x18\x08 \x01(\x04\"e\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xf4\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\t\x12\"\n\x06inputs\x18\x04 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12(\n\x0cgrad_outputs\x18\x05 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12#\n\x07targets\x18\x06 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\'\n\x0coutput_codec\x18\x07 \x01(\x0e\x32\x11.swarmtrain.Codec\x12\x0b\n\x03\x64ry\x18\x08 \x01(\x08\x12\x0c\n\x04step\x18\t \x01(\x04\"\xa1\x01\n\x10\x42\x61\x63kwardResponse\x12\'\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x12.swarmtrain.Tensor\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\x13\n\x0bstepped_seq\x18\x07 \x01(\x04\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\t\"\xa7\x02\n\x0cInfoResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\x05 \x01(\x04\x12\x17\n\x0fsamples_stepped\x18\x06 \x01(\x04\x12\x12\n\nthroughput\x18\x07 \x01(\x02\x12\x0c\n\x04load\x18\x08 \x01(\x02\x12,\n\x07history\x18\t \x03(\x0b\x32\x1b.swarmtrain.StepFingerprint\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x13\n\x0bstepped_seq\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x19\n\x11samples_averaging\x18\r \x01(\x04\"z\n\x0fStepFingerprint\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x0e\n\x06values\x18\x03 \x03(\x01\x12\x0f\n\x07members\x18\x04 \x03(\t\x12&\n\x08\x63overage\x18\x05 \x03(\x0b\x32\x14.swarmtrain.Coverage\"=\n\x08\x43overage\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"]\n\x0cRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\t\x12\x0f\n\x07inviter\x18\x05 \x01(\t\"/\n\rRoundResponse\x12\x0f\n\x07joining\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"~\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x12\n\nnum_shards\x18\x04 \x01(\r\x12\x12\n\x05\x65poch\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x65xpert\x18\x06 \x01(\tB\x08\n\x06_epoch\"?\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.swarmtrain.Tensor\"P\n\rStateResponse\x12\x15\n\rmetadata_json\x18\x01 \x01(\t\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.swarmtrain.NamedTensor2\xbd\x03\n\x05Stage\x12\x42\n\x07\x46orward\x12\x1a.swarmtrain.ForwardRequest\x1a\x1b.swarmtrain.ForwardResponse\x12\x45\n\x08\x42\x61\x63kward\x12\x1b.swarmtrain.BackwardRequest\x1a\x1c.swarmtrain.BackwardResponse\x12\x39\n\rForwardStream\x12\x11.swarmtrain.Chunk\x1a\x11.swarmtrain.Chunk(\x01\x30\x01\x12:\n\x0e\x42\x61\x63kwardStream\x12\x11.swarmtrain.Chunk\x1a\x11.swarmtrain.Chunk(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.swarmtrain.InfoRequest\x1a\x18.swarmtrain.InfoResponse\x12<\n\x05Round\x12\x18.swarmtrain.RoundRequest\x1a\x19.swarmtrain.RoundResponse\x12\x39\n\x08GetState\x12\x18.swarmtrain.StateRequest\x1a\x11.swarmtrain.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocols.stage_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDREQUEST']._serialized_start=62
-  _globals['_FORWARDREQUEST']._serialized_end=251
-  _globals['_FORWARDRESPONSE']._serialized_start=253
-  _globals['_FORWARDRESPONSE']._serialized_end=354
-  _globals['_BACKWARDREQUEST']._serialized_start=357
-  _globals['_BACKWARDREQUEST']._serialized_end=587
-  _globals['_BACKWARDRESPONSE']._serialized_start=590
-  _globals['_BACKWARDRESPONSE']._serialized_end=751
-  _globals['_INFOREQUEST']._serialized_start=753
-  _globals['_INFOREQUEST']._serialized_end=782
-  _globals['_INFORESPONSE']._serialized_start=785
-  _globals['_INFORESPONSE']._serialized_end=1080
-  _globals['_STEPFINGERPRINT']._serialized_start=1082
-  _globals['_STEPFINGERPRINT']._serialized_end=1204
-  _globals['_COVERAGE']._serialized_start=1206
-  _globals['_COVERAGE']._serialized_end=1267
-  _globals['_ROUNDREQUEST']._serialized_start=1269
-  _globals['_ROUNDREQUEST']._serialized_end=1362
-  _globals['_ROUNDRESPONSE']._serialized_start=1364
-  _globals['_ROUNDRESPONSE']._serialized_end=1411
-  _globals['_STATEREQUEST']._serialized_start=1413
-  _globals['_STATEREQUEST']._serialized_end=1539
-  _globals['_NAMEDTENSOR']._serialized_start=1541
-  _globals['_NAMEDTENSOR']._serialized_end=1604
-  _globals['_STATERESPONSE']._serialized_start=1606
-  _globals['_STATERESPONSE']._serialized_end=1686
-  _globals['_STAGE']._serialized_start=1689
-  _globals['_STAGE']._serialized_end=2134
+  _globals['_FORWARDREQUEST']._serialized_end=265
+  _globals['_FORWARDRESPONSE']._serialized_start=267
+  _globals['_FORWARDRESPONSE']._serialized_end=368
+  _globals['_BACKWARDREQUEST']._serialized_start=371
+  _globals['_BACKWARDREQUEST']._serialized_end=615
+  _globals['_BACKWARDRESPONSE']._serialized_start=618
+  _globals['_BACKWARDRESPONSE']._serialized_end=779
+  _globals['_INFOREQUEST']._serialized_start=781
+  _globals['_INFOREQUEST']._serialized_end=810
+  _globals['_INFORESPONSE']._serialized_start=813
+  _globals['_INFORESPONSE']._serialized_end=1108
+  _globals['_STEPFINGERPRINT']._serialized_start=1110
+  _globals['_STEPFINGERPRINT']._serialized_end=1232
+  _globals['_COVERAGE']._serialized_start=1234
+  _globals['_COVERAGE']._serialized_end=1295
+  _globals['_ROUNDREQUEST']._serialized_start=1297
+  _globals['_ROUNDREQUEST']._serialized_end=1390
+  _globals['_ROUNDRESPONSE']._serialized_start=1392
+  _globals['_ROUNDRESPONSE']._serialized_end=1439
+  _globals['_STATEREQUEST']._serialized_start=1441
+  _globals['_STATEREQUEST']._serialized_end=1567
+  _globals['_NAMEDTENSOR']._serialized_start=1569
+  _globals['_NAMEDTENSOR']._serialized_end=1632
+  _globals['_STATERESPONSE']._serialized_start=1634
+  _globals['_STATERESPONSE']._serialized_end=1714
+  _globals['_STAGE']._serialized_start=1717
+  _globals['_STAGE']._serialized_end=2162
 # @@protoc_insertion_point(module_scope)

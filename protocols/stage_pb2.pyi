@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "uid", "inputs", "targets", "output_codec", "train")
+    __slots__ = ("run_id", "stage", "uid", "inputs", "targets", "output_codec", "train", "step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ForwardRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CODEC_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     uid: str
@@ -23,7 +24,8 @@ class ForwardRequest(_message.Message):
     targets: _tensor_pb2.Tensor
     output_codec: _tensor_pb2.Codec
     train: bool
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., train: _Optional[bool] = ...) -> None: ...
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., train: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("outputs", "has_loss", "loss", "epoch")
@@ -38,7 +40,7 @@ class ForwardResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "uid", "inputs", "grad_outputs", "targets", "output_codec", "dry")
+    __slots__ = ("run_id", "stage", "uid", "inputs", "grad_outputs", "targets", "output_codec", "dry", "step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +49,7 @@ class BackwardRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CODEC_FIELD_NUMBER: _ClassVar[int]
     DRY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     uid: str
@@ -55,7 +58,8 @@ class BackwardRequest(_message.Message):
     targets: _tensor_pb2.Tensor
     output_codec: _tensor_pb2.Codec
     dry: bool
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., dry: _Optional[bool] = ...) -> None: ...
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., uid: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., dry: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("grad_inputs", "has_loss", "loss", "epoch", "seq", "incarnation", "stepped_seq")

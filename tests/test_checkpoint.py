@@ -152,6 +152,29 @@ def test_a_checkpoint_cut_off_mid_write_is_never_taken_for_whole(tmp_path):
     assert manifest["spec_fingerprint"] == SPEC.fingerprint()
 
 
+def test_the_runs_last_checkpoint_waits_for_every_stage_to_reach_the_last_step(tmp_path):
+    """Periodic checkpoints come every checkpoint_every_steps of the furthest stage; the one at training.total_steps
+    only once every stage is there (or coordinator.end_checkpoint_wait after the first got there), and only once."""
+    from peer.config import PeerConfig
+    from peer.coordinator.checkpointer import Checkpointer
+
+    spec = RunSpec.from_dict({**SPEC.to_dict(), "training": {**SPEC.to_dict()["training"], "total_steps": 10}})
+    settings = {"checkpoint_dir": str(tmp_path), "checkpoint_every_steps": 4, "end_checkpoint_wait": 0.5}
+    ckpt = Checkpointer(spec, PeerConfig.from_dict({"coordinator": settings}), dht=None)
+    assert ckpt.due(4, 3) and not ckpt.due(3, 3)
+    ckpt.last_step = 8
+    assert not ckpt.due(10, 9)  # stage 0 is a step short: not yet
+    assert ckpt.due(10, 10)  # every stage at the last step
+    ckpt.last_step = 10
+    assert not ckpt.due(10, 10) and not ckpt.due(11, 10)  # once
+    late = Checkpointer(spec, PeerConfig.from_dict({"coordinator": settings}), dht=None)
+    assert not late.due(10, 9)
+    deadline = time.monotonic() + 5
+    while not late.due(10, 9):  # a stage that never gets there holds the last one back only so long
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     parts = parts_of(trained_stages())
     for step in range(1, 6):

@@ -27,6 +27,12 @@ BAD = [
     ({"admission": {"mode": "allowlist"}}, "admission.allowlist: allowlist mode needs at least one peer id"),
     ({"admission": {"allowlist": ["12D3KooWnot-a-key"]}}, "admission.allowlist.0.: peer id"),
     ({"admission": {"credential_ttl": 1}}, "admission.credential_ttl: must be at least 10 s"),
+    ({"training": {"sync_trainers": 3}}, "training.sync_trainers: 3 trainers cannot share a step of 64 samples"),
+    (
+        {"training": {"sync_trainers": 2}, "averaging": {"mode": "local"}},
+        "training.sync_trainers: synchronous mode averages gradients",
+    ),
+    ({"training": {"sync_wait": 0}}, "training.sync_wait: must be positive"),
 ]
 
 

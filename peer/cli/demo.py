@@ -230,6 +230,8 @@ def _start_coordinator(console: Console, procs: Processes, work: Path, spec: Run
             f"coordinator.checkpoint_every_steps={spec.training.total_steps}",
             "--set",
             "coordinator.checkpoint_every_minutes=0",
+            "--set",  # within the demo's 20-s wait for the last checkpoint, when a stage stops a step short
+            "coordinator.end_checkpoint_wait=10",
         ),
     )
     _wait(lambda: info.exists(), procs, ["coordinator"], "the coordinator to start")

@@ -87,6 +87,12 @@ class TrainingConfig:
     # most tokens (batch x seq) one forward or backward may carry, so that what a stage builds and caches for a
     # request is bounded; 0: 8 x micro_batch_size x seq_len (a trainer sends micro_batch_size x seq_len)
     max_request_tokens: int = 0
+    # synchronous mode: this many trainers feed every optimizer step, each exactly 1/N of its micro-batches, and a
+    # server runs a micro-batch only once its stage has taken the steps before it: the swarm is then the plain loop
+    # with the combined batch, step by step (a fixed set of trainers from the start, gradients averaging); 0: off,
+    # asynchronous (a step takes whatever micro-batches arrive; forwards never wait for one)
+    sync_trainers: int = 0
+    sync_wait: float = 60.0  # synchronous mode: s a server holds a micro-batch for the step it belongs to
 
     def request_tokens(self) -> int:
         """The bound on tokens per request (max_request_tokens, or its default)."""
@@ -229,6 +235,11 @@ class RunSpec:
         """DiLoCo mode: replicas step on their own gradients and average pseudo-gradients now and then."""
         return self.averaging.mode == "local"
 
+    def sync_quota(self) -> int:
+        """Synchronous mode: micro-batches each trainer sends for every optimizer step; 0: asynchronous."""
+        t = self.training
+        return t.target_batch_size // t.micro_batch_size // t.sync_trainers if t.sync_trainers else 0
+
     def inner_batch(self) -> int:
         """Local mode: samples per inner optimizer step of one replica."""
         return self.averaging.inner_batch_size or self.training.target_batch_size
@@ -345,6 +356,24 @@ class RunSpec:
             )
         if t.dtype not in TRAINING_DTYPES:
             raise ConfigError(f"training.dtype: must be one of {', '.join(TRAINING_DTYPES)}, got {t.dtype!r}")
+        self._validate_sync()
+
+    def _validate_sync(self) -> None:
+        t = self.training
+        if t.sync_trainers < 0:
+            raise ConfigError(f"training.sync_trainers: must be >= 0 (0: asynchronous), got {t.sync_trainers}")
+        if not t.sync_wait > 0:
+            raise ConfigError(f"training.sync_wait: must be positive, got {t.sync_wait}")
+        if not t.sync_trainers:
+            return
+        micro_batches, rest = divmod(t.target_batch_size, t.micro_batch_size)
+        if rest or micro_batches % t.sync_trainers:
+            raise ConfigError(
+                f"training.sync_trainers: {t.sync_trainers} trainers cannot share a step of {t.target_batch_size} "
+                f"samples equally in micro-batches of {t.micro_batch_size}"
+            )
+        if self.averaging.mode != "gradients":
+            raise ConfigError("training.sync_trainers: synchronous mode averages gradients, not averaging.mode local")
 
     def _validate_compression(self) -> None:
         c = self.compression

@@ -187,6 +187,9 @@ class CoordinatorConfig:
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are removed
     checkpoint_timeout: float = 120.0  # s to download one part's state from a server
+    # s the run's last checkpoint waits, once a stage has reached training.total_steps, for every other stage to get
+    # there too (its parts then all hold the last step); after that it is taken with the stages where they are
+    end_checkpoint_wait: float = 30.0
     # where the coordinator remembers its peers' DHT addresses, to rejoin the swarm after a restart;
     # empty: RUN.peers.json beside its identity key
     peers_file: str = ""

@@ -35,15 +35,27 @@ class Checkpointer:
         self.root = Path(self.ccfg.checkpoint_dir)
         self.last_step = -1  # the run's step at the last checkpoint written
         self.last_time = time.monotonic()
+        self.end_seen = 0.0  # when a stage was first seen at training.total_steps (monotonic s; 0: not yet)
         self.written: list[Path] = []
         # the checkpoint this run goes on from (the last it wrote, or the one it resumed; not an older run's
         # in the same directory): a part whose servers all hold an older step (or none serves it) keeps its copy
         self.previous: Path | None = None
 
-    def due(self, step: int) -> bool:
-        """Whether a checkpoint is due at the run's `step` (the highest step a stage announced)."""
+    def due(self, step: int, lowest: int | None = None) -> bool:
+        """Whether a checkpoint is due at the run's `step` (the highest step a stage announced; `lowest`: the lowest).
+
+        The run's end (training.total_steps) is one checkpoint, taken once every stage has got there (its parts then
+        all hold the last step, not a stage a step behind at the one before), or coordinator.end_checkpoint_wait
+        after the first did."""
         if not self.ccfg.checkpoint_dir or step <= self.last_step:
             return False
+        end = self.spec.training.total_steps
+        if step >= end:
+            if self.last_step >= end:
+                return False  # the run's last is written
+            self.end_seen = self.end_seen or time.monotonic()
+            waited = time.monotonic() - self.end_seen >= self.ccfg.end_checkpoint_wait
+            return waited or (lowest is not None and lowest >= end)
         every, minutes = self.ccfg.checkpoint_every_steps, self.ccfg.checkpoint_every_minutes
         if every > 0 and step // every > max(self.last_step, 0) // every:
             return True

@@ -232,8 +232,8 @@ def report(
         f"stage {i}: {s['servers']} server(s) at step {s['step']}" for i, s in enumerate(summary["stages"])
     )
     say(f"run '{spec.name}': {stages}; {summary['trainers']} trainer(s), {summary['samples']} samples")
-    step = max(s["step"] for s in summary["stages"])
-    return step if checkpointer.due(step) else None
+    steps = [s["step"] for s in summary["stages"]]
+    return max(steps) if checkpointer.due(max(steps), min(steps)) else None
 
 
 def run_coordinator(

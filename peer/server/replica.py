@@ -38,20 +38,26 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
+
 from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.model.part import PartRuntime
 from peer.net.client import StageClient
+from peer.net.refusal import Refused
 from peer.process.failpoints import Failpoints
 from peer.server.averaging import GradientAverager
 from peer.server.replica_handover import Handover
 from peer.server.replica_round import Rounds
 from peer.server.replica_state import StateTransfer
 from peer.server.replica_step import Stepping
+from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
+# s between a held synchronous-mode micro-batch's looks at the step (a finished step wakes it at once; a resync, here)
+SYNC_POLL = 0.05
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.state = "joining"
         self.stepping = False
         self.forwards_open = _opened()  # cleared while a step drains (peer.server.replica_round): forwards wait
+        self._stepped = asyncio.Event()  # set when this replica finishes a step (synchronous mode's forwards wait)
         self._inner_queued = False  # local mode: an inner step is queued on the torch thread
         self.averaging_epoch = -1
         self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
@@ -172,6 +179,25 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             limit = min(limit, max(0.0, (deadline - time.monotonic()) / 2))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.forwards_open.wait(), limit)
+
+    async def step_gate(self, step: int, deadline: float | None = None) -> None:
+        """Synchronous mode: a micro-batch of optimizer step `step` waits here until this replica has taken the
+        steps before it (at most training.sync_wait, and no later than its `deadline`); Refused if it has not."""
+        limit = self.spec.training.sync_wait
+        if deadline is not None:
+            limit = min(limit, deadline - time.monotonic())
+        end = time.monotonic() + limit
+        while self.runtime.epoch < step:
+            if time.monotonic() >= end or self.leaving:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"synchronous mode: this micro-batch is for step {step}, and stage {self.stage} is still at "
+                    f"step {self.runtime.epoch} after {limit:.1f} s (training.sync_wait)",
+                    Reason.STALE_EPOCH,
+                )
+            self._stepped.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stepped.wait(), min(SYNC_POLL, max(0.0, end - time.monotonic())))
 
     async def run_torch(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))

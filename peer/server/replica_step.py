@@ -40,7 +40,9 @@ class Stepping:
         # the others' counts are a progress period old, so a replica also starts when it alone has its
         # share of the target: with balanced routing the group then averages close to the target batch
         target = self.spec.training.target_batch_size
-        if total >= target or local * (1 + len(at_epoch)) >= target or flagged:
+        # (not in synchronous mode: there the step is exactly the target, and every replica waits to count it all)
+        share = local * (1 + len(at_epoch)) >= target and not self.spec.training.sync_trainers
+        if total >= target or share or flagged:
             self._start_step()
 
     def _samples_draining(self) -> int:
@@ -176,6 +178,7 @@ class Stepping:
             self.stepping = False
             self.averaging_epoch = -1
             self.forwards_open.set()
+            self._stepped.set()  # synchronous mode: micro-batches held for this step go
         pending, self._pending_round = self._pending_round, None
         if pending is not None and pending == self.runtime.epoch:
             self.join_round(pending)

@@ -358,6 +358,8 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
 
         if request.train:
             await self.server.forward_gate(deadline)  # while the stage drains for a step (peer.server.replica_round)
+        if request.step:
+            await self.server.step_gate(request.step, deadline)  # synchronous mode: after the steps before it
         result, epoch = await self.server.run_torch(job)
         if targets is not None:
             return stage_pb2.ForwardResponse(has_loss=True, loss=float(result), epoch=epoch), {}
@@ -368,6 +370,8 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         inputs = self._routed_inputs(request, payloads)
         grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
+        if request.step:
+            await self.server.step_gate(request.step, deadline)  # synchronous mode (the last stage's forward is here)
         grad_inputs, loss, epoch, seq, incarnation, stepped_seq = await self.server.backward(
             request.uid, inputs, grad_outputs, targets, deadline, count=not request.dry
         )

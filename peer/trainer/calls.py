@@ -99,6 +99,8 @@ class Calls:
                 since = self._no_server_since.pop(stage)
                 logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
             timeout = self.router.deadline(pid, record, kind, samples, WORK[method], moved)
+            if getattr(request, "step", 0):  # synchronous mode: the server may hold it for its step
+                timeout += self.spec.training.sync_wait
             if method == "backward":  # before the call: a start after a kill sends it here again first
                 self.journal.sent(request.uid, stage, pid)
             started = time.monotonic()

@@ -74,6 +74,7 @@ class Trainer(Calls, Settling, Reporting):
         name = f"{spec.name}-{dht.peer_id[-8:]}"
         self.tracker = Tracker(self.tcfg.tensorboard, self.tcfg.wandb, name, spec.to_dict())  # curves, if asked
         self.codec = codec.codec_from_name(spec.compression.activations)
+        self.sync_quota = spec.sync_quota()  # synchronous mode: this trainer's micro-batches in each step; 0: off
         self.summary = TrainerSummary()
         self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them
         self.progress = None  # peer.trainer.progress.TrainerProgress: a bar on a terminal, else lines or nothing
@@ -108,8 +109,12 @@ class Trainer(Calls, Settling, Reporting):
         stage_inputs: list[tuple[tensor_pb2.Tensor, object]] = [(codec.encode(inputs.to(torch.int32)), None)]
         servers: list[str] = []
         epoch = 0
+        # synchronous mode: the step this micro-batch belongs to (each server runs it once it has taken the ones before)
+        step = index // self.sync_quota if self.sync_quota and index >= 0 else 0
         for stage in range(n - 1):
-            request = stage_pb2.ForwardRequest(run_id=run, stage=stage, uid=uid, output_codec=self.codec, train=True)
+            request = stage_pb2.ForwardRequest(
+                run_id=run, stage=stage, uid=uid, output_codec=self.codec, train=True, step=step
+            )
             request, payloads = _with(request, "inputs", *stage_inputs[-1])
             response, returned, pid = await self._call(stage, "forward", request, payloads)
             self.spot.maybe_check(index, stage, request, payloads, response, returned, pid)
@@ -123,6 +128,7 @@ class Trainer(Calls, Settling, Reporting):
             targets=codec.encode(targets.to(torch.int32)),
             output_codec=self.codec,
             dry=n - 1 in entry.dry,
+            step=step,
         )
         request, payloads = _with(request, "inputs", *stage_inputs[-1])
         response, returned, pid = await self._backward(n - 1, request, payloads, prefer=entry.sent.get(n - 1))
@@ -131,7 +137,7 @@ class Trainer(Calls, Settling, Reporting):
         grad = (response.grad_inputs, returned.get("grad_inputs"))
         for stage in reversed(range(n - 1)):
             request = stage_pb2.BackwardRequest(
-                run_id=run, stage=stage, uid=uid, output_codec=self.codec, dry=stage in entry.dry
+                run_id=run, stage=stage, uid=uid, output_codec=self.codec, dry=stage in entry.dry, step=step
             )
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
@@ -171,6 +177,8 @@ class Trainer(Calls, Settling, Reporting):
             return True
         if self.tcfg.max_micro_batches and index >= self.tcfg.max_micro_batches:
             return True
+        if self.sync_quota and index // self.sync_quota >= self.spec.training.total_steps:
+            return True  # synchronous mode: its share of the last step is sent
         # what most replicas of a part say (peer.swarm.consensus), not one answer: one peer cannot end the run
         if not self.router.reached(self.spec.training.total_steps):
             return False
