@@ -144,6 +144,7 @@ def _settled(a, b) -> bool:
     return a.epoch == b.epoch and not a.samples_averaging and not b.samples_averaging
 
 
+@pytest.mark.slow  # a fault scenario of about 40 s (a replica SIGSTOPped): the slow tier keeps the README suite short
 def test_local_updates_in_a_real_swarm(swarm):
     """2 stages x 2 replicas train in local mode with int8 activations and int8 pseudo-gradients."""
     from helpers.calls import info
