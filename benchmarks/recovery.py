@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer.cli.demo import Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
 
@@ -83,12 +83,12 @@ class Bench:
         extra = ["--stage", str(stage)] if stage is not None else []
         started = time.monotonic()
         self.procs.start(name, loopback_join(self.maddr, name, *extra))
-        Processes.wait_until(lambda: "Serving stage" in self.procs.log(name), 120, name)
-        self.servers[name] = int(self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[0])
+        Processes.wait_until(lambda: SERVING.search(self.procs.log(name)), 120, name)
+        self.servers[name] = int(SERVING.findall(self.procs.log(name))[-1][0])
         return time.monotonic() - started
 
     def endpoint(self, name: str) -> str:
-        return self.procs.log(name).rsplit("Serving stage ", 1)[1].split()[2]
+        return SERVING.findall(self.procs.log(name))[-1][1]
 
     def signal(self, name: str, sig: int) -> float:
         os.kill(self.procs.procs[name][0].pid, sig)
@@ -167,8 +167,8 @@ def churn_once(bench: Bench, rng: random.Random) -> None:
     joiner = f"c{bench.joined}"
     bench.procs.start(joiner, loopback_join(bench.maddr, joiner))
     bench.servers[joiner] = -1  # its stage is known once it serves
-    Processes.wait_until(lambda: "Serving stage" in bench.procs.log(joiner), 120, "a joiner")
-    bench.servers[joiner] = int(bench.procs.log(joiner).rsplit("Serving stage ", 1)[1].split()[0])
+    Processes.wait_until(lambda: SERVING.search(bench.procs.log(joiner)), 120, "a joiner")
+    bench.servers[joiner] = int(SERVING.findall(bench.procs.log(joiner))[-1][0])
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.cputime import paired, train_together  # noqa: E402
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from dht.identity import Identity  # noqa: E402
-from peer.cli.demo import Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, Processes, loopback_coordinator, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
 START_TIMEOUT = 180.0  # s for a swarm's peers to come up (a loaded 2-core machine is slow)
@@ -122,7 +122,7 @@ class Swarm:
             self.procs.start(name, loopback_join(self.maddr, name, "--stage", str(stage), *extra))
             self.servers.append(name)
         self._wait(
-            lambda: all("Serving stage" in self.procs.log(n) for n in self.servers),
+            lambda: all(SERVING.search(self.procs.log(n)) for n in self.servers),
             ["coordinator", *self.servers],
             "the servers to serve",
         )

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from peer.cli.demo import DEMO_SPEC, Processes, loopback_join, spec_to_toml  # noqa: E402
+from peer.cli.demo import DEMO_SPEC, SERVING, Processes, loopback_join, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.data.corpus import load_corpus  # noqa: E402
 from peer.trainer.local import train_local  # noqa: E402
@@ -49,9 +49,7 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         n = spec.stages.num_stages
         for stage in range(n):
             procs.start(f"s{stage}", loopback_join(maddr, f"s{stage}", "--stage", str(stage)))
-        procs.wait_until(
-            lambda: all("Serving stage" in procs.log(f"s{s}") for s in range(n)), 120, "benchmark: serving"
-        )
+        procs.wait_until(lambda: all(SERVING.search(procs.log(f"s{s}")) for s in range(n)), 120, "benchmark: serving")
         print(f"swarm: {n} servers serving; timing the trainer", flush=True)
         per_step = spec.training.target_batch_size // spec.training.micro_batch_size
         trainer_args = ["--role", "trainer", "--seed", "0", "--max-inflight", str(inflight), "--log-file", "t.jsonl"]

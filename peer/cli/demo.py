@@ -37,6 +37,9 @@ STAGES, REPLICAS, TRAINERS = 2, 2, 2
 TRAINER_INFLIGHT = 1  # micro-batches each trainer keeps in flight: few, so gradients are rarely a step stale
 START_TIMEOUT = 120.0  # s for every peer to come up
 RUN_TIMEOUT = 600.0  # s before the demo gives up on the trainers
+# a server's line once it serves with the stage's state (group 1: its stage, 2: its endpoint); not "Joined run ...
+# Serving stage 0 of 2", which it says first, before it has loaded the state
+SERVING = re.compile(r"Serving stage (\d+) at (\S+) from step")
 FINAL_EVAL_BATCH = 64  # sequences per batch of the final validation on the whole held-out set
 
 
@@ -249,8 +252,7 @@ def _start_servers(console: Console, procs: Processes, maddr: str, started: floa
     servers = [f"server{s}{chr(97 + r)}" for s in range(STAGES) for r in range(REPLICAS)]
     for name in servers:
         procs.start(name, loopback_join(maddr, name, "--stage", name[6]))
-    serving = re.compile(r"Serving stage \d+ at ")  # not "Joined run ... Serving stage 0 of 2", said first
-    _wait(lambda: all(serving.search(procs.log(n)) for n in servers), procs, servers, "the stage servers")
+    _wait(lambda: all(SERVING.search(procs.log(n)) for n in servers), procs, servers, "the stage servers")
     console.print(
         f"{len(servers)} stage servers serving after {time.monotonic() - started:.0f} s; starting {TRAINERS} trainers."
     )

@@ -45,7 +45,8 @@ class RMSNorm(nn.Module):
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """The rotary inverse frequencies of one head, with the config's scaling (default, linear or llama3)."""
     dim = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU even inside a meta-device context (StageModel.unallocated): arange on meta costs a join 1-2 s
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = cfg.rope_scaling
     if s.kind == "linear":
         return inv_freq / s.factor
@@ -65,7 +66,7 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_seq_len, head_dim], each frequency twice (transformers' half-rotation layout)."""
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inverse_frequencies(cfg))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32, device="cpu"), inverse_frequencies(cfg))
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -191,7 +192,11 @@ class StageModel(nn.Module):
         self.cfg = cfg
         self.model = nn.Module()  # transformers' naming: the decoder under `model.`, the head beside it
         if self.is_first:
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size // world, cfg.hidden_size)  # vocab-parallel
+            # vocab-parallel; its weight is set by _init_weights (or a loaded state), so nn.Embedding's own normal_
+            # init is skipped: on the meta device (StageModel.unallocated) its first call imports torch's
+            # decompositions, 1-2 s of a join
+            shape = (cfg.vocab_size // world, cfg.hidden_size)
+            self.model.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         moe_layers = set(spec.moe_layers())
 
         def mlp(layer: int) -> nn.Module:
@@ -232,10 +237,13 @@ class StageModel(nn.Module):
             raise ValueError("an unallocated stage needs its experts remote (each local expert initialises itself)")
         with torch.device("meta"):
             model = cls(spec, stage, experts, init=False)
-        model.to_empty(device="cpu")  # allocated, never written (and untied: each module gets its own)
+        # each module's parameters as zeros, allocated but never written (and untied: each module gets its own).
+        # Not Module.to_empty: its empty_like on the meta device imports sympy, a second of a join
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                zeros = allocation.zeros(p.shape, p.dtype)
+                module.register_parameter(name, nn.Parameter(zeros, requires_grad=p.requires_grad))
         model._tie()
-        for p in model.parameters():  # zeros rather than whatever the allocator held; tied weights are one Parameter
-            p.data = allocation.zeros(p.shape, p.dtype)
         model.rope_cos, model.rope_sin = rotary_tables(model.cfg)
         return model
 
