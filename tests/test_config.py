@@ -33,6 +33,10 @@ BAD = [
         "training.sync_trainers: synchronous mode averages gradients",
     ),
     ({"training": {"sync_wait": 0}}, "training.sync_wait: must be positive"),
+    (
+        {"training": {"sync_trainers": 1}, "moe": {"num_experts": 4}},
+        "synchronous mode does not cover mixture-of-experts",
+    ),
 ]
 
 

@@ -374,6 +374,11 @@ class RunSpec:
             )
         if self.averaging.mode != "gradients":
             raise ConfigError("training.sync_trainers: synchronous mode averages gradients, not averaging.mode local")
+        if self.moe.num_experts:
+            raise ConfigError(
+                "training.sync_trainers: synchronous mode does not cover mixture-of-experts layers (their experts "
+                "step on their own hosts, which hold no micro-batch for its step); set moe.num_experts = 0"
+            )
 
     def _validate_compression(self) -> None:
         c = self.compression
