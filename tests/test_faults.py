@@ -134,10 +134,13 @@ def test_kill_between_forward_and_backward(swarm):
     last = swarm.server("s1", 1)
     ends = {name: swarm.endpoint(s) for name, s in first.items()}
     last_end = swarm.endpoint(last)
-    trainer = swarm.trainer("t0", ["--set", "trainer.log_calls=true"])
+    # one micro-batch in flight: the one held below is the only one, so its backward is the trainer's next call to
+    # stage 0 and goes to the killed server. With two (a failed CI run), the other one's backward could go first,
+    # then a new forward found the killed server dead, and the held one's backward went straight to the survivor
+    trainer = swarm.trainer("t0", ["--max-inflight", "1", "--set", "trainer.log_calls=true"])
     wait_micro_batches(swarm, ["t0"], 16, 120)
 
-    # hold the micro-batches in flight at stage 1, after their stage-0 forward and before its backward
+    # hold the micro-batch in flight at stage 1, after its stage-0 forward and before its backward
     last.signal(signal.SIGSTOP)
     time.sleep(1.0)
     log = calls(swarm, "t0")

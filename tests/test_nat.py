@@ -105,6 +105,7 @@ class Swarm:
             time.sleep(0.3)
 
 
+@pytest.mark.slow  # a scenario of about 23 s in network namespaces (a relay dies): the slow tier, as test_relay's
 def test_a_server_behind_nat_serves_through_a_relay_and_outlives_it(tmp_path, nothing_left):
     with lab.Lab() as wan:
         public = {name: wan.add_host(name) for name in ("coord", "r1", "r2", "s0", "t0")}
