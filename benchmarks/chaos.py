@@ -45,13 +45,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.coordinator import checkpoint  # noqa: E402
 from peer.model.fingerprint import first_difference  # noqa: E402
 
 KINDS = ("server", "trainer", "trainer_kill", "empty", "donor", "coordinator")
-SERVING = re.compile(r"Serving stage (\d+) at (\S+) from step")
 
 
 def spec() -> RunSpec:

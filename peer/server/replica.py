@@ -56,7 +56,7 @@ from peer.server.replica_step import Stepping
 from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
-# s between a held synchronous-mode micro-batch's looks at the step (a finished step wakes it at once; a resync, here)
+# s between a held synchronous-mode micro-batch's looks at the step (a finished step or a loaded state wakes it at once)
 SYNC_POLL = 0.05
 
 

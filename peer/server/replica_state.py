@@ -130,6 +130,7 @@ class StateTransfer:
                 await self.run_torch(self.runtime.check_reach, metadata, tensors, reach, self._apart(donors))
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
                 self.paused = False
+                self._stepped.set()  # synchronous mode: micro-batches held for the steps it took go
                 n = min(len(donors), self.cfg.server.state_donors)
                 say(
                     f"Loaded the state of {self.label} (step {self.runtime.epoch}) from {n} peer{'s' * (n > 1)} "
