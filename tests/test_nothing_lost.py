@@ -83,6 +83,45 @@ def test_a_trainer_killed_mid_run_and_started_again_with_its_key_finishes_its_mi
     books_balance(swarm, samples)
 
 
+@pytest.mark.slow  # about 40 s: the slow tier
+def test_a_trainer_started_again_while_a_replica_holding_its_backwards_hangs_counts_each_once(swarm):
+    """SIGKILLed with backwards in both replicas of stage 1, and started again while one of them is SIGSTOPped:
+    the backwards that replica answered (their receipts are in the journal) go dry to the other, and the
+    receipts wait in the new start's ledger until the replica, resumed, answers for them. Sent there counted
+    instead, after the hung replica timed out, they would be in both replicas' accumulators: counted twice."""
+    swarm.coordinator(SPEC)
+    lasting = ["--set", "network.record_ttl=30"]  # the hang is shorter than a record lives: nothing is dropped
+    first = swarm.endpoint(swarm.server("s0", 0, lasting))
+    hung, other = swarm.server("s1a", 1, lasting), swarm.server("s1b", 1, lasting)
+    ends = [swarm.endpoint(hung), swarm.endpoint(other)]
+    trainer = swarm.trainer("t", ["--seed", "0", *lasting])
+    wait_micro_batches(swarm, ["t"], 12, 120)
+    trainer.signal(signal.SIGKILL)
+    trainer.wait(30)
+    assert info(ends[0]).samples_accumulated > 0, "the replica to hang holds no backward of the killed start"
+    hung.signal(signal.SIGSTOP)
+    try:
+        restarted = time.time()
+        again = swarm.trainer("t", ["--seed", "1", "--max-micro-batches", "4", *lasting])
+        left = int(again.wait_for(r"left (\d+) micro-batches unsettled", 60).group(1))
+        deadline = time.monotonic() + 90
+        while sum(1 for e in swarm.log("t") if e["time"] > restarted and _ran_again(e)) < left:
+            assert time.monotonic() < deadline, again.output()[-3000:]
+            time.sleep(0.5)
+    finally:
+        hung.signal(signal.SIGCONT)
+    assert again.wait(120) == 0, again.output()[-3000:]
+    samples = completed(swarm, ["t"])
+    check_books([info(first)], samples, 0)
+    check_books([info(e) for e in ends], samples, 1)
+    books_balance(swarm, samples)
+
+
+def _ran_again(event: dict) -> bool:
+    """A log line of a micro-batch an earlier start left: completed before (recovered) or not (index -1)."""
+    return event["type"] == "recovered" or (event["type"] == "micro_batch" and event["index"] == -1)
+
+
 def test_a_replay_goes_to_the_stages_only_server_restarted_with_its_key(swarm):
     """The only server of stage 1 is SIGKILLed with backwards of ours in its accumulator and comes back
     with the same key: the replay avoids the dead process, not the peer, and lands on the new one."""
@@ -507,6 +546,7 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
     first.settled("u0")  # every stage stepped it
     first.sent("u1", 0, "peer-a")
     first.stepped("u1", 1)  # stage 1 stepped u1: it gets u1 dry next time
+    first.received("u2", 1, ("peer-b", 7, 3, 123.5))  # stage 1's receipt: the next start holds it, sends u2 dry
     # killed here: u1 and u2 completed but are not settled; u3 is under way
     with path.open("a") as f:
         f.write('{"done": "u3", "sam')  # a line the kill cut off
@@ -515,6 +555,7 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
     assert sorted(left) == ["u1", "u2", "u3"]
     assert left["u1"].sent == {1: "peer-b", 0: "peer-a"} and torch.equal(left["u3"].inputs, tokens + 3)
     assert left["u1"].stepped == {1} and left["u2"].stepped == set()
+    assert left["u2"].receipts == {1: ("peer-b", 7, 3, 123.5)} and left["u3"].receipts == {}
     assert left["u1"].done_before and not left["u3"].done_before  # u3 counts when this start completes it
     assert second.predecessors == [[100.0, 6]]
     second.done("u1", 2)
@@ -523,6 +564,7 @@ def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsett
     second.close(clean=True)  # a clean stop: what is done is the live servers'; u2 never ran again
     third = Journal(path)
     assert [e.uid for e in third.open(300.0)] == ["u2"] and third.predecessors == [[100.0, 6], [200.0, 2]]
+    assert third.entries["u2"].receipts == {1: ("peer-b", 7, 3, 123.5)}  # kept through the rewrites
 
 
 def test_a_dry_backward_adds_nothing_and_a_dropped_accumulator_still_knows_what_it_stepped():

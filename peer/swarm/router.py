@@ -197,6 +197,20 @@ class Router:
         weights = [self.weight(pid, r, kind) for pid, r in candidates]
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
+    def only(self, stage: int, peer_id: str) -> tuple[str, ServerRecord]:
+        """Server `peer_id` of `stage`, if it can take a call now (routable, not banned); else NoServer."""
+        record = self.servers[stage].get(peer_id)
+        if record is None or self.health.get(peer_id, _Health()).banned_until > time.monotonic():
+            raise NoServer(f"server {peer_id} of stage {stage} cannot take a call now")
+        return peer_id, record
+
+    def lost(self, peer_id: str) -> bool:
+        """Whether `peer_id` died or left, or its record expired (or was never seen): what it held is gone."""
+        if peer_id in self.dead or peer_id in self.leaving:
+            return True
+        record = self.latest.get(peer_id)
+        return record is None or (peer_id not in self.present and time.time() > record.updated + self.record_ttl + 1.0)
+
     def deadline(
         self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float, nbytes: int = 0
     ) -> float:

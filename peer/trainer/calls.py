@@ -73,11 +73,14 @@ class Calls:
         payloads: dict | None = None,
         prefer: str | None = None,
         exclude: set[tuple[str, int]] | None = None,
+        insist: str | None = None,
     ):
         """One forward or backward on some replica of `stage`; returns (response, payloads, peer id).
 
         `exclude`: (peer id, incarnation) of processes not to use (a replay avoids the one that lost the
         backward; the same peer restarted with the same key is a new incarnation, and welcome).
+        `insist`: the only server to use while it lives (one that may hold this backward already: it answers
+        it again without adding it), however long it is banned or behind; anywhere once it died or left.
         Forwards give up after max_retries failures; backwards never do (a later stage has counted
         the micro-batch already), they wait for a replica instead.
         """
@@ -88,9 +91,14 @@ class Calls:
         sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
         moved = self._call_bytes(stage, method, request, sent)
         while True:
+            if insist is not None and self.router.lost(insist):
+                insist = None  # what it held went with it: the backward counts anywhere
             avoid = {pid for pid, r in self.router.servers[stage].items() if (pid, r.incarnation) in (exclude or ())}
             try:
-                pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
+                if insist is not None:
+                    pid, record = self.router.only(stage, insist)
+                else:
+                    pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
             except NoServer:
                 await self._wait_for_server(stage, pause, len(avoid))
                 pause, tried = min(pause * 2, 5.0), set()
@@ -188,18 +196,30 @@ class Calls:
                 entry["error"] = error
             self._write(entry)
 
-    async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None):
+    async def _backward(self, stage: int, request, payloads, prefer=None, exclude=None, insist=None):
         """A backward, with its receipt kept until the server steps it (a dry one adds nothing: no receipt);
         (response, payloads returned, the server's peer id)."""
-        response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude)
+        response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude, insist)
         if request.dry:
             return response, returned, pid
         samples = request.inputs.shape[0] if request.inputs.shape else 1
+        heard = time.time()
         self.ledger.add(
-            Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, time.time())
+            Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, heard)
         )
+        self.journal.received(request.uid, stage, (pid, response.incarnation, response.seq, heard))
         self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
         return response, returned, pid
+
+    def _hold_receipt(self, stage: int, request, payloads, receipt: tuple[str, int, int, float]) -> None:
+        """A receipt an earlier start got for this micro-batch (its journal): into the ledger, settled like ours.
+        `request` went dry this time; the receipt keeps it counted, for a replay if its server goes away first."""
+        pid, incarnation, seq, heard = receipt
+        counted = type(request)()
+        counted.CopyFrom(request)
+        counted.dry = False
+        samples = request.inputs.shape[0] if request.inputs.shape else 1
+        self.ledger.add(Receipt(stage, pid, incarnation, seq, counted, dict(payloads or {}), samples, heard))
 
     def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
         """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""

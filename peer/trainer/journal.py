@@ -5,11 +5,17 @@ A micro-batch's uid and tokens are written when it starts, each backward's serve
 `done` once it completed, `settled` once no receipt of it is left (every stage stepped it, or holds
 it in the accumulator of a live server when the trainer stops cleanly). A start reads what the last
 one left: how many samples it completed (for the books: `TrainerRecord.predecessors`), and the
-micro-batches not settled. It runs each of them again under its uid, each stage's backward first to
-the server the last start sent it to: a server that counted that uid answers with its first receipt
-and adds nothing (peer.model.runtime); one that never got it, or lost it (it died, or dropped its
-accumulator), adds it. A stage whose step already counted it (its receipt there settled: `stepped`)
-gets it dry: it answers the input gradients and adds nothing. Every stage thus counts each micro-batch once.
+micro-batches not settled. It runs each of them again under its uid:
+- a stage whose step already counted it (its receipt there settled: `stepped`) gets it dry: it answers
+  the input gradients and adds nothing;
+- a stage whose server's receipt the last start wrote down (`receipts`: server, incarnation, addition
+  number) gets it dry too, and the receipt goes into this start's ledger (peer.trainer.ledger), settled
+  like any other: stepped by that server, or, if it went away first, counted by its survivors' steps or
+  replayed. Where the backward goes now does not matter;
+- a stage whose backward was sent and not answered goes first to the server the last start sent it to:
+  one that counted that uid answers with its first receipt and adds nothing (peer.model.runtime); one
+  that never got it, or lost it (it died, or dropped its accumulator), adds it.
+Every stage thus counts each micro-batch once.
 
 Lines are appended and flushed: a killed process loses nothing the kernel has. When the file grows,
 it is rewritten with only what is unsettled. A clean stop leaves no micro-batch in it.
@@ -39,7 +45,11 @@ class Entry:
     targets: torch.Tensor
     sent: dict[int, str] = field(default_factory=dict)  # stage -> peer id its backward went to last
     stepped: set[int] = field(default_factory=set)  # stages whose step counted it: run again dry (adding nothing)
+    # stage -> (peer id, incarnation, seq, time.time() answered): the server's receipt, once it answered
+    receipts: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)
     dry: set[int] = field(default_factory=set)  # the stages this start sends it to dry (not written down)
+    held: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)  # receipts of an earlier start
+    # that this start holds in its ledger instead of sending the stage's backward counted (not written down)
     done: bool = False  # completed (its samples are counted in some start's completed samples)
     recovered: bool = False  # an earlier start's, run again by this one
     done_before: bool = False  # an earlier start completed it: this start does not count it again
@@ -51,6 +61,7 @@ class Entry:
             "targets": _tokens(self.targets),
             "sent": {str(s): pid for s, pid in self.sent.items()},
             "stepped": sorted(self.stepped),
+            "receipts": {str(s): list(r) for s, r in self.receipts.items()},
             "done_before": self.done_before,
         }
 
@@ -113,12 +124,15 @@ class Journal:
                 _tensor(line["targets"]),
                 sent,
                 {int(s) for s in line.get("stepped", [])},
+                {int(s): _receipt(r) for s, r in line.get("receipts", {}).items()},
                 done_before=line["done_before"],
             )
         elif "stepped" in line:
             entries[line["uid"]].stepped.add(int(line["stepped"]))
         elif "sent" in line:
             entries[line["uid"]].sent[int(line["stage"])] = line["sent"]
+        elif "receipt" in line:
+            entries[line["uid"]].receipts[int(line["stage"])] = _receipt(line["receipt"])
         elif "done" in line:
             entry = entries[line["done"]]
             entry.done = True
@@ -138,6 +152,13 @@ class Journal:
         if entry is not None and entry.sent.get(stage) != peer_id:
             entry.sent[stage] = peer_id
             self._append({"uid": uid, "stage": stage, "sent": peer_id})
+
+    def received(self, uid: str, stage: int, receipt: tuple[str, int, int, float]) -> None:
+        """Stage `stage`'s server answered the backward: its receipt (peer id, incarnation, seq, time answered)."""
+        entry = self.entries.get(uid)
+        if entry is not None and entry.receipts.get(stage) != receipt:
+            entry.receipts[stage] = receipt
+            self._append({"uid": uid, "stage": stage, "receipt": list(receipt)})
 
     def stepped(self, uid: str, stage: int) -> None:
         """Stage `stage` has this micro-batch in a finished step (its receipt there settled)."""
@@ -201,6 +222,10 @@ class Journal:
             logger.warning("could not write the trainer's journal %s (%s): a kill now may lose samples", self.path, e)
             self._file = None
         self._lines = len(lines)
+
+
+def _receipt(r: list) -> tuple[str, int, int, float]:
+    return str(r[0]), int(r[1]), int(r[2]), float(r[3])
 
 
 def _tokens(t: torch.Tensor) -> dict:

@@ -100,9 +100,11 @@ class Trainer(Calls, Settling, Reporting):
     async def _micro_batch(self, entry: Entry, index: int) -> tuple[float, int]:
         """One micro-batch forward through the stages, then backward. A backward goes first to the server
         that did its stage's forward, or, for a micro-batch an earlier start left, to the server that start
-        sent it to (which answers it again without adding it, if it had)."""
+        sent it to (which answers it again without adding it, if it had). A stage that stepped it already,
+        or whose receipt for it the earlier start wrote down (held in our ledger now), gets it dry."""
         self.journal.begin(entry)
-        entry.dry = set(entry.stepped)  # the stages that stepped it already: they get it dry
+        entry.held = {s: r for s, r in entry.receipts.items() if s not in entry.stepped}
+        entry.dry = set(entry.stepped) | set(entry.held)
         run, uid, n = self.spec.name, entry.uid, self.num_stages
         inputs, targets = entry.inputs, entry.targets
         # what each stage received: a Tensor header and, for large tensors, its bytes outside the message
@@ -131,7 +133,7 @@ class Trainer(Calls, Settling, Reporting):
             step=step,
         )
         request, payloads = _with(request, "inputs", *stage_inputs[-1])
-        response, returned, pid = await self._backward(n - 1, request, payloads, prefer=entry.sent.get(n - 1))
+        response, returned, pid = await self._stage_backward(entry, n - 1, request, payloads, entry.sent.get(n - 1))
         self.spot.maybe_check(index, n - 1, request, payloads, response, returned, pid)  # its loss and gradients
         loss, epoch = response.loss, max(epoch, response.epoch)
         grad = (response.grad_inputs, returned.get("grad_inputs"))
@@ -142,9 +144,20 @@ class Trainer(Calls, Settling, Reporting):
             request, payloads = _with(request, "inputs", *stage_inputs[stage])
             request, payloads = _with(request, "grad_outputs", *grad, payloads)
             prefer = entry.sent.get(stage, servers[stage])
-            response, returned, _ = await self._backward(stage, request, payloads, prefer=prefer)
+            response, returned, _ = await self._stage_backward(entry, stage, request, payloads, prefer)
             grad, epoch = (response.grad_inputs, returned.get("grad_inputs")), max(epoch, response.epoch)
         return loss, epoch
+
+    async def _stage_backward(self, entry: Entry, stage: int, request, payloads, prefer: str | None):
+        """A stage's backward of `entry`. An earlier start's receipt for it (sent dry now) goes into the ledger;
+        one the earlier start sent and got no answer for goes to that server only, while it lives: it may
+        have added it (and answers it again without adding it)."""
+        unanswered = entry.recovered and stage in entry.sent and stage not in entry.receipts and not request.dry
+        insist = entry.sent[stage] if unanswered else None
+        answer = await self._backward(stage, request, payloads, prefer=prefer, insist=insist)
+        if stage in entry.held:
+            self._hold_receipt(stage, request, payloads, entry.held.pop(stage))
+        return answer
 
     async def evaluate(self, wait: float = 0.0) -> Scores:
         """Loss, perplexity and bits per byte over the fixed validation set, forward only (a few at a time);
