@@ -47,13 +47,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
 from benchmarks.rehearsal import join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
 MICRO_BATCH = 16
 TARGET_BATCH = 64
 STEP_RE = re.compile(r"stage 0 step (\d+): (\d+) samples, averaged with (\d+) peer\(s\)")
-SERVING_RE = re.compile(r"Serving stage \d+ at ")
 SERVERS, TRAINERS = ("server0", "server1"), ("trainer0", "trainer1")
 # s the peers have to leave before the lab kills them: enough for a round in flight as the trainers end (its step
 # is counted from the servers' logs), not for a server's whole leave (10 s), as nothing is measured then
@@ -123,7 +122,7 @@ def train(mode: str, args: argparse.Namespace, work: Path) -> dict:
                 procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), "--stage", "0"])
             # "Serving stage N at ADDR" comes after the benchmark and the state download ("Joined ... Serving
             # stage N of M" comes before): the counters start after the second server has loaded the state
-            serving = lambda: all(SERVING_RE.search(peer_log(work, n)) for n in SERVERS)  # noqa: E731
+            serving = lambda: all(SERVING.search(peer_log(work, n)) for n in SERVERS)  # noqa: E731
             wait_for("the stage servers", serving, procs, work, hosts, args.start_timeout)
             base, started = {n: h.counters() for n, h in hosts.items()}, time.time()
             for i, name in enumerate(TRAINERS):

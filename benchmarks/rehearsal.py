@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from rich.console import Console
 
 from benchmarks.lab import ROOT, Host, Lab
 from benchmarks.netns import LabError
-from peer.cli.demo import spec_to_toml
+from peer.cli.demo import SERVING, spec_to_toml
 from peer.config import RunSpec, apply_override
 
 
@@ -178,7 +177,7 @@ def _start_servers(hosts, procs, work, maddr: str, servers: int, stages: int, se
     for i, name in enumerate(names):
         stage = ["--stage", str(i % stages)] if servers >= stages else []
         procs[name] = start_peer(hosts[name], work, [*join_args(maddr, hosts[name]), *stage], settings)
-    servers_up = lambda: all(re.search(r"Serving stage \d+ at ", host_log(work, hosts[n])) for n in names)  # noqa: E731
+    servers_up = lambda: all(SERVING.search(host_log(work, hosts[n])) for n in names)  # noqa: E731
     wait_for("the stage servers", servers_up, procs, work, hosts, timeout)
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
 from benchmarks.rehearsal import Tail, join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
 QUICK = {"rounds": 1, "window": 5.0, "warmup": 2}
@@ -116,7 +116,7 @@ class Bench:
         return ""
 
     def serving(self, name: str) -> bool:
-        return bool(re.search(r"Serving stage \d+ at ", self.log(name)))
+        return bool(SERVING.search(self.log(name)))
 
     def samples(self) -> tuple[int, int]:
         batches = [e for e in self.tail.read() if e.get("type") == "micro_batch"]

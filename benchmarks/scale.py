@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import Processes, dict_to_toml, loopback_coordinator, loopback_join  # noqa: E402
+from peer.cli.demo import SERVING, Processes, dict_to_toml, loopback_coordinator, loopback_join  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 from peer.config.model_dir import resolve  # noqa: E402
 from peer.data.corpus import load_corpus  # noqa: E402
@@ -123,9 +123,9 @@ def serve(procs: Processes, maddr: str, servers: dict[str, int], loaded: bool = 
     sets = ["--set", "server.rebalance=never", "--set", "server.activation_cache_size=6"]
     for name, stage in servers.items():
         procs.start(name, loopback_join(maddr, name, "--stage", str(stage), *sets))
-    want = "Loaded the state" if loaded else r"Serving stage \d+ at "  # not "Joined run ... Serving stage 0 of 3"
+    want = re.compile("Loaded the state") if loaded else SERVING  # not "Joined run ... Serving stage 0 of 3"
     procs.wait_until(
-        lambda: all(re.search(want, procs.log(n)) for n in servers), 300, f"benchmark: {list(servers)} serving"
+        lambda: all(want.search(procs.log(n)) for n in servers), 300, f"benchmark: {list(servers)} serving"
     )
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
 from benchmarks.rehearsal import Tail, join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
-from peer.cli.demo import spec_to_toml  # noqa: E402
+from peer.cli.demo import SERVING, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
 CODECS = ("none", "fp16", "int8")
@@ -98,7 +98,7 @@ class Swarm:
         for stage in range(2):
             host = self.hosts[f"server{stage}"]
             self.procs[host.name] = start_peer(host, work, [*join_args(self.maddr, host), "--stage", str(stage)])
-        servers_up = lambda: all(re.search(r"Serving stage \d+ at ", self.log(f"server{s}")) for s in range(2))  # noqa: E731
+        servers_up = lambda: all(SERVING.search(self.log(f"server{s}")) for s in range(2))  # noqa: E731
         wait_for("the stage servers", servers_up, self.procs, work, self.hosts, 180)
 
     def train(self, name: str, micro_batches: int, inflight: int) -> Tail:

@@ -280,6 +280,28 @@ def test_a_replica_behind_its_stage_is_not_routed_to():
     assert set(Router._routable(router, records, [7, 6, 4, 1000])) == {"new", "one-behind"}
 
 
+def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_expired():
+    """A recovered micro-batch's backward that an earlier start sent and got no answer for goes only to that server
+    (peer.trainer.calls, `insist`) until the router takes it for lost: dead, left, caught lying, or its record
+    expired (or never seen); a record missing from one DHT read, but not expired, is not enough."""
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.swarm.router import Router
+
+    now = time.time()
+    latest = {
+        p: ServerRecord(stage=1, endpoint="127.0.0.1:1", throughput=1.0, updated=now)
+        for p in ("live", "missed", "dead")
+    }
+    latest["expired"] = ServerRecord(stage=1, endpoint="127.0.0.1:2", throughput=1.0, updated=now - 60)
+    router = SimpleNamespace(
+        dead={"dead"}, leaving={"left"}, distrusted={"liar"}, latest=latest, present={"live"}, record_ttl=10.0
+    )
+    lost = {p for p in ("live", "missed", "dead", "expired", "left", "liar", "unseen") if Router.lost(router, p)}
+    assert lost == {"dead", "expired", "left", "liar", "unseen"}
+
+
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:
     """2 stages of one server each, trained a few steps. Returns the step stage 1 reached, stage 0's
     endpoint and stage 1's server."""

@@ -205,8 +205,9 @@ class Router:
         return peer_id, record
 
     def lost(self, peer_id: str) -> bool:
-        """Whether `peer_id` died or left, or its record expired (or was never seen): what it held is gone."""
-        if peer_id in self.dead or peer_id in self.leaving:
+        """Whether `peer_id` died or left, or its record expired (or was never seen): what it held is gone.
+        A peer caught lying counts as lost too: nothing it says it holds is taken on trust."""
+        if peer_id in self.dead or peer_id in self.leaving or peer_id in self.distrusted:
             return True
         record = self.latest.get(peer_id)
         return record is None or (peer_id not in self.present and time.time() > record.updated + self.record_ttl + 1.0)
