@@ -202,24 +202,25 @@ class Calls:
         response, returned, pid = await self._call(stage, "backward", request, payloads, prefer, exclude, insist)
         if request.dry:
             return response, returned, pid
-        samples = request.inputs.shape[0] if request.inputs.shape else 1
-        heard = time.time()
-        self.ledger.add(
-            Receipt(stage, pid, response.incarnation, response.seq, request, dict(payloads or {}), samples, heard)
-        )
-        self.journal.received(request.uid, stage, (pid, response.incarnation, response.seq, heard))
+        receipt = (pid, response.incarnation, response.seq, time.time())
+        self._keep_receipt(stage, request, payloads, receipt)
+        self.journal.received(request.uid, stage, receipt)
         self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
         return response, returned, pid
 
     def _hold_receipt(self, stage: int, request, payloads, receipt: tuple[str, int, int, float]) -> None:
         """A receipt an earlier start got for this micro-batch (its journal): into the ledger, settled like ours.
         `request` went dry this time; the receipt keeps it counted, for a replay if its server goes away first."""
-        pid, incarnation, seq, heard = receipt
         counted = type(request)()
         counted.CopyFrom(request)
         counted.dry = False
+        self._keep_receipt(stage, counted, payloads, receipt)
+
+    def _keep_receipt(self, stage: int, request, payloads, receipt: tuple[str, int, int, float]) -> None:
+        """Into the ledger: (peer id, incarnation, seq, time answered) of the counted backward `request`."""
+        pid, incarnation, seq, heard = receipt
         samples = request.inputs.shape[0] if request.inputs.shape else 1
-        self.ledger.add(Receipt(stage, pid, incarnation, seq, counted, dict(payloads or {}), samples, heard))
+        self.ledger.add(Receipt(stage, pid, incarnation, seq, request, dict(payloads or {}), samples, heard))
 
     def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
         """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""

@@ -12,9 +12,10 @@ micro-batches not settled. It runs each of them again under its uid:
   number) gets it dry too, and the receipt goes into this start's ledger (peer.trainer.ledger), settled
   like any other: stepped by that server, or, if it went away first, counted by its survivors' steps or
   replayed. Where the backward goes now does not matter;
-- a stage whose backward was sent and not answered goes first to the server the last start sent it to:
-  one that counted that uid answers with its first receipt and adds nothing (peer.model.runtime); one
-  that never got it, or lost it (it died, or dropped its accumulator), adds it.
+- a stage whose backward was sent and not answered goes only to the server the last start sent it to,
+  while that server lives: it answers a uid it counted with its first receipt and adds nothing
+  (peer.model.runtime), and adds one it never got. Once it died or left (or its record expired), the
+  backward goes anywhere: what it held went with it.
 Every stage thus counts each micro-batch once.
 
 Lines are appended and flushed: a killed process loses nothing the kernel has. When the file grows,
