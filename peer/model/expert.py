@@ -19,6 +19,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.model.moe import make_expert, parse_expert_uid
+from peer.model.numerics import all_finite
 from peer.model.part import PartRuntime
 
 
@@ -64,7 +65,7 @@ class ExpertRuntime(PartRuntime):
             )
         if inputs.shape[0] < 1:
             raise ExpertInputError(f"{name}: no tokens")
-        if not torch.isfinite(inputs).all():
+        if not all_finite(inputs):
             raise ExpertInputError(f"{name}: contains NaN or Inf")
 
     def forward(self, uids: list[str], inputs: list[torch.Tensor], train: bool) -> list[torch.Tensor]:

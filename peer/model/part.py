@@ -27,6 +27,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.model import allocation
+from peer.model.numerics import squared_norm
 from peer.model.optim import build_optimizer, schedule_of, set_lr
 from peer.model.part_state import Fingerprint, PartState
 
@@ -36,13 +37,6 @@ logger = logging.getLogger(__name__)
 def next_incarnation(previous: int) -> int:
     """An incarnation number larger than `previous` and than any this peer id had before (nanoseconds)."""
     return max(previous + 1, time.time_ns())
-
-
-def squared_norm(tensors: list[torch.Tensor]) -> float:
-    """The sum of squares of `tensors` (float64, one device sync); 0 for none."""
-    if not tensors:
-        return 0.0
-    return float(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]).square().sum().item())
 
 
 class BadGradient(ValueError):
@@ -136,7 +130,7 @@ class PartRuntime(PartState):
         """
         if all(g is None for g in grads):
             return list(grads)
-        norm = math.sqrt(self._squared_norm(grads))
+        norm = math.sqrt(self._squared_norm(grads, exact=False))  # a check of this server's own: no agreement needed
         if not math.isfinite(norm):
             self.refused_gradients += 1
             raise BadGradient("the gradients this backward produced are not finite; nothing was added")
@@ -160,9 +154,10 @@ class PartRuntime(PartState):
         self.grad_norms.append(per_sample * scale)
         return list(grads)
 
-    def _squared_norm(self, grads) -> float:
-        """The squared norm of one backward's gradients over the whole part (a split part sums its ranks')."""
-        return squared_norm([g for g in grads if g is not None])
+    def _squared_norm(self, grads, exact: bool = True) -> float:
+        """The squared norm of `grads` over the whole part (a split part sums its ranks'; see numerics.squared_norm
+        for `exact`)."""
+        return squared_norm([g for g in grads if g is not None], exact)
 
     def _shared_scale(self, scale: float) -> float:
         """The clip scale every rank of the part takes (a split part: rank 0's)."""

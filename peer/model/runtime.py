@@ -15,6 +15,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.model.llama import StageModel
+from peer.model.numerics import all_finite
 from peer.model.part import BadGradient, PartRuntime
 from peer.model.part_state import Fingerprint, StateError, state_shards
 
@@ -109,7 +110,7 @@ class StageRuntime(PartRuntime):
                     f"stage {self.stage} takes float32 hidden states of shape [batch, seq, {cfg.hidden_size}], "
                     f"got {inputs.dtype} {list(inputs.shape)}"
                 )
-            if not torch.isfinite(inputs).all():
+            if not all_finite(inputs):
                 raise InputError("inputs contain NaN or Inf")
         if inputs.shape[0] < 1 or inputs.shape[1] < 1:
             raise InputError(f"inputs must hold at least one sequence of one token, got shape {list(inputs.shape)}")
@@ -147,7 +148,7 @@ class StageRuntime(PartRuntime):
                 raise InputError(
                     f"grad_outputs must be float32 of shape {expected}, got {grad_outputs.dtype} {list(grad_outputs.shape)}"
                 )
-            if not torch.isfinite(grad_outputs).all():
+            if not all_finite(grad_outputs):
                 raise InputError("grad_outputs contain NaN or Inf")
         elif grad_outputs is not None:
             raise InputError("the last stage computes its own loss: send targets, not grad_outputs")

@@ -30,7 +30,7 @@ import time
 import torch
 
 from peer.config import ParallelConfig, RunSpec
-from peer.model.part import squared_norm
+from peer.model.numerics import squared_norm
 from peer.model.part_state import Fingerprint, StateError, shards_by_bytes
 from peer.model.runtime import InputError, Late, RankDied, StageRuntime
 from peer.model.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
@@ -247,14 +247,14 @@ class ShardedStageRuntime(StageRuntime):
     def _agree(self, flag: bool) -> bool:
         return self.tp.agree(flag)
 
-    def _squared_norm(self, grads) -> float:
+    def _squared_norm(self, grads, exact: bool = True) -> float:
         """Summed over the ranks: each rank's shards, and the replicated parameters once (rank 0's)."""
         mine = [
             g
             for g, dim in zip(grads, self.dims, strict=True)
             if g is not None and (dim is not None or not self.tp.rank)
         ]
-        return float(self.tp.sum(torch.tensor([squared_norm(mine)], dtype=torch.float64)).item())
+        return float(self.tp.sum(torch.tensor([squared_norm(mine, exact)], dtype=torch.float64)).item())
 
     def _shared_scale(self, scale: float) -> float:
         return float(self.tp.broadcast(torch.tensor([scale], dtype=torch.float64)).item())

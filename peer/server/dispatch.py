@@ -25,6 +25,7 @@ import torch
 from dht.node import SwarmDHT
 from peer.config import PeerConfig, RunSpec
 from peer.model.moe import expert_uid
+from peer.model.numerics import all_finite
 from peer.net.client import StageClient, gone_after
 from peer.swarm.router import NoServer, Router
 from protocols import codec, expert_pb2, framing
@@ -147,7 +148,7 @@ class RemoteExperts:
             tensor = codec.decode(getattr(response, field), self.cfg.server.max_tensor_elements, returned.get(field))
         except codec.TensorDecodeError:
             return None
-        if list(tensor.shape) != list(shape) or not torch.isfinite(tensor).all():
+        if list(tensor.shape) != list(shape) or not all_finite(tensor):
             return None
         return tensor.float()
 

@@ -12,9 +12,9 @@ import math
 import time
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
+from peer.model.numerics import all_finite
 from peer.net.client import gone_after
 from peer.swarm.router import NoServer
 from peer.trainer.ledger import Receipt
@@ -244,7 +244,7 @@ class Calls:
             )
         else:
             return
-        if list(tensor.shape) != expected_shape or not torch.isfinite(tensor).all():
+        if list(tensor.shape) != expected_shape or not all_finite(tensor):
             raise BadAnswer(
                 f"stage {stage} returned a {method} tensor of shape {list(tensor.shape)} that is wrong or not finite"
             )

@@ -12,8 +12,8 @@ import torch
 from peer.config import RunSpec
 from peer.data.corpus import Corpus, Sampler, validation_batches
 from peer.model.llama import StageModel, stage_of_parameter
+from peer.model.numerics import squared_norm
 from peer.model.optim import build_optimizer, set_lr
-from peer.model.part import squared_norm
 
 
 @dataclass
