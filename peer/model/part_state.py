@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.model.fingerprint import first_difference
+from peer.model.numerics import all_finite
 
 
 class StateError(ValueError):
@@ -152,7 +153,7 @@ class PartState:
                 t = tensors.get(f"{kind}/{name}")
                 if t is None or list(t.shape) != list(shape):
                     raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
-                if not finite(t):
+                if not all_finite(t):
                     raise StateError(f"{kind} {name} in the state is not finite")
             for slot in ("exp_avg", "exp_avg_sq", "step"):
                 t = tensors.get(f"optim/{name}/{slot}")
@@ -253,13 +254,6 @@ def tensor_fingerprint(t: torch.Tensor, block: int = 1 << 20) -> list[float]:
         total += d.sum().item()
         squares += d.pow(2).sum().item()
     return [total, squares]
-
-
-def finite(t: torch.Tensor, block: int = 1 << 20) -> bool:
-    """Whether every element of `t` is finite, checked `block` elements at a time (isfinite of a whole
-    tensor makes temporaries as large as it)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(part).all()) for part in flat.split(block))
 
 
 def whole(t: torch.Tensor) -> bool:
