@@ -15,7 +15,8 @@ micro-batches not settled. It runs each of them again under its uid:
 - a stage whose backward was sent and not answered goes only to the server the last start sent it to,
   while that server lives: it answers a uid it counted with its first receipt and adds nothing
   (peer.model.runtime), and adds one it never got. Once it died or left (or its record expired), the
-  backward goes anywhere: what it held went with it.
+  backward goes anywhere: what it held went with it. So it does once that server was caught lying
+  (peer.swarm.router.Router.lost): nothing it says it holds is taken on trust.
 Every stage thus counts each micro-batch once.
 
 Lines are appended and flushed: a killed process loses nothing the kernel has. When the file grows,
