@@ -45,13 +45,19 @@ MAX_MESSAGE_BYTES = 512 * MIB
 class EchoServicer(StageServicer):
     """The stage service's real request/response path, with an echo in place of the model."""
 
+    device = "cpu"  # where the echo takes the tensor before it sends it back (benchmarks/gpu.py: the GPU)
+
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None = None):
         tensor = self._decode(request.inputs, "inputs", True, payloads)
+        if self.device != "cpu":  # as a server on a GPU: its inputs go there, its outputs come back from there
+            tensor = tensor.to(self.device)
+            torch.cuda.synchronize()
+            tensor = tensor.cpu()
         header, payload = codec.encode_payload(tensor)
         return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}
 
 
-def grpc_server_main(conn, preexec) -> None:
+def grpc_server_main(conn, preexec, device: str = "cpu") -> None:
     preexec()
     torch.set_num_threads(1)
 
@@ -64,7 +70,9 @@ def grpc_server_main(conn, preexec) -> None:
             runtime=None, cfg=cfg, spec=RunSpec(), inflight=0, inflight_bytes=0, run_id="bench", stage=0, leaving=False
         )
         server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
-        add_to_server(EchoServicer(shim), server)
+        servicer = EchoServicer(shim)
+        servicer.device = device
+        add_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         conn.send(port)
@@ -123,11 +131,11 @@ async def grpc_round_trip(client: StageClient, endpoint: str, tensor: torch.Tens
     return codec.decode(response.outputs, payload=payloads.get("outputs"))
 
 
-def _start(target, ctx) -> tuple[mp.Process, int]:
-    """A server process that dies with this one, and the port it listens on."""
+def _start(target, ctx, *extra) -> tuple[mp.Process, int]:
+    """A server process that dies with this one (`target(conn, preexec, *extra)`), and the port it listens on."""
     parent, child = ctx.Pipe(duplex=False)
     # made here: die_with_parent records this process as the parent the child must not outlive
-    proc = ctx.Process(target=target, args=(child, die_with_parent()), daemon=True)
+    proc = ctx.Process(target=target, args=(child, die_with_parent(), *extra), daemon=True)
     proc.start()
     child.close()  # the child holds the only write end now: if it dies, poll and recv fail at once
     if not parent.poll(60):
