@@ -143,49 +143,57 @@ def path_ratio(args, port: int, shape: dict) -> tuple[float, float, float]:
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
-    cuda = args.device.startswith("cuda")
-    for key, value in RUN[(cuda, args.quick)].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    shapes = SHAPES if cuda else CPU_SHAPES
     # the echo server first: it forks, and neither CUDA nor gRPC may have started in this process before that
-    server, port = _start(grpc_server_main, mp.get_context("fork"), args.device)
+    # (not even CUDA's device count: so the server decides on "auto" itself, and this process after it)
+    server, port = _start(grpc_server_main, mp.get_context("fork"), args.device or "auto")
     try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        name = torch.cuda.get_device_name(0) if cuda else "cpu"
-        if not cuda:
-            print("on the CPU, not a GPU: shapes scaled down, MFU only with --peak-tflops")
-        peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), 0.0)
-        figures.update(device=name, dtype=args.dtype, blocks=args.blocks, peak_tflops=peak)
-        figures["matmul_tflops"] = matmul_tflops(args.device, getattr(torch, args.dtype), 8192 if cuda else 512)
-        for label, shape in shapes.items():
-            mfu, tflops = stage_mfu(args, shape, peak)
-            figures[f"mfu_{label}"], figures[f"stage_tflops_{label}"] = mfu, tflops
-            if label == "1b":
-                figures["mfu"] = mfu
-            mfu, tflops = expert_mfu(args, shape, peak)
-            figures[f"expert_mfu_{label}"], figures[f"expert_tflops_{label}"] = mfu, tflops
-            ratio, path, copies = path_ratio(args, port, shape)
-            figures[f"path_ratio_{label}"] = ratio
-            mb = shape["batch"] * shape["seq"] * shape["hidden"] * torch.finfo(getattr(torch, args.dtype)).bits / 8e6
-            print(
-                f"{label} ({shape}): stage MFU {figures[f'mfu_{label}']:.3f} ({figures[f'stage_tflops_{label}']:.2f} "
-                f"TFLOP/s, {args.blocks} blocks), expert MFU {figures[f'expert_mfu_{label}']:.3f} "
-                f"({tflops:.2f} TFLOP/s, {args.expert_tokens} tokens); a {mb:.1f} MB activation's round trip: "
-                f"{path * 1e3:.1f} ms over gRPC between processes, {copies * 1e3:.1f} ms as four copies "
-                f"({ratio:.3f})",
-                flush=True,
-            )
+        measure(args, port, figures)
     finally:
         server.kill()
         server.join(5)
 
 
+def measure(args: argparse.Namespace, port: int, figures: Figures) -> None:
+    args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    for key, value in RUN[(cuda, args.quick)].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    if not cuda:
+        print("on the CPU, not a GPU: shapes scaled down, MFU only with --peak-tflops")
+    peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), 0.0)
+    figures.update(device=name, dtype=args.dtype, blocks=args.blocks, peak_tflops=peak)
+    figures["matmul_tflops"] = matmul_tflops(args.device, getattr(torch, args.dtype), 8192 if cuda else 512)
+    for label, shape in (SHAPES if cuda else CPU_SHAPES).items():
+        measure_shape(args, port, label, shape, peak, figures)
+    figures["mfu"] = figures["mfu_1b"]
+
+
+def measure_shape(args, port: int, label: str, shape: dict, peak: float, figures: Figures) -> None:
+    """The three figures at one shape, into `figures` as each comes."""
+    mfu, stage_tflops = stage_mfu(args, shape, peak)
+    figures[f"mfu_{label}"], figures[f"stage_tflops_{label}"] = mfu, stage_tflops
+    expert, expert_tflops = expert_mfu(args, shape, peak)
+    figures[f"expert_mfu_{label}"], figures[f"expert_tflops_{label}"] = expert, expert_tflops
+    ratio, path, copies = path_ratio(args, port, shape)
+    figures[f"path_ratio_{label}"] = ratio
+    mb = shape["batch"] * shape["seq"] * shape["hidden"] * torch.finfo(getattr(torch, args.dtype)).bits / 8e6
+    print(
+        f"{label} ({shape}): stage MFU {mfu:.3f} ({stage_tflops:.2f} TFLOP/s, {args.blocks} blocks), expert MFU "
+        f"{expert:.3f} ({expert_tflops:.2f} TFLOP/s, {args.expert_tokens} tokens); a {mb:.1f} MB activation's "
+        f"round trip: {path * 1e3:.1f} ms over gRPC between processes, {copies * 1e3:.1f} ms as four copies "
+        f"({ratio:.3f})",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="", help="cuda:N or cpu (default: cuda:0 where there is a GPU, else cpu)")
     p.add_argument("--dtype", default="", help="stage dtype and activations' (default bfloat16 on a GPU, else float32)")
     p.add_argument("--blocks", type=int, help="blocks of the measured stage (default 4 on a GPU; quick 2)")
     p.add_argument("--steps", type=int, help="timed micro-batches of the stage and the expert (default 8)")

@@ -60,6 +60,8 @@ class EchoServicer(StageServicer):
 def grpc_server_main(conn, preexec, device: str = "cpu") -> None:
     preexec()
     torch.set_num_threads(1)
+    if device == "auto":  # decided here: a parent that asked CUDA before it forked could leave us none
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
 
     async def serve():
         cfg = PeerConfig()
