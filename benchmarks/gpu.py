@@ -43,11 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.mfu import PEAKS, matmul_tflops, run_stage, sync  # noqa: E402
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
-from benchmarks.transport import CHUNK_BYTES, MAX_MESSAGE_BYTES, _start, grpc_server_main  # noqa: E402
+from benchmarks.transport import CHUNK_BYTES, MAX_MESSAGE_BYTES, _start, grpc_round_trip, grpc_server_main  # noqa: E402
 from peer.config import PeerConfig, RunSpec  # noqa: E402
 from peer.model.expert import ExpertRuntime  # noqa: E402
 from peer.net.client import StageClient  # noqa: E402
-from protocols import codec, stage_pb2  # noqa: E402
 
 SHAPES = {
     "125m": dict(hidden=768, heads=12, inter=2048, seq=1024, batch=8),
@@ -100,10 +99,8 @@ def expert_mfu(args, shape: dict, peak: float) -> tuple[float, float]:
 
 
 async def _round_trip(client: StageClient, endpoint: str, tensor: torch.Tensor, device: str) -> torch.Tensor:
-    header, payload = codec.encode_payload(tensor.cpu())
-    request = stage_pb2.ForwardRequest(run_id="bench", stage=0, uid="x", inputs=header)
-    response, payloads = await client.forward(endpoint, request, {"inputs": payload}, timeout=120)
-    back = codec.decode(response.outputs, payload=payloads.get("outputs")).to(device)
+    """transport.py's round trip, from this process's device and back to it."""
+    back = (await grpc_round_trip(client, endpoint, tensor.cpu())).to(device)
     sync(device)
     return back
 

@@ -50,9 +50,7 @@ class EchoServicer(StageServicer):
     async def _forward(self, request: stage_pb2.ForwardRequest, payloads: dict, deadline: float | None = None):
         tensor = self._decode(request.inputs, "inputs", True, payloads)
         if self.device != "cpu":  # as a server on a GPU: its inputs go there, its outputs come back from there
-            tensor = tensor.to(self.device)
-            torch.cuda.synchronize()
-            tensor = tensor.cpu()
+            tensor = tensor.to(self.device).cpu()  # (.cpu() waits for the device)
         header, payload = codec.encode_payload(tensor)
         return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}
 
