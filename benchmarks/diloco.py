@@ -7,7 +7,8 @@ loss after the same number of samples, for two runs of the same swarm:
     global step (target_batch_size samples), as a run does by default;
 (b) `averaging.mode = "local"` (DiLoCo): each replica takes an inner AdamW step every
     target_batch_size / 2 samples of its own, and every `--inner-steps` (H) inner steps the replicas
-    average their pseudo-gradients, compressed to int8, and take an outer Nesterov step.
+    average their pseudo-gradients, compressed to int4 (error feedback carries each round's rounding
+    into the next), and take an outer Nesterov step.
 
 How: in the WAN lab (benchmarks/lab.py, needs root) a coordinator, 2 stage servers and 2 trainers run,
 each in its own network namespace capped at `--rate` Mbit/s both ways (or uncapped, `--no-cap`). The
@@ -17,8 +18,9 @@ what reaches them from the trainers is only token ids and losses. Each trainer d
 `--eval-batches` held-out micro-batches; same data order and seeds in both runs). Averaging bytes =
 the servers' interface bytes (tx + rx, both servers) minus the trainers' (what the trainers exchange
 with the servers, plus their small DHT traffic), between the trainers' start and their exit, over
-the samples trained. Both include DHT chatter (records every few seconds), so the local mode's
-figure is an upper bound of its averaging traffic. Outer steps are counted from the servers' logs
+the samples trained. Both include DHT chatter (signed records every few seconds, each stored on
+every node of this small swarm), so the local mode's figure is an upper bound of its averaging
+traffic; there the servers announce about once per `network.announce_period`. Outer steps are counted from the servers' logs
 ("stage 0 step K: ... averaged with 1 peer(s)").
 
     sudo .venv/bin/python benchmarks/diloco.py [--micro-batches 256] [--inner-steps 32] [--rate 100] [--quick]
@@ -61,7 +63,7 @@ QUICK = {"micro_batches": 32, "inner_steps": 2, "eval_batches": 2, "timeout": 12
 
 
 def make_spec(mode: str, args: argparse.Namespace) -> RunSpec:
-    """The demo model in one stage; `mode` is gradients (baseline) or local (DiLoCo, int8 pseudo-gradients)."""
+    """The demo model in one stage; `mode` is gradients (baseline) or local (DiLoCo, int4 pseudo-gradients)."""
     steps = max(1, args.micro_batches * MICRO_BATCH // TARGET_BATCH)
     data = {
         "name": f"diloco-{mode}",
@@ -80,7 +82,7 @@ def make_spec(mode: str, args: argparse.Namespace) -> RunSpec:
     }
     if mode == "local":
         data["averaging"].update(mode="local", inner_steps=args.inner_steps, inner_batch_size=TARGET_BATCH // 2)
-        data["compression"] = {"averaging": "int8"}
+        data["compression"] = {"averaging": "int4"}
     return RunSpec.from_dict(data)
 
 
@@ -223,7 +225,7 @@ def compare(g: dict, loc: dict, figures: Figures) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco.py",
-        description="Compare DiLoCo (averaging.mode=local, int8 pseudo-gradients every H inner steps) with per-step "
+        description="Compare DiLoCo (averaging.mode=local, int4 pseudo-gradients every H inner steps) with per-step "
         "gradient averaging at equal samples, in the WAN lab: averaging bytes per sample and validation loss. "
         "Needs root; removes everything it creates.",
     )

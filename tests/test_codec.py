@@ -120,7 +120,9 @@ def test_int8_bad_headers_name_the_problem():
     assert ids.codec == tensor_pb2.NONE  # integers travel raw
 
 
-@pytest.mark.parametrize(("name", "tolerance"), [("bf16", 1e-2), ("int8", 1.0 / 254), ("fp16", 1e-3)])
+@pytest.mark.parametrize(
+    ("name", "tolerance"), [("bf16", 1e-2), ("int8", 1.0 / 254), ("fp16", 1e-3), ("int4", 1.0 / 14)]
+)
 def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
@@ -135,7 +137,7 @@ def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
     # the reducer sends the averaged delta back with the codec registered for the part's type
     back = deserialize_torch_tensor(serialize_torch_tensor(t, message.compression))
     assert (back - t).abs().max() <= tolerance * t.abs().max() * 1.01
-    expected = {"fp16": 2, "bf16": 2, "int8": 1 + 4 / 64}[name]
+    expected = {"fp16": 2, "bf16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}[name]
     assert len(message.buffer) <= t.numel() * expected + 16
 
 
@@ -164,3 +166,30 @@ def test_averaging_parts_from_a_peer_are_checked_before_anything_is_allocated():
     with pytest.raises(ValueError, match="bytes for"):
         chosen.extract(part(good.buffer, size=[2**30]))
     assert chosen.extract(good).shape == (100,)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 64, 65, 1001])
+def test_int4_rounds_each_element_within_half_a_step_of_its_block(numel):
+    """Codes -7..7 of each block's absmax / 7, two a byte: an odd count pads the last byte, a block of zeros stays 0,
+    and a block with a NaN decodes to NaN (refused downstream as the raw tensor would be)."""
+    from hivemind.compression import CompressionInfo
+
+    from peer.server.averaging_codec import averaging_codec
+
+    chosen = averaging_codec("int4", block_size=16)
+    t = torch.randn(numel) * torch.logspace(-3, 3, numel) if numel else torch.empty(0)
+    message = chosen.compress(t, CompressionInfo.from_tensor(t))
+    blocks = -(-numel // 16)
+    assert len(message.buffer) == 5 + 4 * blocks + (numel + 1) // 2  # header, scales, nibbles
+    out = chosen.extract(message)
+    assert out.shape == t.shape
+    for start in range(0, numel, 16):
+        block, got = t[start : start + 16], out[start : start + 16]
+        assert (got - block).abs().max() <= block.abs().max() / 14 * 1.0001
+    zeros = torch.zeros(40)
+    zeros[35] = math.nan
+    back = chosen.roundtrip(zeros)
+    assert torch.equal(back[:32], torch.zeros(32)) and back[32:].isnan().all()
+    with pytest.raises(ValueError, match="int4 part has"):
+        message.size[:] = [numel + 3]
+        chosen.extract(message)

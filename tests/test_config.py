@@ -21,6 +21,9 @@ BAD = [
     ({"stages": {"num_stages": 2, "boundaries": [5]}}, "stages.boundaries"),
     ({"training": {"target_batch_size": 4}}, "training.target_batch_size: 4 is smaller than one micro-batch"),
     ({"compression": {"activations": "int3"}}, "compression.activations: must be one of"),
+    # int4 rounds too coarsely for activations; only what replicas average takes it (with error feedback)
+    ({"compression": {"activations": "int4"}}, "compression.activations: must be one of none, fp16, bf16, int8,"),
+    ({"compression": {"averaging": "int2"}}, "compression.averaging: must be one of none, fp16, bf16, int8, int4,"),
     ({"trainig": {}}, "trainig: unknown field"),
     ({"name": "bad name!"}, "name: must be letters"),
     ({"admission": {"mode": "closed"}}, "admission.mode: must be one of open, allowlist, invite, off"),

@@ -145,3 +145,58 @@ def test_a_replica_also_asks_those_that_invited_it_while_its_own_invitations_wer
     assert asked == [["a", "gone"], ["gone"], ["late"]]  # nobody joined at first: the silent one is asked again
     assert "late" in partners and answers["late"].joining
     assert "gone" not in replica._inviters and "late" in replica._inviters
+
+
+def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_at_once():
+    """Local (DiLoCo) mode: the others step on their own inner steps, so a replica's changing sample count waits for
+    the announce period (a stage's DHT traffic then falls to about one record per server and period); gradient
+    mode announces each new count at once (the replicas start a step on the sum of theirs)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.config import PeerConfig
+    from peer.server.replica import Replica
+
+    stored = []
+
+    async def astore(key, record, ttl):
+        stored.append((record.samples, record.state))
+        return True
+
+    def replica(local: bool) -> SimpleNamespace:
+        r = SimpleNamespace(
+            runtime=SimpleNamespace(local=local),
+            cfg=PeerConfig(),
+            record_expires=time.time() + 60,
+            _publish_lock=asyncio.Lock(),
+            _last_published=None,
+            _last_publish_time=0.0,
+            dht=SimpleNamespace(astore=astore),
+            part=SimpleNamespace(key=lambda run: f"{run}/servers"),
+            run_id="run",
+            now=ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, state="serving", updated=time.time()),
+        )
+        r.record = lambda: r.now.model_copy()
+        r._signature = lambda record: Replica._signature(r, record)
+        return r
+
+    async def announce(r, changes: list[dict], force: bool = False) -> list:
+        stored.clear()
+        for change in changes:
+            r.now = r.now.model_copy(update=change)
+            await Replica.publish(r, force=force)
+        return list(stored)
+
+    async def scenario():
+        local, gradients = replica(True), replica(False)
+        counts = [{"samples": n} for n in (16, 32, 48)]
+        assert await announce(local, counts) == [(16, "serving")]  # the first; the others wait for the period
+        assert await announce(local, [{"state": "leaving"}]) == [(48, "leaving")]  # a change of state: at once
+        assert await announce(local, [{"samples": 64}], force=True) == [(64, "leaving")]
+        local._last_publish_time -= local.cfg.network.announce_period + 1  # a period later
+        assert await announce(local, [{"samples": 80}]) == [(80, "leaving")]
+        assert await announce(gradients, counts) == [(16, "serving"), (32, "serving"), (48, "serving")]
+
+    asyncio.run(scenario())

@@ -100,6 +100,7 @@ class TrainingConfig:
 
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+AVERAGING_COMPRESSIONS = (*COMPRESSIONS, "int4")  # int4 only for what replicas average, with error feedback
 TRAINING_DTYPES = ("float32", "bf16", "fp16", "bfloat16", "float16")
 
 
@@ -115,8 +116,10 @@ AGGREGATES = ("mean", "median", "clipped")  # how a group's members' tensors bec
 @dataclass
 class CompressionConfig:
     activations: str = "none"  # hidden states and their gradients between stages and experts: none, fp16, bf16, int8
-    averaging: str = "none"  # what replicas average (gradients; local mode: pseudo-gradients): none, fp16, bf16, int8
-    block_size: int = 128  # int8: elements per float32 scale (blockwise absmax quantization)
+    # what replicas average (gradients; local mode: pseudo-gradients): none, fp16, bf16, int8, int4 (4 bits an element;
+    # local mode feeds each round's rounding error back into the next round's pseudo-gradient)
+    averaging: str = "none"
+    block_size: int = 128  # int8, int4: elements per float32 scale (blockwise absmax quantization)
 
 
 @dataclass
@@ -382,11 +385,9 @@ class RunSpec:
 
     def _validate_compression(self) -> None:
         c = self.compression
-        for name in ("activations", "averaging"):
-            if getattr(c, name) not in COMPRESSIONS:
-                raise ConfigError(
-                    f"compression.{name}: must be one of {', '.join(COMPRESSIONS)}, got {getattr(c, name)!r}"
-                )
+        for name, allowed in (("activations", COMPRESSIONS), ("averaging", AVERAGING_COMPRESSIONS)):
+            if getattr(c, name) not in allowed:
+                raise ConfigError(f"compression.{name}: must be one of {', '.join(allowed)}, got {getattr(c, name)!r}")
         if not 1 <= c.block_size <= 1 << 20:
             raise ConfigError(f"compression.block_size: must be within 1..1048576, got {c.block_size}")
 

@@ -74,6 +74,10 @@ class GradientAverager:
     def __init__(self, dht: SwarmDHT, prefix: str, template: list[torch.Tensor], spec: RunSpec):
         self.cfg = cfg = spec.averaging
         compression = averaging_codec(spec.compression.averaging, spec.compression.block_size)
+        # local mode with a lossy codec: error feedback. What the codec rounded off this replica's last
+        # pseudo-gradient is added to its next one, so int4's error is sent a round later instead of lost
+        self._codec = compression if spec.local_updates and spec.compression.averaging != "none" else None
+        self.residual: list[torch.Tensor] = []  # the rounding error not yet sent (empty: none)
         previous = signal.getsignal(signal.SIGINT)
         self._averager = StageAverager(
             # hivemind forks: no CUDA tensors; shared, in memory once a round writes them
@@ -120,6 +124,9 @@ class GradientAverager:
         """
         gather = {"epoch": epoch, "samples": samples, "expected": sorted(expected)}
         gather.update(incarnation=covers[0], seq=covers[1])
+        pending = None
+        if self._codec is not None:
+            gradients, pending = self._rounded(gradients)
         try:
             gathered = self._round(gradients, samples, epoch, len(expected), admitted, gather)
         except Exception as e:  # a failed round must not take the server down
@@ -141,7 +148,22 @@ class GradientAverager:
         if not self._plausible(averaged, gradients, samples, epoch, sorted(infos)):
             return None
         coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
+        if pending is not None:  # stepped: what the codec rounded off goes with the next round
+            self.residual = pending
         return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
+
+    def _rounded(self, gradients: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Error feedback: these pseudo-gradients plus the last residual, rounded by the codec here, and what the
+        rounding left out (the residual once the round steps).
+
+        Rounded here, a contribution crosses the codec unchanged (its blocks are the parts' blocks), so the mean
+        every member reduces is of exactly these values, and what is left out is exactly known. Only the mean's
+        way back to the members is rounded again (hivemind's delta to a part's reducer), not fed back.
+        """
+        if self.residual:
+            gradients = [g + r for g, r in zip(gradients, self.residual, strict=True)]
+        rounded = [self._codec.roundtrip(g) for g in gradients]
+        return rounded, [g - q for g, q in zip(gradients, rounded, strict=True)]
 
     def _plausible(self, averaged, own, samples: int, epoch: int, members: list[str]) -> bool:
         """Whether a group's mean may be stepped: its norm within averaging.max_norm_ratio of the median of the

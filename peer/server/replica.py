@@ -126,6 +126,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
         self._last_publish_time = 0.0
+        self._peers_read = 0.0  # monotonic time of the last read of the other replicas' records
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
@@ -267,15 +268,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         if time.time() > self.record_expires:
             await self.run_torch(self._drop_if_expired)  # before a new record makes trainers count anew
         record = self.record()
-        signature = (
-            record.epoch,
-            record.samples,
-            record.averaging_epoch,
-            record.state,
-            round(record.load),
-            record.incarnation,
-            record.stepped_seq,
-        )
+        signature = self._signature(record)
         stale = time.monotonic() - self._last_publish_time > self.cfg.network.announce_period
         if not force and not stale and signature == self._last_published:
             return True
@@ -295,7 +288,20 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 self.record_expires = max(self.record_expires, record.updated + self.cfg.network.record_ttl)
             return bool(stored)
 
+    def _signature(self, record: ServerRecord) -> tuple:
+        """What of a record, changed, is announced at once; the rest waits for the announce period.
+
+        In local mode the replicas' sample counts time no step (each steps on its own inner steps, and
+        invites the others itself): only a change of step, round or state is urgent there, which keeps
+        an idle-looking stage's DHT traffic to about one record per announce period.
+        """
+        urgent = (record.epoch, record.averaging_epoch, record.state, record.incarnation)
+        if self.runtime.local:
+            return urgent
+        return (*urgent, record.samples, round(record.load), record.stepped_seq)
+
     async def refresh_peers(self) -> None:
+        self._peers_read = time.monotonic()
         try:
             records = await self.dht.aget(self.part.key(self.run_id), ServerRecord)
         except Exception as e:  # the DHT may be busy: read again next period
@@ -327,7 +333,9 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
-            await self.refresh_peers()
+            # local mode: nothing waits on the others' counts, so their records are read once an announce period
+            if not self.runtime.local or time.monotonic() - self._peers_read >= self.cfg.network.announce_period:
+                await self.refresh_peers()
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
