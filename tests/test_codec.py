@@ -193,3 +193,19 @@ def test_int4_rounds_each_element_within_half_a_step_of_its_block(numel):
     with pytest.raises(ValueError, match="int4 part has"):
         message.size[:] = [numel + 3]
         chosen.extract(message)
+
+
+def test_a_tensor_rounded_by_an_averaging_codec_crosses_hiveminds_parts_unchanged():
+    """hivemind splits a long tensor into parts and compresses each on its own: the codec's size estimate makes every
+    part whole blocks, so a tensor local mode already rounded (error feedback) is not rounded again on its way."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from peer.server.averaging_codec import averaging_codec
+
+    for name in ("int4", "int8"):
+        chosen = averaging_codec(name, block_size=128)
+        rounded = chosen.roundtrip(torch.randn(2_500_000) * torch.linspace(0.01, 10, 2_500_000))
+        parts = TensorPartContainer([rounded], [1.0], compression=chosen).get_raw_input_parts(0)
+        assert len(parts) > 1
+        assert all(len(part) % 128 == 0 for part in parts[:-1])
+        assert torch.equal(torch.cat([chosen.roundtrip(part) for part in parts]), rounded)

@@ -24,6 +24,7 @@ BAD = [
     # int4 rounds too coarsely for activations; only what replicas average takes it (with error feedback)
     ({"compression": {"activations": "int4"}}, "compression.activations: must be one of none, fp16, bf16, int8,"),
     ({"compression": {"averaging": "int2"}}, "compression.averaging: must be one of none, fp16, bf16, int8, int4,"),
+    ({"compression": {"averaging": "int4"}}, 'compression.averaging: int4 is for averaging.mode = "local"'),
     ({"trainig": {}}, "trainig: unknown field"),
     ({"name": "bad name!"}, "name: must be letters"),
     ({"admission": {"mode": "closed"}}, "admission.mode: must be one of open, allowlist, invite, off"),

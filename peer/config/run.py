@@ -388,6 +388,11 @@ class RunSpec:
         for name, allowed in (("activations", COMPRESSIONS), ("averaging", AVERAGING_COMPRESSIONS)):
             if getattr(c, name) not in allowed:
                 raise ConfigError(f"compression.{name}: must be one of {', '.join(allowed)}, got {getattr(c, name)!r}")
+        if c.averaging == "int4" and not self.local_updates:
+            raise ConfigError(
+                'compression.averaging: int4 is for averaging.mode = "local" (pseudo-gradients, with error feedback); '
+                "gradient mode's per-step gradients take none, fp16, bf16 or int8"
+            )
         if not 1 <= c.block_size <= 1 << 20:
             raise ConfigError(f"compression.block_size: must be within 1..1048576, got {c.block_size}")
 

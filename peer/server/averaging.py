@@ -78,6 +78,9 @@ class GradientAverager:
         # pseudo-gradient is added to its next one, so int4's error is sent a round later instead of lost
         self._codec = compression if spec.local_updates and spec.compression.averaging != "none" else None
         self.residual: list[torch.Tensor] = []  # the rounding error not yet sent (empty: none)
+        # the epoch whose round the residual belongs to: the one after the round it came from. A replica that
+        # loaded another's state (it resynced past a step) starts anew: its old rounding is of another trajectory
+        self.residual_epoch = -1
         previous = signal.getsignal(signal.SIGINT)
         self._averager = StageAverager(
             # hivemind forks: no CUDA tensors; shared, in memory once a round writes them
@@ -126,7 +129,7 @@ class GradientAverager:
         gather.update(incarnation=covers[0], seq=covers[1])
         pending = None
         if self._codec is not None:
-            gradients, pending = self._rounded(gradients)
+            gradients, pending = self._rounded(gradients, epoch)
         try:
             gathered = self._round(gradients, samples, epoch, len(expected), admitted, gather)
         except Exception as e:  # a failed round must not take the server down
@@ -148,11 +151,13 @@ class GradientAverager:
         if not self._plausible(averaged, gradients, samples, epoch, sorted(infos)):
             return None
         coverage = {pid: (int(i.get("incarnation", 0)), int(i.get("seq", 0))) for pid, i in infos.items()}
-        if pending is not None:  # stepped: what the codec rounded off goes with the next round
-            self.residual = pending
+        if pending is not None and samples > 0:  # stepped with our part in it: its rounding goes with the next round
+            # (a non-finite contribution, left out of the mean by the robust aggregates, leaves no residual)
+            finite = all(bool(torch.isfinite(r).all()) for r in pending)
+            self.residual, self.residual_epoch = (pending, epoch + 1) if finite else ([], -1)
         return RoundResult(averaged, total, len(infos), sorted(infos), coverage)
 
-    def _rounded(self, gradients: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _rounded(self, gradients: list[torch.Tensor], epoch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Error feedback: these pseudo-gradients plus the last residual, rounded by the codec here, and what the
         rounding left out (the residual once the round steps).
 
@@ -160,7 +165,7 @@ class GradientAverager:
         every member reduces is of exactly these values, and what is left out is exactly known. Only the mean's
         way back to the members is rounded again (hivemind's delta to a part's reducer), not fed back.
         """
-        if self.residual:
+        if self.residual and epoch == self.residual_epoch:
             gradients = [g + r for g, r in zip(gradients, self.residual, strict=True)]
         rounded = [self._codec.roundtrip(g) for g in gradients]
         return rounded, [g - q for g, q in zip(gradients, rounded, strict=True)]

@@ -121,7 +121,8 @@ class TorchCodec(CompressionBase):
         ratio = ((8.0 if self.name == "int8" else 4.0) + 32.0 / self.block_size) / bits
         # hivemind splits each tensor into parts of int(part bytes / bytes per value) elements from its start: a part
         # of whole blocks keeps every part's blocks the tensor's own, so a tensor already rounded by this codec
-        # (local mode's error feedback, peer.server.averaging) crosses it unchanged
+        # (local mode's error feedback, peer.server.averaging) crosses it unchanged. This assumes hivemind's default
+        # part size, which GradientAverager keeps
         natural = DEFAULT_PART_SIZE_BYTES / (bits / 8 * ratio)
         values = max(self.block_size, natural // self.block_size * self.block_size)
         return DEFAULT_PART_SIZE_BYTES / (bits / 8 * (values + 0.5))

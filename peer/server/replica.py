@@ -125,8 +125,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.endpoint = ""
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
-        self._last_publish_time = 0.0
-        self._peers_read = 0.0  # monotonic time of the last read of the other replicas' records
+        self._last_publish_time = self._peers_read = 0.0  # monotonic: last announced, last read the others'
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step

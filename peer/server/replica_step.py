@@ -73,7 +73,7 @@ class Stepping:
             logger.exception("%s: inner optimizer step failed", self.label)
         finally:
             self._inner_queued = False
-        await self.publish(force=not self.runtime.local)  # local mode: a step's count waits for the period
+        await self.publish()  # an inner step changes no epoch: its count waits for the announce period
         self._maybe_step()
 
     def _start_step(self) -> None:
