@@ -45,11 +45,11 @@ def codec_from_name(name: str) -> int:
         raise ValueError(f"unknown compression {name!r}; expected one of {sorted(_CODEC_BY_NAME)}") from None
 
 
-def quantize_int8(tensor: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax int8: (float32 scale per block, int8 per element) of a float tensor, on its device.
+def blockwise_codes(tensor: torch.Tensor, block_size: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax rounding: (float32 scale per block, float codes in -levels..levels, flat, one per element).
 
     Each block of `block_size` consecutive elements (row-major; the last block may be short) is
-    scaled by its largest magnitude / 127 and rounded, so an element's error is at most half its
+    scaled by its largest magnitude / `levels` and rounded, so an element's error is at most half its
     block's scale. A block with a NaN or infinity gets a NaN scale: it decodes to NaN, and the
     receiver refuses it as it would the raw tensor.
     """
@@ -59,18 +59,30 @@ def quantize_int8(tensor: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) ->
     padded = torch.nn.functional.pad(flat, (0, blocks * block_size - n)).view(blocks, block_size)
     absmax = padded.abs().amax(dim=1, keepdim=True)
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
-    scale = absmax / 127.0
+    scale = absmax / float(levels)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.nan_to_num(padded / safe, nan=0.0).round_().clamp_(-127, 127).to(torch.int8)
-    return scale.view(-1), q.view(-1)[:n]
+    codes = torch.nan_to_num(padded / safe, nan=0.0).round_().clamp_(-levels, levels)
+    return scale.view(-1), codes.view(-1)[:n]
+
+
+def blockwise_values(scales: torch.Tensor, codes: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 elements (flat) of blockwise codes (any numeric dtype) and their scales."""
+    n = codes.numel()
+    blocks = scales.numel()
+    padded = torch.nn.functional.pad(codes.to(torch.float32), (0, blocks * block_size - n)).view(blocks, block_size)
+    return padded.mul_(scales.view(-1, 1)).view(-1)[:n]
+
+
+def quantize_int8(tensor: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax int8 (blockwise_codes at 127 levels): (float32 scale per block, int8 per element), on the
+    tensor's device."""
+    scales, codes = blockwise_codes(tensor, block_size, 127)
+    return scales, codes.to(torch.int8)
 
 
 def dequantize_int8(scales: torch.Tensor, q: torch.Tensor, block_size: int) -> torch.Tensor:
     """The float32 elements (flat) that quantize_int8 encoded as `scales` and `q`."""
-    n = q.numel()
-    blocks = scales.numel()
-    padded = torch.nn.functional.pad(q.to(torch.float32), (0, blocks * block_size - n)).view(blocks, block_size)
-    return padded.mul_(scales.view(-1, 1)).view(-1)[:n]
+    return blockwise_values(scales, q, block_size)
 
 
 def _payload_array(tensor: torch.Tensor, codec: int, block_size: int = DEFAULT_BLOCK_SIZE):

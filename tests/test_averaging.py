@@ -7,6 +7,7 @@ its members expects (hivemind's key manager fails such a member mid-round).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +27,16 @@ from peer.server.robust import aggregate, fixed_weights
 SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
 
 
-@pytest.fixture(scope="module", params=["mean", "median"])
-def replicas(request):
-    """Three replicas of one part: (peer id, averager) each, on three DHT nodes; each aggregate in turn."""
-    spec = RunSpec.from_dict({"averaging": {**SPEC["averaging"], "aggregate": request.param}})
+@contextlib.contextmanager
+def _averagers(count: int, spec: RunSpec, prefix: str):
+    """`count` replicas of one part: (peer id, averager) each, on as many DHT nodes; all stopped afterwards."""
     dhts, averagers, sockets = [], [], hivemind_sockets()
     try:
-        for _ in range(3):
+        for _ in range(count):
             initial = dhts[0].visible_maddrs()[:1] if dhts else []
             dhts.append(SwarmDHT(Identity.generate(), initial, ["/ip4/127.0.0.1/tcp/0"], [], 30.0, 5.0))
         template = [torch.zeros(64), torch.zeros(8, 8)]
-        averagers = [GradientAverager(dht, "groups", template, spec) for dht in dhts]
+        averagers = [GradientAverager(dht, prefix, template, spec) for dht in dhts]
         yield [(dht.peer_id, averager) for dht, averager in zip(dhts, averagers, strict=True)]
     finally:
         for averager in averagers:
@@ -44,6 +44,15 @@ def replicas(request):
         for dht in dhts:
             dht.shutdown()
         remove_stale_sockets(sockets)  # hivemind's averagers leave their client sockets in /tmp
+
+
+@pytest.fixture(scope="module", params=["mean", "median"])
+def replicas(request):
+    """Three replicas of one part on three DHT nodes; each aggregate in turn."""
+    with _averagers(
+        3, RunSpec.from_dict({"averaging": {**SPEC["averaging"], "aggregate": request.param}}), "groups"
+    ) as r:
+        yield r
 
 
 def _staggered(rank: int, fn, *args):
@@ -171,19 +180,8 @@ def local_pair():
     spec = RunSpec.from_dict(
         {"averaging": {**SPEC["averaging"], "mode": "local"}, "compression": {"averaging": "int4", "block_size": 16}}
     )
-    dhts, averagers, sockets = [], [], hivemind_sockets()
-    try:
-        for _ in range(2):
-            initial = dhts[0].visible_maddrs()[:1] if dhts else []
-            dhts.append(SwarmDHT(Identity.generate(), initial, ["/ip4/127.0.0.1/tcp/0"], [], 30.0, 5.0))
-        averagers = [GradientAverager(dht, "local", [torch.zeros(64), torch.zeros(8, 8)], spec) for dht in dhts]
-        yield [(dht.peer_id, averager) for dht, averager in zip(dhts, averagers, strict=True)]
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        remove_stale_sockets(sockets)
+    with _averagers(2, spec, "local") as pair:
+        yield pair
 
 
 def _local_rounds(pair, deltas, epochs) -> list[torch.Tensor]:

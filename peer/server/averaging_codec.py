@@ -21,7 +21,6 @@ and be registered under a hivemind compression type.
 
 from __future__ import annotations
 
-import math
 import struct
 
 import torch
@@ -134,32 +133,20 @@ class TorchCodec(CompressionBase):
 
 
 def quantize_int4(tensor: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax int4: (float32 scale per block, two 4-bit codes per byte) of a float tensor, on the CPU.
-
-    Each block of `block_size` consecutive elements (the last may be short) is scaled by its largest
-    magnitude / 7 and rounded to -7..7, stored as 1..15, the first of each pair in the low nibble. A
-    block with a NaN or infinity gets a NaN scale, so it decodes to NaN (refused as the raw tensor would be).
+    """Blockwise absmax int4 (protocols.codec.blockwise_codes at 7 levels): (float32 scale per block, two 4-bit codes
+    per byte) of a float tensor, on the CPU. Codes -7..7 are stored as 1..15, the first of each pair in the low nibble.
     """
-    flat = tensor.detach().reshape(-1).float().cpu()
-    n = flat.numel()
-    blocks = -(-n // block_size)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block_size - n)).view(blocks, block_size)
-    absmax = padded.abs().amax(dim=1, keepdim=True)
-    absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
-    scale = absmax / 7.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.nan_to_num(padded / safe, nan=0.0).round_().clamp_(-7, 7).add_(8).to(torch.uint8).view(-1)[:n]
-    if n % 2:
+    scales, codes = codec.blockwise_codes(tensor.detach().cpu(), block_size, 7)
+    q = codes.add_(8).to(torch.uint8)
+    if q.numel() % 2:
         q = torch.cat([q, q.new_zeros(1)])
-    return scale.view(-1), q[0::2] | (q[1::2] << 4)
+    return scales, q[0::2] | (q[1::2] << 4)
 
 
 def dequantize_int4(scales: torch.Tensor, packed: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
     """The float32 elements (flat, `numel` of them) that quantize_int4 encoded as `scales` and `packed`."""
     codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:numel].to(torch.float32).sub_(8.0)
-    blocks = scales.numel()
-    padded = torch.nn.functional.pad(codes, (0, blocks * block_size - numel)).view(blocks, block_size)
-    return padded.mul_(scales.view(-1, 1)).view(-1)[:numel]
+    return codec.blockwise_values(scales, codes, block_size)
 
 
 def averaging_codec(name: str, block_size: int = codec.DEFAULT_BLOCK_SIZE) -> CompressionBase:
