@@ -1,4 +1,4 @@
-"""Our gRPC tensor round trip (encode and decode included) against raw TCP on loopback, 1-64 MB.
+"""Our gRPC tensor round trip (encode and decode included) against raw TCP on loopback, 256 KB-64 MB.
 
 gRPC side: the project's own wire path. The server is the real stage servicer plumbing
 (`peer.server.servicer.add_to_server`, `protocols.framing`, `protocols.codec`) whose forward echoes the
@@ -8,7 +8,11 @@ decoded input tensor back; the client is `peer.net.client.StageClient` called as
 server runs in its own process; round trips of the two transports alternate so both see the same
 machine load. The last line is `ratio=<geometric mean of tcp_time/grpc_time> ...`.
 
-    python benchmarks/transport.py [--sizes 1,4,16,64] [--repeats N] [--quick]
+Also measured: `floor_ms`, our round trip of a 16-element tensor (a gRPC call's fixed cost: the
+channel, HTTP/2 and the event loop), and per size `ceiling_<size>` = tcp / (tcp + floor), the most
+any path that makes one gRPC call per round trip could reach even if its bytes cost nothing.
+
+    python benchmarks/transport.py [--sizes 0.25,1,4,16,64] [--repeats N] [--quick]
 """
 
 from __future__ import annotations
@@ -148,14 +152,14 @@ def _start(target, ctx, *extra) -> tuple[mp.Process, int]:
         raise RuntimeError(f"{target.__name__} died (exit code {proc.exitcode}) before it listened") from None
 
 
-def time_size(size: int, repeats: int, via_grpc, via_tcp) -> tuple[float, float]:
+def time_size(size: float, repeats: int, via_grpc, via_tcp) -> tuple[float, float]:
     """Median seconds of a gRPC and of a TCP round trip of `size` MiB, the two alternating (`repeats` 0: by size)."""
-    tensor = torch.randn(size * MIB // 4)
+    tensor = torch.randn(int(size * MIB) // 4)
     for call in (via_grpc, via_tcp):  # warm up, and check the echo is exact
         for _ in range(2):
             assert torch.equal(call(tensor), tensor)
     timings = {via_grpc: [], via_tcp: []}
-    for _ in range(repeats or (10 if size <= 16 else 5)):
+    for _ in range(repeats or (30 if size < 1 else 10 if size <= 16 else 5)):
         for call in timings:
             started = time.perf_counter()
             call(tensor)
@@ -163,7 +167,24 @@ def time_size(size: int, repeats: int, via_grpc, via_tcp) -> tuple[float, float]
     return statistics.median(timings[via_grpc]), statistics.median(timings[via_tcp])
 
 
-def compare(sizes: list[int], repeats: int, grpc_port: int, tcp_port: int, figures: Figures) -> None:
+def floor_seconds(via_grpc, repeats: int) -> float:
+    """Median seconds of our round trip of a 16-element tensor: what every gRPC call costs whatever it carries."""
+    tensor = torch.randn(16)
+    for _ in range(3):
+        assert torch.equal(via_grpc(tensor), tensor)
+    timings = []
+    for _ in range(max(repeats, 30)):
+        started = time.perf_counter()
+        via_grpc(tensor)
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def size_name(size: float) -> str:
+    return f"{size:g}mb" if size >= 1 else f"{round(size * 1024)}kb"
+
+
+def compare(sizes: list[float], repeats: int, grpc_port: int, tcp_port: int, figures: Figures) -> None:
     """Time both transports at each size; figures over the sizes so far (an interrupted run still reports them)."""
     loop = asyncio.new_event_loop()
     client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES, stream_bytes=PeerConfig().server.stream_bytes)
@@ -174,24 +195,33 @@ def compare(sizes: list[int], repeats: int, grpc_port: int, tcp_port: int, figur
         return loop.run_until_complete(grpc_round_trip(client, endpoint, t))
 
     ratios = []
-    print(f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7}")
     try:
+        floor = floor_seconds(via_grpc, repeats)
+        figures["floor_ms"] = floor * 1e3
+        print(f"a 16-element tensor's round trip (the per-call floor): {floor * 1e3:.2f} ms")
+        print(
+            f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7} {'ceiling':>8}"
+        )
         for size in sizes:
             g, t = time_size(size, repeats, via_grpc, tcp.round_trip)
             ratios.append(t / g)
+            ceiling = t / (t + floor)
             print(
-                f"{size:>4}MB {g * 1e3:9.1f} {size / g:10.0f} {t * 1e3:9.1f} {size / t:10.0f} {t / g:7.3f}", flush=True
+                f"{size_name(size):>6} {g * 1e3:9.2f} {size / g:10.0f} {t * 1e3:9.2f} {size / t:10.0f} {t / g:7.3f} "
+                f"{ceiling:8.3f}",
+                flush=True,
             )
             figures["ratio"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
             figures["min_ratio"] = min(ratios)
-            figures[f"ratio_{size}mb"] = t / g
+            figures[f"ratio_{size_name(size)}"] = t / g
+            figures[f"ceiling_{size_name(size)}"] = ceiling
     finally:
         loop.run_until_complete(client.close())
         loop.close()
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
-    sizes = [int(s) for s in (args.sizes or ("1,4" if args.quick else "1,4,16,64")).split(",")]
+    sizes = [float(s) for s in (args.sizes or ("0.25,1,4" if args.quick else "0.25,1,4,16,64")).split(",")]
     repeats = args.repeats or (3 if args.quick else 0)
     torch.set_num_threads(1)
     ctx = mp.get_context("fork")
@@ -211,11 +241,14 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="", help="tensor sizes in MiB (default 1,4,16,64; quick 1,4)")
+    parser.add_argument("--sizes", default="", help="tensor sizes in MiB (default 0.25,1,4,16,64; quick 0.25,1,4)")
     parser.add_argument(
-        "--repeats", type=int, default=0, help="timed round trips per size (default 10, 5 above 16 MiB; quick 3)"
+        "--repeats",
+        type=int,
+        default=0,
+        help="timed round trips per size (default 30 below 1 MiB, 10 up to 16 MiB, 5 above; quick 3)",
     )
-    add_quick(parser, "1 and 4 MiB tensors, 3 timed round trips each")
+    add_quick(parser, "256 KiB, 1 and 4 MiB tensors, 3 timed round trips each")
     run(parser, body)
 
 
