@@ -29,10 +29,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.process.grpc_env import tune_grpc  # noqa: E402
+
+tune_grpc()  # gRPC as a peer process runs it: set before grpc is imported
+
+import grpc  # noqa: E402
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import PeerConfig, RunSpec  # noqa: E402

@@ -10,17 +10,23 @@ a trainer, each in its own network namespace. On each swarm:
    validation loss after equal samples with nothing else differing (same seeds, same data order).
    Its schedule is the throughput runs' (warmup, then an almost flat learning rate), so one swarm
    serves both and each codec costs one swarm start less.
-2. uncapped window: a throughput trainer (several micro-batches in flight) runs; its samples/s with
-   no bandwidth cap, over whole micro-batches (see `rate`). On this machine every peer shares the
-   same CPU cores, so this is the swarm's compute bound (what it does when links cost nothing).
+2. uncapped windows: a throughput trainer (several micro-batches in flight) runs; its samples/s with
+   no bandwidth cap, over whole micro-batches (see `rate`), in a window before the capped one and
+   another after it (their mean: a swarm that speeds up or slows down meanwhile is not read as the
+   caps' doing). On this machine every peer shares the same CPU cores, so this is the swarm's
+   compute bound (what it does when links cost nothing).
 3. capped window: every host capped at `--rate` Mbit/s both ways (`tc tbf`). Bytes per sample are
    measured on each host's interface (IP/TCP headers, DHT traffic and all) in both windows; the
    bandwidth bound is min over hosts and directions of cap / bytes per sample.
 4. ratio = capped samples/s / min(compute bound, bandwidth bound). Goal >= 0.9.
 
+Each window also reads the CPU time all of the swarm's processes took per sample (/proc): a capped
+link delivers a message a segment at a time, and on this machine the cost of that falls on the
+same cores as the compute (`cpu_<codec>_<width>` = capped over uncapped).
+
     sudo .venv/bin/python benchmarks/wan.py [--rate 100] [--window 8] [--widths 192,512] [--quick]
 
-Last line: key=value pairs, each as its swarm ends: val_<codec> and ratio_<codec>_<width>, then
+Last line: key=value pairs, each as its swarm ends: val_<codec>, ratio_<codec>_<width> and cpu_<codec>_<width>, then
 val_int8_over_none and bytes_int8_over_none (the validator's interface bytes per sample over its
 whole run), and status (benchmarks/report.py). The defaults (8 s windows, 48 validation micro-batches)
 keep the 6 swarms within about 4-5 minutes on 2 cores. `--quick`: codecs none and int8 at width 192
@@ -40,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.cputime import cpu_seconds  # noqa: E402
 from benchmarks.lab import Lab, LabError, open_benchmark  # noqa: E402
 from benchmarks.rehearsal import Tail, join_args, start_peer, wait_for  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
@@ -48,6 +55,7 @@ from peer.config import RunSpec  # noqa: E402
 
 CODECS = ("none", "fp16", "int8")
 QUICK = {"widths": "192", "codecs": "none,int8", "window": 5.0, "warmup": 2, "micro_batches": 24, "timeout": 120.0}
+SETTLE = 2.0  # s after the caps change before the next window
 STOP_GRACE = 1.0  # s a measured swarm's peers have to leave before the lab kills them: nothing is measured then
 
 
@@ -136,16 +144,21 @@ class Swarm:
         for host in self.hosts.values():
             self.lab.set_rate(host, mbit)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds so far of every process of the swarm, with their children (DHT, averager, p2pd)."""
+        return cpu_seconds([proc.pid for proc in self.procs.values()]) or 0.0
+
     def window(self, tail: Tail, seconds: float) -> dict:
-        """samples/s of the trainer behind `tail` and per-host (tx, rx) bytes per sample over `seconds`."""
-        s0, c0, t0 = samples(tail), self.counters(), time.time()
+        """samples/s of the trainer behind `tail`, per-host (tx, rx) bytes per sample, and the swarm's CPU seconds
+        per sample, over `seconds`."""
+        s0, c0, t0, cpu0 = samples(tail), self.counters(), time.time(), self.cpu_seconds()
         time.sleep(seconds)
-        s1, c1, t1 = samples(tail), self.counters(), time.time()
+        s1, c1, t1, cpu1 = samples(tail), self.counters(), time.time(), self.cpu_seconds()
         if self.procs["trainer"].poll() is not None:
             raise LabError(f"the trainer ended during a window:\n{self.log('trainer')[-2000:]}")
         count = max(1, s1 - s0)
         per_sample = {n: ((c1[n][0] - c0[n][0]) / count, (c1[n][1] - c0[n][1]) / count) for n in c1}
-        return {"rate": rate(tail, t0, t1), "per_sample": per_sample}
+        return {"rate": rate(tail, t0, t1), "per_sample": per_sample, "cpu": (cpu1 - cpu0) / count}
 
     def wait_trainer(self, name: str, timeout: float) -> int:
         try:
@@ -185,21 +198,27 @@ def throughput(swarm: Swarm, args) -> dict:
         if time.monotonic() > deadline or swarm.procs["trainer"].poll() is not None:
             raise LabError(f"the trainer did not get going:\n{swarm.log('trainer')[-2000:]}")
         time.sleep(0.5)
-    free = swarm.window(tail, args.window)
+    before = swarm.window(tail, args.window)
     swarm.set_rate(args.rate)
-    time.sleep(2)
+    time.sleep(SETTLE)
     dropped = swarm.drops()
     capped = swarm.window(tail, args.window)
     dropped = swarm.drops() - dropped
+    swarm.set_rate(None)
+    time.sleep(SETTLE)
+    after = swarm.window(tail, args.window)
+    compute = (before["rate"] + after["rate"]) / 2
     bound, link = bandwidth_bound(capped["per_sample"], args.rate)
     return {
-        "compute": free["rate"],
+        "compute": compute,
+        "compute_windows": (before["rate"], after["rate"]),
         "capped": capped["rate"],
         "bandwidth_bound": bound,
         "link": link,
-        "ratio": capped["rate"] / min(free["rate"], bound),
+        "ratio": capped["rate"] / min(compute, bound),
         "trainer_bytes_per_sample": sum(capped["per_sample"]["trainer"]),
         "drops": dropped,
+        "cpu": (capped["cpu"], (before["cpu"] + after["cpu"]) / 2),
     }
 
 
@@ -234,11 +253,14 @@ def measure(codec: str, width: int, validate: bool, args, work: Path, figures: F
             if args.window:
                 r = throughput(swarm, args)
                 figures[f"ratio_{codec}_{width}"] = f"{r['ratio']:.3f}"
+                figures[f"cpu_{codec}_{width}"] = f"{r['cpu'][0] / r['cpu'][1]:.3f}"
                 print(
-                    f"width {width:4d} {codec:>5}: compute {r['compute']:6.1f} samples/s, "
+                    f"width {width:4d} {codec:>5}: compute {r['compute']:6.1f} samples/s "
+                    f"({r['compute_windows'][0]:.1f} before the caps, {r['compute_windows'][1]:.1f} after), "
                     f"bandwidth bound {r['bandwidth_bound']:7.1f} ({r['link']}), capped {r['capped']:6.1f} "
                     f"-> ratio {r['ratio']:.3f}; trainer {r['trainer_bytes_per_sample'] / 1e3:.1f} kB/sample; "
-                    f"{r['drops']} packets dropped at the caps",
+                    f"{r['drops']} packets dropped at the caps; swarm CPU {r['cpu'][0] * 1e3:.1f} ms/sample capped, "
+                    f"{r['cpu'][1] * 1e3:.1f} uncapped",
                     flush=True,
                 )
         finally:

@@ -14,6 +14,7 @@ from dht.errors import UserError
 from peer.cli.commands import COMMANDS
 from peer.cli.parser import build_parser, normalize_argv
 from peer.config import ConfigError
+from peer.process.grpc_env import tune_grpc
 from peer.process.lifetime import start_reaper
 from peer.process.status_lines import show_status_lines
 
@@ -29,6 +30,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_grpc()  # before anything imports grpc (the commands do)
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     if args.command in LONG_RUNNING:
         start_reaper()  # before any child process: everything this command starts ends with it

@@ -46,6 +46,7 @@ import threading
 import time
 import traceback
 
+from peer.process.grpc_env import tune_grpc
 from peer.process.lifetime import tied_to_me
 from peer.process.reaper import stat
 
@@ -345,6 +346,7 @@ def _run(argv: list[str]) -> int:
 
 def _main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    tune_grpc()  # before the preloads import grpc
     for name in sys.argv[2:]:
         __import__(name)
     shared = [name for name in NEVER_PRELOADED if name in sys.modules]
