@@ -33,7 +33,11 @@ TBF_LATENCY_MS = 50  # longest a packet may wait in the tbf queue: room for a fe
 TBF_BURST_S = 0.005  # burst: 5 ms of traffic at the cap...
 
 
-TBF_MIN_BURST = 32 * 1024  # ...but at least 32 KiB, so TCP segmentation offload packets pass whole
+# ...but at least 128 KiB, so TCP's segmentation offload packets (up to 64 KiB each) pass whole: a bucket
+# smaller than one makes tbf cut it into MTU frames, which reach the receiver's TCP one at a time (a real NIC
+# merges them back, GRO/LRO; veth does not). With 32 KiB, at 100 Mbit/s, that cost the lab's swarm 15-30 % more
+# CPU per sample than uncapped, on the cores it computes with (benchmarks/wan.py's cpu_<codec>_<width>)
+TBF_MIN_BURST = 128 * 1024
 
 
 NOT_ROOT = "the WAN lab needs root: network namespaces and tc need CAP_NET_ADMIN; run it with sudo"

@@ -16,19 +16,20 @@ a trainer, each in its own network namespace. On each swarm:
    caps' doing). On this machine every peer shares the same CPU cores, so this is the swarm's
    compute bound (what it does when links cost nothing).
 3. capped window: every host capped at `--rate` Mbit/s both ways (`tc tbf`). Bytes per sample are
-   measured on each host's interface (IP/TCP headers, DHT traffic and all) in both windows; the
-   bandwidth bound is min over hosts and directions of cap / bytes per sample.
+   measured on each host's interface (IP/TCP headers, DHT traffic and all) over the three windows
+   together (see `bytes_per_sample`); the bandwidth bound is min over hosts and directions of
+   cap / bytes per sample.
 4. ratio = capped samples/s / min(compute bound, bandwidth bound). Goal >= 0.9.
 
 Each window also reads the CPU time all of the swarm's processes took per sample (/proc): a capped
 link delivers a message a segment at a time, and on this machine the cost of that falls on the
 same cores as the compute (`cpu_<codec>_<width>` = capped over uncapped).
 
-    sudo .venv/bin/python benchmarks/wan.py [--rate 100] [--window 8] [--widths 192,512] [--quick]
+    sudo .venv/bin/python benchmarks/wan.py [--rate 100] [--window 6] [--widths 192,512] [--quick]
 
 Last line: key=value pairs, each as its swarm ends: val_<codec>, ratio_<codec>_<width> and cpu_<codec>_<width>, then
 val_int8_over_none and bytes_int8_over_none (the validator's interface bytes per sample over its
-whole run), and status (benchmarks/report.py). The defaults (8 s windows, 48 validation micro-batches)
+whole run), and status (benchmarks/report.py). The defaults (6 s windows, three a swarm; 48 validation micro-batches)
 keep the 6 swarms within about 4-5 minutes on 2 cores. `--quick`: codecs none and int8 at width 192
 only, 5 s windows, 24 validation micro-batches.
 """
@@ -157,8 +158,8 @@ class Swarm:
         if self.procs["trainer"].poll() is not None:
             raise LabError(f"the trainer ended during a window:\n{self.log('trainer')[-2000:]}")
         count = max(1, s1 - s0)
-        per_sample = {n: ((c1[n][0] - c0[n][0]) / count, (c1[n][1] - c0[n][1]) / count) for n in c1}
-        return {"rate": rate(tail, t0, t1), "per_sample": per_sample, "cpu": (cpu1 - cpu0) / count}
+        moved = {n: (c1[n][0] - c0[n][0], c1[n][1] - c0[n][1]) for n in c1}
+        return {"rate": rate(tail, t0, t1), "samples": count, "bytes": moved, "cpu": (cpu1 - cpu0) / count}
 
     def wait_trainer(self, name: str, timeout: float) -> int:
         try:
@@ -178,6 +179,15 @@ def rate(tail: Tail, t0: float, t1: float) -> float:
     inside = [(t, n) for t, n in done if t0 < t <= t1]
     start = max((t for t, _ in done if t <= t0), default=t0)
     return sum(n for _, n in inside) / (inside[-1][0] - start) if inside else 0.0
+
+
+def bytes_per_sample(windows) -> dict[str, tuple[float, float]]:
+    """Per host, (tx, rx) bytes per sample over all `windows` together. A window's bytes include the parts of the
+    micro-batches in flight at its ends, and with 8 in flight (128 samples) against the 300 or so a capped window
+    completes, one window alone is off by up to 10 %; the model's bytes per sample do not depend on the caps."""
+    count = sum(w["samples"] for w in windows)
+    hosts = windows[0]["bytes"]
+    return {n: tuple(sum(w["bytes"][n][d] for w in windows) / count for d in (0, 1)) for n in hosts}
 
 
 def bandwidth_bound(per_sample: dict[str, tuple[float, float]], mbit: float) -> tuple[float, str]:
@@ -208,7 +218,8 @@ def throughput(swarm: Swarm, args) -> dict:
     time.sleep(SETTLE)
     after = swarm.window(tail, args.window)
     compute = (before["rate"] + after["rate"]) / 2
-    bound, link = bandwidth_bound(capped["per_sample"], args.rate)
+    per_sample = bytes_per_sample((before, capped, after))
+    bound, link = bandwidth_bound(per_sample, args.rate)
     return {
         "compute": compute,
         "compute_windows": (before["rate"], after["rate"]),
@@ -216,7 +227,7 @@ def throughput(swarm: Swarm, args) -> dict:
         "bandwidth_bound": bound,
         "link": link,
         "ratio": capped["rate"] / min(compute, bound),
-        "trainer_bytes_per_sample": sum(capped["per_sample"]["trainer"]),
+        "trainer_bytes_per_sample": sum(per_sample["trainer"]),
         "drops": dropped,
         "cpu": (capped["cpu"], (before["cpu"] + after["cpu"]) / 2),
     }
@@ -271,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=100.0, help="cap per host, Mbit/s each way")
     parser.add_argument(
-        "--window", type=float, default=8.0, help="s per measurement window; 0: skip throughput (default 8; quick 5)"
+        "--window", type=float, default=6.0, help="s per measurement window; 0: skip throughput (default 6; quick 5)"
     )
     parser.add_argument("--warmup", type=int, default=4, help="micro-batches before the first window (4; quick 2)")
     parser.add_argument("--widths", default="192,512", help="model widths; the first also compares validation loss")
