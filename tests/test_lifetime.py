@@ -7,6 +7,7 @@ must be gone within seconds: no p2pd, no forked helper, no temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -218,6 +219,7 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     directory, environment and output, with its own exit code; when the template ends, a running
     child and all it started (its reaper's work) end with it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path), **{LOG_DIR_ENV: str(tmp_path)})
+    others = runtime_dirs(Path("/tmp"), tmp_path)  # other peers' (earlier runs' too): not this test's to judge
     with Forkserver(env=env) as server:
         log = tmp_path / "version.log"
         with open(log, "wb") as out:
@@ -249,10 +251,10 @@ def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     with pytest.raises(RuntimeError, match="must not import"):
         Forkserver(preload=("hivemind",), env=env)
     deadline = time.monotonic() + GONE_WITHIN
-    while [p for p in pids if alive(p)] or runtime_dirs(Path("/tmp"), tmp_path):
+    while [p for p in pids if alive(p)] or runtime_dirs(Path("/tmp"), tmp_path) - others:
         assert time.monotonic() < deadline, (
             f"left after the template ended: {[(p, _cmdline(p)) for p in pids if alive(p)]}, "
-            f"{runtime_dirs(Path('/tmp'), tmp_path)}\n"
+            f"{runtime_dirs(Path('/tmp'), tmp_path) - others}\n"
             + "\n".join(f.read_text() for f in tmp_path.glob("reaper-*.log"))
         )
         time.sleep(0.1)
@@ -277,3 +279,58 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+_HOLDER = (
+    "import os, sys, time\n"
+    "from peer.process.lifetime import start_reaper\n"
+    "print(start_reaper(), os.environ['SWARMTRAIN_REAPER'].split(':')[0], flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _holder(env: dict) -> tuple[subprocess.Popen, Path, int]:
+    """A process that starts its reaper and waits (in a process group of its own): it, its dir, its reaper."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    runtime_dir, reaper_pid = proc.stdout.readline().split()
+    return proc, Path(runtime_dir), int(reaper_pid)
+
+
+def test_the_next_peer_sweeps_what_a_killed_peer_and_reaper_left(tmp_path):
+    """A supervisor that SIGKILLs every process of a unit (systemd, a container runtime, `timeout -s KILL` of a
+    tree) kills the reaper with its peer: nobody removes the peer's runtime dir, with its key copy. The next
+    peer's start removes it (its owner and reaper gone), and keeps the dir of a peer that lives."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("SWARMTRAIN_REAPER", None)
+    living, living_dir, _ = _holder(env)
+    dead, dead_dir, dead_reaper = _holder(env)
+    try:
+        (dead_dir / "libp2p.key").write_bytes(b"secret")
+        os.killpg(dead.pid, signal.SIGKILL)  # the peer's whole process group...
+        os.kill(dead_reaper, signal.SIGKILL)  # ...and its reaper, in a session of its own
+        dead.wait(30)
+        deadline = time.monotonic() + GONE_WITHIN
+        while alive(dead_reaper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(dead_reaper)
+        assert dead_dir.exists(), "nobody was left to remove it: the scenario did not happen"
+        out = subprocess.run(
+            [sys.executable, "-c", "from peer.process.lifetime import start_reaper; print(start_reaper())"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert not dead_dir.exists(), f"{dead_dir} of a dead peer was not swept"
+        assert living_dir.is_dir(), "the runtime dir of a live peer was swept"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(living.pid, signal.SIGKILL)
+        living.wait(30)
+    deadline = time.monotonic() + GONE_WITHIN
+    while living_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not living_dir.exists(), "the live peer's reaper did not remove its dir"

@@ -14,7 +14,9 @@ All Linux:
   p2p daemons, tensor-parallel ranks) once the peer has exited in any way, its own SIGKILL
   included, and removes their sockets and the peer's private runtime directory. The same call
   makes every process the peer forks from its main thread (hivemind's DHT and averagers) die with
-  it, through PR_SET_PDEATHSIG in an at-fork hook.
+  it, through PR_SET_PDEATHSIG in an at-fork hook. The runtime directory names its owner (the peer's
+  and the reaper's pids with their start times); a start first sweeps the runtime directories whose
+  peer and reaper are both gone (a supervisor that SIGKILLs a whole unit kills the reaper too).
 - `exit_within`: once a peer is told to leave (a signal, a revocation), it exits within a bound
   whatever is still running (a hung averaging round, a stuck DHT call).
 - `interrupt_on_signals`: SIGTERM and SIGHUP stop a command as Ctrl+C does.
@@ -43,6 +45,9 @@ PR_SET_PDEATHSIG = 1
 REAPER_ENV = "SWARMTRAIN_REAPER"  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
 USER_TMPDIR_ENV = "SWARMTRAIN_USER_TMPDIR"  # the temporary directory before the runtime dir replaced it
 MAX_RUNTIME_BASE = 48  # chars: unix sockets made in the runtime dir (torch's) must fit in 108 bytes
+RUNTIME_PREFIX = "swarmtrain-peer-"  # a peer's runtime dir: RUNTIME_PREFIX + random, in _runtime_base()
+OWNER_FILE = "owner"  # in a runtime dir: "<peer pid> <its start> <reaper pid> <its start>" (start: clock ticks)
+OWNERLESS_GRACE = 600.0  # s: a runtime dir with no owner file (being made, or an older version's) kept this long
 EXIT_JOIN = 1.0  # s, all together, that forked helpers get to end after SIGTERM when a process must exit now
 # looked up now: a preexec_fn or at-fork hook runs in a fresh child, where loading a library is unsafe
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
@@ -125,7 +130,8 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
     if existing is not None and os.path.isdir(existing):
         runtime_dir = existing
     else:
-        runtime_dir = tempfile.mkdtemp(prefix="swarmtrain-peer-", dir=_runtime_base())
+        sweep_dead_runtime_dirs(_runtime_base())
+        runtime_dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=_runtime_base())
         peer = os.getpid()
         pid = os.fork()
         if pid == 0:
@@ -134,12 +140,57 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
             finally:
                 os._exit(0)
         os.environ[REAPER_ENV] = f"{pid}:{runtime_dir}"
+        _write_owner(Path(runtime_dir), peer, pid)
     # after the reaper's fork: the reaper itself must outlive us
     os.register_at_fork(before=_before_fork, after_in_child=_forked_child)
     os.environ.setdefault(USER_TMPDIR_ENV, tempfile.gettempdir())
     os.environ["TMPDIR"] = runtime_dir
     tempfile.tempdir = None  # read TMPDIR again
     return Path(runtime_dir)
+
+
+def _write_owner(runtime_dir: Path, peer: int, reaper_pid: int) -> None:
+    """Say in the runtime dir whose it is: the peer and its reaper, each with its start time (a reused pid is
+    never taken for them), so that a later peer can tell a dead peer's dir from a live one's."""
+    ticks = [(found[2] if (found := reaper.stat(pid)) is not None else 0) for pid in (peer, reaper_pid)]
+    tmp = runtime_dir / f".{OWNER_FILE}"
+    tmp.write_text(f"{peer} {ticks[0]} {reaper_pid} {ticks[1]}\n")
+    tmp.rename(runtime_dir / OWNER_FILE)
+
+
+def _owner_alive(runtime_dir: Path) -> bool | None:
+    """Whether the peer or the reaper that owns `runtime_dir` still runs; None if the dir names no owner."""
+    try:
+        fields = [int(f) for f in (runtime_dir / OWNER_FILE).read_text().split()]
+    except (OSError, ValueError):
+        return None
+    if len(fields) != 4:
+        return None
+    pairs = [(fields[0], fields[1]), (fields[2], fields[3])]
+    return any((found := reaper.stat(pid)) is not None and found[2] == born for pid, born in pairs)
+
+
+def sweep_dead_runtime_dirs(base: str) -> list[Path]:
+    """Remove the runtime dirs under `base` (ours: same user) whose peer and reaper are both gone; which went.
+
+    A reaper removes its peer's dir; when the reaper is killed too (a supervisor's SIGKILL to every process of
+    a unit or container) the dir stays, with a copy of the peer's key in it: the next peer's start removes it.
+    A dir that names no owner is removed once older than OWNERLESS_GRACE (one being made has none yet)."""
+    removed = []
+    for path in Path(base).glob(RUNTIME_PREFIX + "*"):
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if info.st_uid != os.getuid() or not path.is_dir() or path.is_symlink():
+            continue
+        alive = _owner_alive(path)
+        if alive or (alive is None and time.time() - info.st_mtime < OWNERLESS_GRACE):
+            continue
+        reaper.remove_dir(str(path))
+        if not path.exists():
+            removed.append(path)
+    return removed
 
 
 def user_tempdir() -> str:
