@@ -60,7 +60,7 @@ def spec() -> RunSpec:
     s.model.max_seq_len = s.training.seq_len = 32
     s.training.micro_batch_size, s.training.target_batch_size, s.training.total_steps = 4, 32, 1_000_000
     s.training.lr, s.training.warmup_steps = 0.003, 2
-    s.averaging.min_matchmaking_time, s.averaging.request_timeout, s.averaging.averaging_timeout = 3.0, 2.0, 8.0
+    s.averaging.request_timeout, s.averaging.averaging_timeout = 2.0, 8.0
     s.admission.mode = "off"  # this process reads every server's Info over plain gRPC
     return s
 

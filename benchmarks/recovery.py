@@ -54,7 +54,7 @@ def spec() -> RunSpec:
     s.model.hidden_size, s.model.num_layers, s.model.num_heads, s.model.intermediate_size = 128, 4, 4, 256
     s.model.max_seq_len = s.training.seq_len = 64
     s.training.micro_batch_size, s.training.target_batch_size, s.training.total_steps = 8, 32, 100_000
-    s.averaging.min_matchmaking_time, s.averaging.request_timeout, s.averaging.averaging_timeout = 3.0, 2.0, 8.0
+    s.averaging.request_timeout, s.averaging.averaging_timeout = 2.0, 8.0
     return s
 
 

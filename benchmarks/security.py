@@ -77,7 +77,7 @@ def make_spec(args, mode: str, revoke_after_reports: int = 2) -> RunSpec:
     t = s.training
     t.micro_batch_size, t.target_batch_size, t.total_steps = args.micro_batch, args.target_batch, 100_000
     a = s.averaging
-    a.min_matchmaking_time, a.request_timeout, a.averaging_timeout = 3.0, 2.0, 8.0
+    a.request_timeout, a.averaging_timeout = 2.0, 8.0
     s.admission.mode = mode
     s.admission.revoke_after_reports = revoke_after_reports
     s.validate()

@@ -1,78 +1,104 @@
-"""Rounds of real hivemind averagers (real DHT nodes, p2p daemons, all-reduce) in one test process.
+"""Rounds of the replicas' own all-reduce (peer.server.allreduce): real gRPC servers and calls on loopback, the
+members in one test process (tests/test_allreduce_faults.py runs them as processes and kills them).
 
-Replicas of one stage that expect different groups must never step apart: a round steps only a
-group that holds every replica one of its members expected, and no group outgrows what one of
-its members expects (hivemind's key manager fails such a member mid-round).
+Replicas of one part that expect different groups never step apart: every member that steps holds the same
+average from the same members; a member that sends poison or the wrong size is left out; a member that dies
+mid-round is gone from the step, and the survivors step without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
-from helpers.processes import hivemind_sockets, remove_stale_sockets
 
-from dht.identity import Identity
-from dht.node import SwarmDHT
 from peer.config import RunSpec
-from peer.server.averaging import GradientAverager, group_bits, whole_group_missing
-from peer.server.hivemind_averager import round_loss
-from peer.server.replica_round import MATCHMAKING_STAGGER
+from peer.net.client import StageClient
+from peer.server.allreduce import first_header
+from peer.server.averaging import GradientAverager
 from peer.server.robust import aggregate, fixed_weights
+from protocols import averaging_pb2
 
-SPEC = {"averaging": {"min_matchmaking_time": 1.0, "request_timeout": 0.5, "averaging_timeout": 6.0}}
+SPEC = {"averaging": {"request_timeout": 0.5, "averaging_timeout": 6.0, "group_timeout": 2.0, "read_timeout": 1.0}}
+
+
+class _Member:
+    """One replica's averager with its own gRPC server (the Averaging service alone) on the shared loop."""
+
+    def __init__(self, averager: GradientAverager, peer_id: str):
+        self.averager, self.peer_id, self.server, self.endpoint = averager, peer_id, None, ""
+
+    async def Average(self, frames, context):
+        header = await first_header(frames, 5.0)
+        async for frame in self.averager.allreduce.serve(header, frames, ""):
+            yield frame
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(
+            self.Average, response_serializer=averaging_pb2.AverageFrame.SerializeToString
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swarmtrain.Averaging", {"Average": handler}),)
+        )
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
 
 
 @contextlib.contextmanager
-def _averagers(count: int, spec: RunSpec, prefix: str):
-    """`count` replicas of one part: (peer id, averager) each, on as many DHT nodes; all stopped afterwards."""
-    dhts, averagers, sockets = [], [], hivemind_sockets()
+def _averagers(count: int, spec: RunSpec):
+    """`count` replicas of one part: (peer id, averager) each, served on loopback; all stopped afterwards."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    members = [_Member(GradientAverager(spec), f"peer-{i}") for i in range(count)]
+    endpoints = {}
     try:
-        for _ in range(count):
-            initial = dhts[0].visible_maddrs()[:1] if dhts else []
-            dhts.append(SwarmDHT(Identity.generate(), initial, ["/ip4/127.0.0.1/tcp/0"], [], 30.0, 5.0))
-        template = [torch.zeros(64), torch.zeros(8, 8)]
-        averagers = [GradientAverager(dht, prefix, template, spec) for dht in dhts]
-        yield [(dht.peer_id, averager) for dht, averager in zip(dhts, averagers, strict=True)]
+        for m in members:
+            asyncio.run_coroutine_threadsafe(m.start(), loop).result(10)
+            endpoints[m.peer_id] = m.endpoint
+        for m in members:
+            client = StageClient(1 << 20, 1 << 28)
+            header = averaging_pb2.AverageHeader(run_id="test")
+            m.averager.allreduce.bind(loop, client, m.peer_id, endpoints.get, header, lambda: _EPOCH[0], lambda p: True)
+            m.averager.loop = loop
+        yield [(m.peer_id, m.averager) for m in members], members
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        remove_stale_sockets(sockets)  # hivemind's averagers leave their client sockets in /tmp
+        for m in members:
+            if m.server is not None:
+                asyncio.run_coroutine_threadsafe(m.server.stop(0), loop).result(10)
+            m.averager.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+_EPOCH = [0]  # the epoch every test member is at (the replica's runtime epoch, in a real peer)
 
 
 @pytest.fixture(scope="module", params=["mean", "median"])
 def replicas(request):
-    """Three replicas of one part on three DHT nodes; each aggregate in turn."""
-    with _averagers(
-        3, RunSpec.from_dict({"averaging": {**SPEC["averaging"], "aggregate": request.param}}), "groups"
-    ) as r:
+    """Three replicas of one part; each aggregate in turn."""
+    spec = RunSpec.from_dict({"averaging": {**SPEC["averaging"], "aggregate": request.param}})
+    with _averagers(3, spec) as (r, _):
         yield r
 
 
-def _staggered(rank: int, fn, *args):
-    """As replicas do (peer.server.replica_round.MATCHMAKING_STAGGER): entering matchmaking at one instant, two can
-    each take the other for its leader."""
-    time.sleep(MATCHMAKING_STAGGER * rank)
-    return fn(*args)
-
-
 def _rounds(replicas, epoch: int, expectations: list[list[int]], values=(0.0, 1.0, 2.0), samples=(1, 2, 3)):
-    """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once, with
-    gradients of `values[i]` everywhere from `samples[i]` samples."""
+    """Each replica i runs one round at `epoch` expecting replicas `expectations[i]`, all at once (each on a thread
+    of its own, as a replica's round thread), with gradients of `values[i]` everywhere from `samples[i]` samples."""
     ids = [pid for pid, _ in replicas]
+    _EPOCH[0] = epoch
     with ThreadPoolExecutor(len(replicas)) as pool:
         futures = [
             pool.submit(
-                _staggered,
-                i,
                 averager.average,
-                [torch.full((64,), values[i]), torch.full((8, 8), values[i])],
+                [torch.full((64,), float(values[i])), torch.full((8, 8), float(values[i]))],
                 samples[i],  # the mean is weighted by them
                 epoch,
                 [ids[j] for j in expectations[i]],
@@ -80,6 +106,14 @@ def _rounds(replicas, epoch: int, expectations: list[list[int]], values=(0.0, 1.
             for i, (_, averager) in enumerate(replicas)
         ]
         return [f.result(timeout=60) for f in futures]
+
+
+def _agree(results) -> None:
+    """Every member that stepped holds the same average from the same members."""
+    stepped = [r for r in results if r is not None]
+    for r in stepped[1:]:
+        assert r.members == stepped[0].members
+        assert all(torch.equal(a, b) for a, b in zip(r.gradients, stepped[0].gradients, strict=True))
 
 
 def _aggregate(replicas) -> str:
@@ -110,34 +144,121 @@ def test_a_member_that_claims_many_samples_weighs_a_capped_claim_and_moves_the_m
 
 
 def test_replicas_that_expect_different_groups_never_step_apart(replicas):
-    # replica 2 missed replica 0's answer: it expects a group of 2, the others one of 3. Before,
-    # a group of 2 could form with it (and replica 1 step alone or with nobody), or replica 2
-    # failed inside hivemind ("Sample larger than population") while the others stepped
+    # replica 2 missed replica 0's answer: it expects a group of 2, the others one of 3. The attempts meet in the
+    # group all can agree on ({1, 2}: 0 is not in 2's), and 0 steps with nobody; never two groups at one step
+    ids = [pid for pid, _ in replicas]
     results = _rounds(replicas, 2, [[0, 1, 2], [0, 1, 2], [1, 2]])
-    assert results == [None, None, None]
+    _agree(results)
+    stepped = {i for i, r in enumerate(results) if r is not None}
+    assert stepped in (set(), {1, 2}), results
+    assert all(results[i].members == [ids[1], ids[2]] for i in stepped)
     # and the next round, with views that agree again, averages as usual
     results = _rounds(replicas, 3, [[0, 1, 2]] * 3)
     assert all(r is not None and r.group_size == 3 for r in results), results
+    _agree(results)
 
 
 def test_a_group_steps_only_if_no_member_expected_someone_else(replicas):
-    # 0 and 1 expect each other; 2 saw 0 join its round too and expects it: whatever groups form,
-    # only {0, 1} may step (it holds all its members expect), and 2 has nobody to step with
+    # 0 and 1 expect each other; 2 saw 0 join its round too and expects it: only {0, 1} may step (the group its
+    # members agree on), and 2 has nobody to step with
     ids = [pid for pid, _ in replicas]
     results = _rounds(replicas, 4, [[0, 1], [0, 1], [0, 2]])
     stepped = {i for i, r in enumerate(results) if r is not None}
     assert stepped in (set(), {0, 1}), results
+    _agree(results)
     for i in stepped:
         assert sorted(results[i].members) == sorted([ids[0], ids[1]])
 
 
-def test_group_keys_and_the_verdict():
-    assert group_bits(5, 3) != group_bits(5, 2) and group_bits(5, 3) != group_bits(6, 3)
-    assert len(group_bits(70000, 1000)) == len(group_bits(0, 2))
-    infos = [{"expected": ["a", "b"]}, {"expected": ["a", "b", "c"]}]
-    assert whole_group_missing(infos, ["a", "b"], 32) == ["c"]
-    assert whole_group_missing(infos, ["a", "b", "c"], 32) == []
-    assert whole_group_missing(infos, ["a", "b"], 2) == []  # beyond max_group_size groups split by design
+def test_every_member_ends_with_bit_equal_averages_over_many_pieces():
+    """Tensors of many pieces (a piece is 4096 elements here) and a lossy codec: each owner encodes its averaged
+    pieces once and takes its own copy from the same bytes, so all members hold the very same values."""
+    spec = RunSpec.from_dict(
+        {"averaging": {**SPEC["averaging"], "piece_bytes": 16384}, "compression": {"averaging": "int8"}}
+    )
+    generator = torch.Generator().manual_seed(5)
+    with _averagers(3, spec) as (members, _):
+        ids = [pid for pid, _ in members]
+        grads = [[torch.randn(10_000, generator=generator), torch.randn(77, 3, generator=generator)] for _ in ids]
+        _EPOCH[0] = 1
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(a.average, grads[i], 1 + i, 1, ids) for i, (_, a) in enumerate(members)]
+            results = [f.result(timeout=60) for f in futures]
+    assert all(r is not None and r.group_size == 3 for r in results), results
+    _agree(results)
+    exact = [sum((1 + i) * g[k] for i, g in enumerate(grads)) / 6 for k in range(2)]
+    for got, want in zip(results[0].gradients, exact, strict=True):
+        assert (got - want).abs().max() < 0.05 * want.abs().max()  # int8's rounding, twice
+
+
+def test_a_member_that_dies_mid_round_is_left_out_and_the_survivors_step():
+    """Member 3's server is gone (refused connections): the others detect it on their first call, run the round
+    again without it, and step the mean of the three, counting exactly their samples."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(4, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        loop = members[0][1].loop
+        asyncio.run_coroutine_threadsafe(servers[3].server.stop(0), loop).result(10)
+        _EPOCH[0] = 2
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(a.average, [torch.full((300,), float(i))], 10, 2, ids)
+                for i, (_, a) in enumerate(members[:3])
+            ]
+            results = [f.result(timeout=60) for f in futures]
+    assert all(r is not None for r in results), results
+    _agree(results)
+    assert results[0].members == ids[:3] and results[0].group_samples == 30
+    assert torch.equal(results[0].gradients[0], torch.full((300,), 1.0))
+
+
+@pytest.mark.parametrize("poison", ["nan", "size"])
+def test_a_member_that_sends_poison_or_the_wrong_size_is_left_out(poison):
+    """Member 2 sends NaN (or claims another size of tensors): the owners leave it out and the other two step."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, _):
+        ids = [pid for pid, _ in members]
+        _EPOCH[0] = 3
+        grads = [[torch.full((300,), 1.0)], [torch.full((300,), 3.0)], [torch.full((300,), 5.0)]]
+        if poison == "nan":
+            grads[2] = [torch.full((300,), float("nan"))]
+        else:
+            grads[2] = [torch.full((301,), 5.0)]
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(a.average, grads[i], 1, 3, ids) for i, (_, a) in enumerate(members)]
+            results = [f.result(timeout=60) for f in futures]
+    assert results[0] is not None and results[1] is not None, results
+    assert results[2] is None
+    _agree(results)
+    assert results[0].members == ids[:2] and torch.equal(results[0].gradients[0], torch.full((300,), 2.0))
+
+
+def test_a_call_from_outside_the_group_or_for_another_part_is_refused():
+    """An Average call whose sender is not in its own group, or that names another run: a verdict naming why."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(2, spec) as (members, servers):
+        loop = members[0][1].loop
+
+        async def call(header):
+            channel = grpc.aio.insecure_channel(servers[0].endpoint)
+            method = channel.stream_stream(
+                "/swarmtrain.Averaging/Average",
+                request_serializer=averaging_pb2.AverageFrame.SerializeToString,
+                response_deserializer=averaging_pb2.AverageFrame.FromString,
+            )
+            stream = method(timeout=5)
+            await stream.write(averaging_pb2.AverageFrame(header=header))
+            frame = await stream.read()
+            await channel.close()
+            return frame.verdict
+
+        stranger = averaging_pb2.Contribution(peer_id="stranger", samples=5)
+        outside = averaging_pb2.AverageHeader(run_id="test", epoch=0, group=[members[0][0]], sender=stranger)
+        verdict = asyncio.run_coroutine_threadsafe(call(outside), loop).result(10)
+        assert not verdict.ok and "not an admitted replica" in verdict.reason
+        other = averaging_pb2.AverageHeader(run_id="other", epoch=0, group=[members[0][0], "stranger"], sender=stranger)
+        verdict = asyncio.run_coroutine_threadsafe(call(other), loop).result(10)
+        assert not verdict.ok and "run_id" in verdict.reason
 
 
 def test_weights_are_capped_claims_and_the_robust_aggregates_ignore_a_minority():
@@ -158,29 +279,13 @@ def test_weights_are_capped_claims_and_the_robust_aggregates_ignore_a_minority()
     assert torch.isfinite(aggregate(broken, weights, "clipped")).all()
 
 
-def test_a_round_that_lost_anything_is_a_failed_round():
-    """hivemind reports success for a round whose results came back in part, or whose parts this peer
-    reduced without a sender that failed mid-stream; both are failures here (the other side fails too)."""
-    from types import SimpleNamespace
-
-    def runner(failed_size=0, banned=()):
-        return SimpleNamespace(
-            tensor_part_container=SimpleNamespace(failed_size=failed_size), banned_senders=set(banned)
-        )
-
-    assert round_loss(None) is None
-    assert round_loss(runner()) is None
-    assert "only part" in round_loss(runner(failed_size=128))
-    assert "without the tensors of ['QmPeer']" in round_loss(runner(banned=["QmPeer"]))
-
-
 @pytest.fixture(scope="module")
 def local_pair():
     """Two replicas in local mode (DiLoCo) whose pseudo-gradients travel as int4, on two DHT nodes."""
     spec = RunSpec.from_dict(
         {"averaging": {**SPEC["averaging"], "mode": "local"}, "compression": {"averaging": "int4", "block_size": 16}}
     )
-    with _averagers(2, spec, "local") as pair:
+    with _averagers(2, spec) as (pair, _):
         yield pair
 
 
@@ -190,11 +295,9 @@ def _local_rounds(pair, deltas, epochs) -> list[torch.Tensor]:
     ids = [pid for pid, _ in pair]
     applied = [torch.zeros_like(d) for d in deltas[0]]
     for epoch in epochs:
+        _EPOCH[0] = epoch
         with ThreadPoolExecutor(2) as pool:
-            futures = [
-                pool.submit(_staggered, i, averager.average, deltas[i], 10, epoch, ids)
-                for i, (_, averager) in enumerate(pair)
-            ]
+            futures = [pool.submit(averager.average, deltas[i], 10, epoch, ids) for i, (_, averager) in enumerate(pair)]
             results = [f.result(timeout=60) for f in futures]
         assert all(r is not None for r in results), results
         applied = [a + g for a, g in zip(applied, results[0].gradients, strict=True)]
@@ -216,9 +319,10 @@ def test_local_mode_sends_what_the_codec_rounded_off_in_the_next_round(local_pai
     for total, d, r in zip(applied, delta, residual, strict=True):
         assert torch.allclose(total, 4 * d - r, atol=1e-5), (total - (4 * d - r)).abs().max()
     # a round at an epoch the residual is not for (the replica loaded another's state meanwhile) sends none
-    assert torch.equal(codec.roundtrip(delta[0]), local_pair[0][1]._rounded(delta, 9)[0][0])
+    flat = torch.cat([d.reshape(-1) for d in delta])
+    assert torch.equal(codec.roundtrip(flat)[:64], local_pair[0][1]._rounded(delta, 9)[0][0])
     # rounded the same way without feedback, the 4 rounds would have summed to 4 x the rounded delta: 4 times its
     # rounding error, where the feedback leaves one rounding's worth (the last residual)
     missed = math.sqrt(sum(float(((t - 4 * d) ** 2).sum()) for t, d in zip(applied, delta, strict=True)))
-    unfed = math.sqrt(sum(float(((4 * codec.roundtrip(d) - 4 * d) ** 2).sum()) for d in delta))
+    unfed = math.sqrt(float(((4 * codec.roundtrip(flat) - 4 * flat) ** 2).sum()))
     assert missed < 0.5 * unfed, (missed, unfed)

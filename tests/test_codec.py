@@ -121,67 +121,49 @@ def test_int8_bad_headers_name_the_problem():
 
 
 @pytest.mark.parametrize(
-    ("name", "tolerance"), [("bf16", 1e-2), ("int8", 1.0 / 254), ("fp16", 1e-3), ("int4", 1.0 / 14)]
+    ("name", "tolerance"), [("bf16", 1e-2), ("int8", 1.0 / 254), ("fp16", 1e-3), ("int4", 1.0 / 14), ("none", 0.0)]
 )
-def test_averaging_codecs_roundtrip_through_hivemind(name, tolerance):
-    from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+def test_averaging_pieces_roundtrip(name, tolerance):
+    from peer.server.piece_codec import PieceCodec
 
-    from peer.server.averaging_codec import averaging_codec
-
-    chosen = averaging_codec(name, block_size=64)
-    t = torch.randn(1000, 3)
-    message = chosen.compress(t, CompressionInfo.from_tensor(t))
-    out = deserialize_torch_tensor(message)  # as the receiving peer decodes it
-    assert out.shape == t.shape and out.dtype == t.dtype
+    chosen = PieceCodec(name, block_size=64)
+    t = torch.randn(3000)
+    data = chosen.encode(t)
+    assert len(data) == chosen.size(t.numel())
+    expected = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}[name]
+    assert len(data) <= t.numel() * expected + 8
+    out = chosen.decode(data, t.numel())
+    assert out.shape == t.shape and out.dtype == torch.float32
     assert (out - t).abs().max() <= tolerance * t.abs().max() * 1.01
-    # the reducer sends the averaged delta back with the codec registered for the part's type
-    back = deserialize_torch_tensor(serialize_torch_tensor(t, message.compression))
-    assert (back - t).abs().max() <= tolerance * t.abs().max() * 1.01
-    expected = {"fp16": 2, "bf16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}[name]
-    assert len(message.buffer) <= t.numel() * expected + 16
 
 
-def test_averaging_parts_from_a_peer_are_checked_before_anything_is_allocated():
-    """A hostile group member's part: a block size of 2^32-1 in 5 bytes once made the receiver allocate ~16 GiB,
-    and its dtype string was looked up in torch. Both are refused with a clear error, before any allocation."""
-    import struct
+def test_averaging_pieces_from_a_peer_are_checked_before_anything_is_allocated():
+    """A hostile member's piece: its size must be what the owner's own element count makes of it, whatever it
+    holds (the owner allocates by its own count, never by what the piece says)."""
+    from peer.server.piece_codec import PieceCodec, PieceError
 
-    from hivemind.compression import CompressionInfo
-    from hivemind.proto import runtime_pb2
-
-    from peer.server.averaging_codec import averaging_codec
-
-    chosen = averaging_codec("int8", block_size=64)
-    good = chosen.compress(torch.randn(100), CompressionInfo.from_tensor(torch.randn(100)))
-
-    def part(buffer: bytes, size=(1,), dtype="float32") -> runtime_pb2.Tensor:
-        return runtime_pb2.Tensor(compression=good.compression, buffer=buffer, size=size, dtype=dtype)
-
-    with pytest.raises(ValueError, match="blocks of 4294967295; this run's codec is int8 in blocks of 64"):
-        chosen.extract(part(struct.pack("<BI", 2, 2**32 - 1) + b"\0" * 5))
-    with pytest.raises(ValueError, match="dtype 'load'"):
-        chosen.extract(part(good.buffer, size=good.size, dtype="load"))
-    with pytest.raises(ValueError, match="has no header"):
-        chosen.extract(part(b"\2"))
-    with pytest.raises(ValueError, match="bytes for"):
-        chosen.extract(part(good.buffer, size=[2**30]))
-    assert chosen.extract(good).shape == (100,)
+    for name in ("none", "fp16", "int8", "int4"):
+        chosen = PieceCodec(name, block_size=64)
+        good = chosen.encode(torch.randn(100))
+        with pytest.raises(PieceError, match="not"):
+            chosen.decode(good + b"\0", 100)
+        with pytest.raises(PieceError, match="not"):
+            chosen.decode(good, 2**30)
+        assert chosen.decode(good, 100).shape == (100,)
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 64, 65, 1001])
 def test_int4_rounds_each_element_within_half_a_step_of_its_block(numel):
     """Codes -7..7 of each block's absmax / 7, two a byte: an odd count pads the last byte, a block of zeros stays 0,
     and a block with a NaN decodes to NaN (refused downstream as the raw tensor would be)."""
-    from hivemind.compression import CompressionInfo
+    from peer.server.piece_codec import PieceCodec
 
-    from peer.server.averaging_codec import averaging_codec
-
-    chosen = averaging_codec("int4", block_size=16)
+    chosen = PieceCodec("int4", block_size=16)
     t = torch.randn(numel) * torch.logspace(-3, 3, numel) if numel else torch.empty(0)
-    message = chosen.compress(t, CompressionInfo.from_tensor(t))
+    data = chosen.encode(t)
     blocks = -(-numel // 16)
-    assert len(message.buffer) == 5 + 4 * blocks + (numel + 1) // 2  # header, scales, nibbles
-    out = chosen.extract(message)
+    assert len(data) == 4 * blocks + (numel + 1) // 2  # scales, nibbles
+    out = chosen.decode(data, numel)
     assert out.shape == t.shape
     for start in range(0, numel, 16):
         block, got = t[start : start + 16], out[start : start + 16]
@@ -190,22 +172,17 @@ def test_int4_rounds_each_element_within_half_a_step_of_its_block(numel):
     zeros[35] = math.nan
     back = chosen.roundtrip(zeros)
     assert torch.equal(back[:32], torch.zeros(32)) and back[32:].isnan().all()
-    with pytest.raises(ValueError, match="int4 part has"):
-        message.size[:] = [numel + 3]
-        chosen.extract(message)
 
 
-def test_a_tensor_rounded_by_an_averaging_codec_crosses_hiveminds_parts_unchanged():
-    """hivemind splits a long tensor into parts and compresses each on its own: the codec's size estimate makes every
-    part whole blocks, so a tensor local mode already rounded (error feedback) is not rounded again on its way."""
-    from hivemind.averaging.partition import TensorPartContainer
-
-    from peer.server.averaging_codec import averaging_codec
+def test_a_tensor_rounded_by_an_averaging_codec_crosses_the_pieces_unchanged():
+    """The all-reduce cuts the flat vector into pieces of whole blocks and encodes each on its own: a vector local
+    mode already rounded (error feedback) is not rounded again on its way to the owner."""
+    from peer.server.piece_codec import PieceCodec
+    from peer.server.slicing import piece_bounds, slice_bounds
 
     for name in ("int4", "int8"):
-        chosen = averaging_codec(name, block_size=128)
+        chosen = PieceCodec(name, block_size=128)
         rounded = chosen.roundtrip(torch.randn(2_500_000) * torch.linspace(0.01, 10, 2_500_000))
-        parts = TensorPartContainer([rounded], [1.0], compression=chosen).get_raw_input_parts(0)
-        assert len(parts) > 1
-        assert all(len(part) % 128 == 0 for part in parts[:-1])
-        assert torch.equal(torch.cat([chosen.roundtrip(part) for part in parts]), rounded)
+        pieces = [p for lo, hi in slice_bounds(rounded.numel(), 3, 128) for p in piece_bounds(lo, hi, 128 * 1000)]
+        assert len(pieces) > 3 and all(lo % 128 == 0 for lo, _ in pieces)
+        assert torch.equal(torch.cat([chosen.roundtrip(rounded[lo:hi]) for lo, hi in pieces]), rounded)

@@ -131,7 +131,6 @@ SWARM_SPEC = {
         "mode": "local",
         "inner_steps": 4,
         "inner_batch_size": 8,
-        "min_matchmaking_time": 3.0,
         "request_timeout": 2.0,
         "averaging_timeout": 10.0,
         "group_timeout": 5.0,  # a round with the stopped replica gives up after 5 s

@@ -30,7 +30,7 @@ SPEC = {
         "lr": 0.003,
         "warmup_steps": 2,
     },
-    "averaging": {"min_matchmaking_time": 3.0, "request_timeout": 2.0, "averaging_timeout": 8.0},
+    "averaging": {"request_timeout": 2.0, "averaging_timeout": 8.0},
 }
 
 

@@ -48,7 +48,7 @@ SPEC = {
         "warmup_steps": 2,
     },
     "moe": {"num_experts": 4, "top_k": 2, "layers": [1]},
-    "averaging": {"min_matchmaking_time": 2.0, "averaging_timeout": 8.0},
+    "averaging": {"averaging_timeout": 8.0},
 }
 
 

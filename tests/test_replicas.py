@@ -20,7 +20,7 @@ SPEC = {
         "lr": 0.003,
         "warmup_steps": 2,
     },
-    "averaging": {"min_matchmaking_time": 5.0, "request_timeout": 3.0, "averaging_timeout": 10.0, "drain_limit": 1.0},
+    "averaging": {"request_timeout": 3.0, "averaging_timeout": 10.0, "drain_limit": 1.0},
 }
 
 

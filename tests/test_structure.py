@@ -192,3 +192,21 @@ def test_catch_alls_say_why_and_never_hide_the_error():
             if quiet:
                 wrong.append(f"{where}: logs what it caught at {quiet[0]} (WARNING or above, or let it raise)")
     assert not wrong, "catch-alls:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_runtime_uses_hivemind_for_its_dht_alone():
+    """hivemind is the DHT (dht.node); replicas average through our own all-reduce (peer.server.allreduce), so no
+    module of ours imports hivemind's averaging, its compression or its internals beyond the DHT."""
+    allowed = ("hivemind", "hivemind.dht", "hivemind.p2p", "hivemind.utils")
+    wrong = []
+    for path in _sources(CHECKED).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            wrong += [
+                f"{path.relative_to(ROOT)}: {name}"
+                for name in names
+                if name.split(".")[0] == "hivemind" and not name.startswith(allowed[1:]) and name != "hivemind"
+            ]
+    assert not wrong, "modules of ours that import hivemind beyond its DHT:\n" + "\n".join(wrong)

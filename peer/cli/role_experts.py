@@ -20,7 +20,6 @@ from peer.server.expert_host import (
     expert_counts,
     parse_expert_choice,
 )
-from peer.server.replica import Part
 
 
 def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, coordinator: str | None = None) -> None:
@@ -44,10 +43,8 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, co
             runtime.throughput = rate
             runtime.configure_clipping(cfg.server.clip_factor, cfg.server.clip_window)
         print(f"Measured {rate:.0f} tokens/s per expert on this machine.", flush=True)
-        # hivemind's averagers fork: create them before any gRPC channel or server
-        for uid, runtime in runtimes.items():
-            prefix = Part(0, uid).averaging_prefix(spec.name)
-            averagers[uid] = GradientAverager(dht, prefix, runtime.params, spec)
+        for uid in runtimes:
+            averagers[uid] = GradientAverager(spec)
         host = ExpertHost(spec, cfg, dht, runtimes, averagers)
         metrics = open_metrics(cfg, "expert host", lambda: _host_levels(host))
         host.metrics = metrics

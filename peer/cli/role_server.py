@@ -8,7 +8,6 @@ import sys
 
 import torch
 
-from dht import keys
 from dht.identity import Identity
 from peer.cli.join import connect, follow_admission, rejoin_argv, until_signalled
 from peer.config import ConfigError, PeerConfig, RunSpec
@@ -64,9 +63,7 @@ def run_server(
         runtime.perturb_outputs = cfg.server.perturb_outputs
         if cfg.server.perturb_outputs:
             print(f"DRILL: this server adds noise (std {cfg.server.perturb_outputs:g}) to its outputs.", flush=True)
-        # hivemind's averager forks: create it before any gRPC channel or server, and before the other ranks
-        template = runtime.full_template() if ranks is not None else runtime.params
-        averager = GradientAverager(dht, keys.averaging_prefix(spec.name, stage), template, spec)
+        averager = GradientAverager(spec)
         if ranks is not None:
             ranks.start_group(runtime.tp, cfg.parallel.collective_timeout)
             print(

@@ -124,14 +124,16 @@ class CompressionConfig:
 
 @dataclass
 class AveragingConfig:
-    min_matchmaking_time: float = (
-        5.0  # s a group leader waits at most for missing replicas (a full group starts at once)
-    )
-    request_timeout: float = 3.0  # s for one matchmaking request; short ones break groups on a loaded machine
-    averaging_timeout: float = 30.0  # s for a whole round (matchmaking + all-reduce) before it fails
-    # s a round waits for its whole group (the replicas it expects) to assemble before it fails: a group
-    # that is not whole after the matchmaking window seldom becomes whole (at most averaging_timeout)
+    request_timeout: float = 3.0  # s for one round invitation (peer.server.replica_round caps it at 2)
+    averaging_timeout: float = 30.0  # s for one all-reduce call between two members before it fails
+    # s an owner waits for every member's first frame (and for its own round to start): members reach a round
+    # at their own pace (a drain, the DHT announcement); one not there by then is left out of the attempt
     group_timeout: float = 10.0
+    # s without bytes from a member whose pieces are due: it is taken for stopped or cut off, and the round goes
+    # on without it (a dead member's refused or reset connection is seen at once)
+    read_timeout: float = 5.0
+    max_attempts: int = 3  # tries of a round, each without the members the one before lost (a quorum stays)
+    piece_bytes: int = 1 << 20  # bytes of float32 per piece the all-reduce streams, reduces and encodes at once
     max_group_size: int = 32  # most replicas averaged in one group
     # a group's mean whose norm is more than this times the median of the last accepted means (before 4 of
     # them: this replica's own) is refused here, a round that failed (a member sent poison); 0: no check
@@ -418,19 +420,13 @@ class RunSpec:
             raise ConfigError(f"averaging.aggregate: must be one of {', '.join(AGGREGATES)}, got {a.aggregate!r}")
         if not a.max_weight_ratio >= 0:
             raise ConfigError(f"averaging.max_weight_ratio: must be >= 0 (0: no cap), got {a.max_weight_ratio}")
-        for name in ("min_matchmaking_time", "request_timeout", "averaging_timeout"):
+        for name in ("request_timeout", "averaging_timeout", "group_timeout", "read_timeout"):
             if not getattr(a, name) > 0:
                 raise ConfigError(f"averaging.{name}: must be positive, got {getattr(a, name)}")
-        if not a.averaging_timeout > a.min_matchmaking_time:
-            raise ConfigError(
-                f"averaging.averaging_timeout: must be longer than averaging.min_matchmaking_time "
-                f"({a.min_matchmaking_time:g} s), got {a.averaging_timeout:g}"
-            )
-        if not a.group_timeout > a.min_matchmaking_time:
-            raise ConfigError(
-                f"averaging.group_timeout: must be longer than averaging.min_matchmaking_time "
-                f"({a.min_matchmaking_time:g} s), got {a.group_timeout:g}"
-            )
+        if not 1 <= a.max_attempts <= 16:
+            raise ConfigError(f"averaging.max_attempts: must be within 1..16, got {a.max_attempts}")
+        if not 4096 <= a.piece_bytes <= 64 << 20:
+            raise ConfigError(f"averaging.piece_bytes: must be within 4096..{64 << 20}, got {a.piece_bytes}")
         if not 2 <= a.max_group_size <= 1023:
             raise ConfigError(f"averaging.max_group_size: must be within 2..1023, got {a.max_group_size}")
 

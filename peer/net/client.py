@@ -11,11 +11,12 @@ from typing import Any
 import grpc
 import torch
 
-from protocols import codec, expert_pb2, framing, stage_pb2, stage_pb2_grpc
+from protocols import averaging_pb2, codec, expert_pb2, framing, stage_pb2, stage_pb2_grpc
 from protocols.failures import reason_of
 
 SERVICE = "swarmtrain.Stage"
 EXPERT_SERVICE = "swarmtrain.Expert"
+AVERAGE_METHOD = "/swarmtrain.Averaging/Average"  # replicas' all-reduce (peer.server.allreduce)
 
 GRPC_OPTIONS_BASE = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -237,6 +238,16 @@ class StageClient:
             for i, item in enumerate(response.tensors)
         }
         return json.loads(response.metadata_json), tensors
+
+    def average(self, endpoint: str, peer: str, timeout: float):
+        """An open bidirectional Average call to the replica `peer` (peer.server.allreduce), frames as messages."""
+        channel, _ = self._channel(endpoint, peer)
+        method = channel.stream_stream(
+            AVERAGE_METHOD,
+            request_serializer=averaging_pb2.AverageFrame.SerializeToString,
+            response_deserializer=averaging_pb2.AverageFrame.FromString,
+        )
+        return method(timeout=timeout)
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():

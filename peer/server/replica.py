@@ -53,6 +53,7 @@ from peer.server.replica_handover import Handover
 from peer.server.replica_round import Rounds
 from peer.server.replica_state import StateTransfer
 from peer.server.replica_step import Stepping
+from protocols import averaging_pb2
 from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
@@ -113,9 +114,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.failpoints = Failpoints.from_env()  # off unless a test names some (peer.process.failpoints)
         self.inflight = 0
         self.inflight_bytes = 0  # decoded request tensors held by the requests running (server.max_inflight_bytes)
-        self.leaving = False
-        self.state = "joining"
-        self.stepping = False
+        self.leaving, self.state, self.stepping = False, "joining", False
         self.forwards_open = _opened()  # cleared while a step drains (peer.server.replica_round): forwards wait
         self._stepped = asyncio.Event()  # set when this replica finishes a step (synchronous mode's forwards wait)
         self._inner_queued = False  # local mode: an inner step is queued on the torch thread
@@ -146,12 +145,32 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
         self.metrics = None  # peer.net.metrics.Metrics of this process, when it serves them
+        self._bind_averager(averager)
         self.uplink = None  # peer.net.uplink.Uplink: reachability, and the relay it is served through if any
         try:
             self.dht_maddrs = dht.visible_maddrs()  # announced, for a restarted coordinator to rejoin through
         except Exception as e:  # the DHT node may not say yet: announced without addresses
             logger.warning("%s: the DHT node does not say its addresses (%s); announcing none", self.label, e)
             self.dht_maddrs = []
+
+    def _bind_averager(self, averager: GradientAverager | None) -> None:
+        """What the all-reduce needs of this replica: who we are, where partners are, who may average with us."""
+        if averager is None:
+            return
+        header = averaging_pb2.AverageHeader(run_id=self.run_id, stage=self.stage, expert=self.part.expert)
+
+        def endpoint_of(peer: str) -> str | None:
+            record = self.peers.get(peer)
+            return record.endpoint if record is not None else None
+
+        def admitted(peer: str) -> bool:
+            # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate), less
+            # those this replica caught lying (peer.server.replica_state)
+            return self.dht.gate is None or (peer in self.peers and peer not in self._distrusted)
+
+        averager.allreduce.bind(
+            None, self.client, self.dht.peer_id, endpoint_of, header, lambda: self.runtime.epoch, admitted
+        )
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""

@@ -159,6 +159,7 @@ class Rounds:
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         # (less those this replica caught lying: peer.server.replica_state)
         admitted = {self.dht.peer_id, *self.peers} - self._distrusted if self.dht.gate is not None else None
+        self.averager.loop = asyncio.get_running_loop()  # the all-reduce runs here; the round thread waits for it
         round_future = self.round_executor.submit(
             self.averager.average, grads, samples, epoch, expected, admitted, (incarnation, seq)
         )

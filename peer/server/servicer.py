@@ -21,11 +21,13 @@ from peer.model.part import BadGradient
 from peer.model.runtime import InputError, Late, RankDied
 from peer.net.guard import CALLER
 from peer.net.refusal import Refused, refuse
+from peer.server.allreduce import first_header
 from peer.server.replica import Replica
-from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols import averaging_pb2, codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
+AVERAGING_SERVICE = "swarmtrain.Averaging"  # replicas' all-reduce (protocols/averaging.proto)
 
 
 class ServicerBase:
@@ -267,6 +269,30 @@ class ServicerBase:
         joining = replica.join_round(request.epoch, inviter)
         return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
 
+    async def Average(self, frames, context):
+        """A partner replica's all-reduce call (peer.server.allreduce), for the part its header names."""
+        try:
+            header = await first_header(frames, self.server.spec.averaging.group_timeout)
+        except ValueError as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), Reason.BAD_INPUT)
+        try:
+            replica = self._replica(header.run_id, header.stage, header.expert)
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        if replica.averager is None:
+            await refuse(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "this replica does not average", Reason.WRONG_PART
+            )
+        if len(header.group) > self.server.spec.averaging.max_group_size:
+            await refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"group: {len(header.group)} members, more than averaging.max_group_size",
+                Reason.BAD_INPUT,
+            )
+        async for frame in replica.averager.allreduce.serve(header, frames, CALLER.get()):
+            yield frame
+
     async def GetState(self, request_bytes: bytes, context):
         try:
             request = stage_pb2.StateRequest.FromString(request_bytes)
@@ -416,3 +442,7 @@ def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
     handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
     handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(servicer.SERVICE, handlers),))
+    average = grpc.stream_stream_rpc_method_handler(
+        servicer.Average, response_serializer=averaging_pb2.AverageFrame.SerializeToString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(AVERAGING_SERVICE, {"Average": average}),))

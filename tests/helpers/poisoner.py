@@ -19,9 +19,9 @@ from peer.server.averaging import GradientAverager
 def poisoning(value: float):
     send = GradientAverager._round
 
-    def poisoned(self, gradients, samples, epoch, expected, admitted, gather):
-        print(f"POISONER sent step {epoch} with {samples} samples", flush=True)
-        return send(self, [torch.full_like(g, value) for g in gradients], samples, epoch, expected, admitted, gather)
+    def poisoned(self, gradients, me, epoch, group):
+        print(f"POISONER sent step {epoch} with {me.samples} samples", flush=True)
+        return send(self, [torch.full_like(g, value) for g in gradients], me, epoch, group)
 
     return poisoned
 

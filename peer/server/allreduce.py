@@ -1,0 +1,370 @@
+"""The butterfly all-reduce of one part's replicas, over our own gRPC path, in the peer's own process.
+
+A round's group (fixed by the replicas' own round protocol: peer.server.replica_round) is a sorted list of
+peer ids; the part's tensors, taken as one flat float32 vector, are cut into one slice per member (whole
+codec blocks each), and member i owns slice i. Each member opens one bidirectional `Average` call
+(protocols/averaging.proto) to every other owner and streams its own values of that owner's slice, piece
+by piece (averaging.piece_bytes); the owner reduces each piece as soon as every member's copy of it is in
+(the sample-weighted mean, or a robust aggregate: peer.server.robust), encodes it once, takes its own copy
+from those very bytes, and streams it back to every member on their calls. Reduce-scatter and all-gather
+overlap, piece by piece, and every member ends with bit-equal averages.
+
+Faults. A member that dies (its connection refused or reset), stops (no bytes within averaging.read_timeout
+once its pieces are due) or sends a piece of the wrong size or with values that are not finite is *lost*:
+the owner that saw it ends its slice with a verdict naming it, a member that gives up on an attempt tells
+every owner whom it lost, and the survivors run the round again at once (the next `attempt`) without them,
+from their own tensors (nothing is changed before a round succeeds). A round steps only with a quorum
+(more than half of the group it started with), and only when every owner's verdict reports the same
+contributions: the step counts exactly the samples of the members in it, and trainers replay the rest.
+
+Bounds. An owner allocates pieces by its own tensors' size (a header whose total differs is refused), reads
+at most its slice's pieces from each member, and keeps at most `MAX_ROUNDS` rounds' state."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key
+from peer.server.piece_codec import PieceCodec, PieceError
+from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
+from protocols import averaging_pb2
+
+logger = logging.getLogger(__name__)
+MAX_ROUNDS = 8  # (epoch, attempt) states an owner keeps: the newest rounds only
+
+
+@dataclass
+class Outcome:
+    """A round that succeeded: the average (views of one flat buffer, shaped as the tensors) and what it counts."""
+
+    averaged: list[torch.Tensor]
+    gathered: list[averaging_pb2.Contribution]  # every member's, in group order
+    attempts: int
+
+
+class AllReduce:
+    """Runs this replica's rounds and serves its partners' calls, on the replica's event loop."""
+
+    def __init__(self, limits: Limits, codec: PieceCodec, block_size: int):
+        self.limits, self.codec, self.block_size = limits, codec, block_size
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="allreduce")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client = None
+        self.peer_id = ""
+        self.endpoint_of: Callable[[str], str | None] = lambda peer: None
+        self.header_base = averaging_pb2.AverageHeader()
+        self.epoch_now: Callable[[], int] = lambda: 0
+        self.admitted: Callable[[str], bool] = lambda peer: True
+        self._slices: collections.OrderedDict[tuple[int, int], OwnedSlice] = collections.OrderedDict()
+        self._started: dict[tuple[int, int], asyncio.Event] = {}
+        self._stepped: collections.OrderedDict[int, list[str]] = collections.OrderedDict()  # epoch -> its group
+        self.total = 0
+
+    def bind(self, loop, client, peer_id: str, endpoint_of, header: averaging_pb2.AverageHeader, epoch_now, admitted):
+        """Set once the replica serves: its loop, client (TLS pinning), peer id, partners' endpoints, part."""
+        self.loop, self.client, self.peer_id, self.endpoint_of = loop, client, peer_id, endpoint_of
+        self.header_base, self.epoch_now, self.admitted = header, epoch_now, admitted
+
+    # ---- a round, as a member ------------------------------------------------------------------
+    async def round(self, tensors: list[torch.Tensor], me: averaging_pb2.Contribution, epoch: int, group: list[str]):
+        """Average `tensors` with `group` (peer ids, ours included) for `epoch`: an Outcome, or None if it failed."""
+        flat = Flat(tensors)
+        self.total = flat.numel
+        out = torch.empty(flat.numel, dtype=torch.float32)
+        group, quorum = sorted(set(group)), len(set(group)) // 2 + 1
+        for attempt in range(self.limits.max_attempts):
+            if self.peer_id not in group or len(group) < max(2, quorum):
+                logger.warning("averaging for step %d: %d of the %d members left, no quorum", epoch, len(group), quorum)
+                return None
+            run = Attempt(epoch, attempt, group, me, flat, out)
+            try:
+                gathered = await self._attempt(run)
+            except Failed as e:
+                logger.warning("averaging for step %d, attempt %d, failed: %s", epoch, attempt, e.reason)
+                if e.stepped:
+                    return None
+                group = sorted((set(group) - e.lost) & set(e.group or group))
+                continue
+            self._remember_stepped(epoch, group)
+            averaged, offset = [], 0
+            for t in tensors:
+                averaged.append(out[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            return Outcome(averaged, gathered, attempt + 1)
+        return None
+
+    async def _attempt(self, run: Attempt) -> list[averaging_pb2.Contribution]:
+        bounds = slice_bounds(run.flat.numel, len(run.group), self.block_size)
+        mine = run.group.index(self.peer_id)
+        owned = OwnedSlice(run, bounds[mine], self.limits, self.codec, self.pool)
+        self._open(run.epoch, run.attempt, owned)
+        reducer = asyncio.ensure_future(owned.reduce())
+        calls = {
+            owner: asyncio.ensure_future(self._exchange(run, owner, bounds[i]))
+            for i, owner in enumerate(run.group)
+            if owner != self.peer_id
+        }
+        try:
+            verdicts = await self._verdicts(run, calls, owned, reducer)
+        finally:
+            for task in calls.values():
+                task.cancel()
+        return self._agreed(run, verdicts)
+
+    async def _verdicts(self, run: Attempt, calls: dict, owned: OwnedSlice, reducer) -> dict[str, object]:
+        """Every owner's verdict (ours too); on the first failure, tell the others whom this attempt lost."""
+        verdicts: dict[str, object] = {}
+        pending = {reducer: self.peer_id, **{task: owner for owner, task in calls.items()}}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                owner = pending.pop(task)
+                verdicts[owner] = owned.verdict() if task is reducer else task.result()
+            failure = next((v for v in verdicts.values() if isinstance(v, Failed)), None)
+            failure = failure or next(
+                (Failed(set(v.lost), v.reason, list(v.group)) for v in verdicts.values() if _failed(v)), None
+            )
+            if failure is not None:
+                run.lost |= failure.lost
+                await owned.fail(failure)
+                raise failure
+        return verdicts
+
+    def _agreed(self, run: Attempt, verdicts: dict) -> list[averaging_pb2.Contribution]:
+        """The contributions every owner reduced with: the same on all, or whoever told them apart is lost."""
+        seen: dict[str, set[tuple]] = collections.defaultdict(set)
+        for verdict in verdicts.values():
+            for c in verdict.gathered:
+                seen[c.peer_id].add(contribution_key(c))
+        liars = {p for p in run.group if len(seen.get(p, ())) != 1}
+        if liars:
+            raise Failed(liars, f"members told owners different contributions: {sorted(liars)}")
+        return list(verdicts[self.peer_id].gathered)
+
+    async def _exchange(self, run: Attempt, owner: str, bounds: tuple[int, int]):
+        """Our pieces of `owner`'s slice out, its averaged pieces in: its verdict, or Failed."""
+        endpoint = self.endpoint_of(owner)
+        if not endpoint:
+            return Failed({owner}, f"{owner}: no endpoint known")
+        call = self.client.average(endpoint, owner, self.limits.round_timeout)
+        pieces = piece_bounds(*bounds, self.limits.piece_elements)
+        writer = asyncio.ensure_future(self._send(call, run, pieces))
+        try:
+            return await self._receive(call, run, owner, pieces)
+        except grpc.aio.AioRpcError as e:
+            return Failed({owner}, f"{owner}: {e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            # this attempt failed elsewhere: say whom it lost before the call goes, so the owner does not take us
+            with contextlib.suppress(Exception):
+                writer.cancel()
+                verdict = averaging_pb2.AverageVerdict(ok=False, lost=sorted(run.lost), reason="attempt given up")
+                await asyncio.wait_for(call.write(averaging_pb2.AverageFrame(verdict=verdict)), 0.5)
+            call.cancel()
+            raise
+        finally:
+            writer.cancel()
+
+    async def _send(self, call, run: Attempt, pieces) -> None:
+        header = averaging_pb2.AverageHeader()
+        header.CopyFrom(self.header_base)
+        header.epoch, header.attempt, header.total_elements = run.epoch, run.attempt, run.flat.numel
+        header.group.extend(run.group)
+        header.sender.CopyFrom(run.me)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(Exception):  # the call ended (the owner answered, or it broke): the reader says
+            await call.write(averaging_pb2.AverageFrame(header=header))
+            for start, end in pieces:
+                data = await loop.run_in_executor(
+                    self.pool, lambda s=start, e=end: self.codec.encode(run.flat.read(s, e))
+                )
+                await call.write(averaging_pb2.AverageFrame(piece=data))
+            await call.done_writing()
+
+    async def _receive(self, call, run: Attempt, owner: str, pieces):
+        loop = asyncio.get_running_loop()
+        received, first = 0, True
+        while True:
+            wait = self.limits.group_timeout + self.limits.read_timeout if first else self.limits.read_timeout
+            try:
+                frame = await asyncio.wait_for(call.read(), wait)
+            except TimeoutError:
+                return Failed({owner}, f"{owner}: nothing in {wait:.1f} s")
+            first = False
+            if frame is grpc.aio.EOF:
+                return Failed({owner}, f"{owner}: the call ended without a verdict")
+            kind = frame.WhichOneof("body")
+            if kind == "verdict":
+                if frame.verdict.ok and received != len(pieces):
+                    return Failed({owner}, f"{owner}: a verdict after {received} of {len(pieces)} pieces")
+                if frame.verdict.stepped:
+                    return Failed(set(), f"{owner} already stepped this round", stepped=True)
+                if frame.verdict.total_elements and frame.verdict.total_elements != run.flat.numel:
+                    # sizes differ: whoever differs from us is the odd one, as far as we can tell
+                    return Failed({owner}, f"{owner} holds {frame.verdict.total_elements} elements, not ours")
+                return frame.verdict
+            if kind != "piece" or received >= len(pieces):
+                return Failed({owner}, f"{owner}: sent a frame it should not ({kind})")
+            start, end = pieces[received]
+            try:
+                values = await loop.run_in_executor(self.pool, self.codec.decode, frame.piece, end - start)
+            except PieceError as e:
+                return Failed({owner}, f"{owner}: {e}")
+            run.out[start:end] = values
+            received += 1
+
+    # ---- the owner's side: partners' calls -------------------------------------------------------
+    def _open(self, epoch: int, attempt: int, owned: OwnedSlice) -> None:
+        key = (epoch, attempt)
+        self._slices[key] = owned
+        self._started.setdefault(key, asyncio.Event()).set()
+        while len(self._slices) > MAX_ROUNDS:
+            old, _ = self._slices.popitem(last=False)
+            self._started.pop(old, None)
+
+    def _remember_stepped(self, epoch: int, group: list[str]) -> None:
+        self._stepped[epoch] = group
+        while len(self._stepped) > MAX_ROUNDS:
+            self._stepped.popitem(last=False)
+
+    async def _slice_for(self, header: averaging_pb2.AverageHeader) -> OwnedSlice:
+        """The slice a partner's call is for, once our own round reaches that attempt; Failed otherwise."""
+        epoch, key = header.epoch, (header.epoch, header.attempt)
+        if epoch in self._stepped:
+            raise Failed(set(), f"this replica already stepped {epoch}", self._stepped[epoch], stepped=True)
+        now = self.epoch_now()
+        # a partner may invite us while we still apply the step before (peer.server.replica_round.join_round)
+        if not now <= epoch <= now + 1 or header.attempt >= self.limits.max_attempts:
+            raise Failed(set(), f"this replica is at step {now}, not {epoch} (attempt {header.attempt})")
+        if key not in self._slices:
+            if key not in self._started and len(self._started) >= 2 * MAX_ROUNDS:
+                raise Failed(set(), "too many rounds waited for at once")
+            event = self._started.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), self.limits.group_timeout)
+            except TimeoutError:
+                self._started.pop(key, None)
+                raise Failed(set(), f"this replica did not start attempt {header.attempt} of step {epoch}") from None
+        owned = self._slices.get(key)
+        if owned is None:
+            raise Failed(set(), "the round is over here")
+        return owned
+
+    async def serve(self, header: averaging_pb2.AverageHeader, frames, caller: str):
+        """A partner's Average call (its header read, `frames` the rest): its pieces of our slice in, the averaged
+        pieces out, then our verdict."""
+        sender = header.sender.peer_id
+        if caller and caller != sender:
+            yield _refusal(f"the call comes from {caller}, not from {sender}")
+            return
+        if not self.admitted(sender) or sender not in header.group or header.sender.peer_id == self.peer_id:
+            yield _refusal(f"{sender} is not an admitted replica of this part in this round")
+            return
+        for field_name in ("run_id", "stage", "expert"):
+            if getattr(header, field_name) != getattr(self.header_base, field_name):
+                yield _refusal(f"{field_name} is {getattr(header, field_name)!r}, not this part's")
+                return
+        try:
+            owned = await self._slice_for(header)
+        except Failed as e:
+            yield averaging_pb2.AverageFrame(
+                verdict=averaging_pb2.AverageVerdict(ok=False, reason=e.reason, group=e.group or [], stepped=e.stepped)
+            )
+            return
+        if list(header.group) != owned.attempt.group or header.total_elements != owned.attempt.flat.numel:
+            why = "another group" if list(header.group) != owned.attempt.group else "another size"
+            verdict = averaging_pb2.AverageVerdict(
+                ok=False, reason=f"{sender} came with {why}", group=owned.attempt.group
+            )
+            verdict.total_elements = owned.attempt.flat.numel
+            yield averaging_pb2.AverageFrame(verdict=verdict)
+            if why == "another size":
+                await owned.fail(
+                    Failed({sender}, f"{sender} sent {header.total_elements} elements, not {owned.attempt.flat.numel}")
+                )
+            return
+        if sender in owned.queues:
+            yield _refusal(f"{sender} already sends to this round")
+            return
+        queue = owned.register(header.sender)
+        reader = asyncio.ensure_future(self._read_pieces(frames, owned, sender, queue))
+        try:
+            for index in range(len(owned.pieces)):
+                piece = await owned.result(index)
+                if piece is None:
+                    break
+                yield averaging_pb2.AverageFrame(piece=piece)
+            if owned.failure is None and not owned.done:
+                async with owned.changed:
+                    while not owned.done and owned.failure is None:
+                        await owned.changed.wait()
+            yield averaging_pb2.AverageFrame(verdict=owned.verdict())
+        finally:
+            reader.cancel()
+
+    async def _read_pieces(self, frames, owned: OwnedSlice, sender: str, queue: asyncio.Queue) -> None:
+        """A member's pieces into its queue, at most the slice's count; its notice or its end as a failure."""
+        count = 0
+        try:
+            async for raw in frames:
+                frame = _parse(raw)
+                kind = frame.WhichOneof("body") if frame is not None else None
+                if kind == "verdict":  # the member gave the attempt up: whom it lost
+                    lost = set(frame.verdict.lost) & set(owned.attempt.group) or {sender}
+                    await owned.fail(Failed(lost, f"{sender} gave the attempt up: {frame.verdict.reason}"))
+                    return
+                if kind != "piece" or count >= len(owned.pieces):
+                    await queue.put(Failed({sender}, f"{sender} sent a frame it should not ({kind})"))
+                    return
+                await queue.put(frame.piece)
+                count += 1
+            if count < len(owned.pieces):
+                await queue.put(Failed({sender}, f"{sender} ended its stream after {count} pieces"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke: the member is gone or cut off
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(Failed({sender}, f"{sender}: its stream broke ({type(e).__name__})"))
+            await owned.fail(Failed({sender}, f"{sender}: its stream broke ({type(e).__name__})"))
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failed(verdict) -> bool:
+    return isinstance(verdict, averaging_pb2.AverageVerdict) and not verdict.ok
+
+
+def _refusal(reason: str) -> averaging_pb2.AverageFrame:
+    return averaging_pb2.AverageFrame(verdict=averaging_pb2.AverageVerdict(ok=False, reason=reason))
+
+
+def _parse(raw) -> averaging_pb2.AverageFrame | None:
+    if isinstance(raw, averaging_pb2.AverageFrame):
+        return raw
+    try:
+        return averaging_pb2.AverageFrame.FromString(raw)
+    except Exception:  # what a partner sends is its own to get wrong: not a frame, and the call ends on it
+        return None
+
+
+async def first_header(frames, timeout: float) -> averaging_pb2.AverageHeader:
+    """An Average call's header, read within `timeout`; ValueError naming what came instead."""
+    try:
+        raw = await asyncio.wait_for(frames.__aiter__().__anext__(), timeout)
+    except TimeoutError:
+        raise ValueError(f"no header in {timeout:.1f} s") from None
+    except StopAsyncIteration:
+        raise ValueError("the call ended before its header") from None
+    frame = _parse(raw)
+    if frame is None or frame.WhichOneof("body") != "header":
+        raise ValueError("an Average call must start with an AverageFrame holding its header")
+    return frame.header

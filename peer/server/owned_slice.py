@@ -1,0 +1,152 @@
+"""The slice of a round that one member reduces (peer.server.allreduce): every member's pieces in, checked and
+aggregated as they come, the averaged pieces out, encoded once; and why an attempt fails (`Failed`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.server.piece_codec import PieceCodec, PieceError
+from peer.server.robust import aggregate, fixed_weights
+from peer.server.slicing import Flat, Limits, piece_bounds
+from protocols import averaging_pb2
+
+logger = logging.getLogger(__name__)
+MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
+
+
+def contribution_key(c: averaging_pb2.Contribution) -> tuple:
+    return c.peer_id, c.samples, c.incarnation, c.seq
+
+
+@dataclass
+class Attempt:
+    """One attempt of a round, as this member runs it."""
+
+    epoch: int
+    attempt: int
+    group: list[str]
+    me: averaging_pb2.Contribution
+    flat: Flat
+    out: torch.Tensor  # the averaged flat vector, filled as owners answer
+    lost: set[str] = field(default_factory=set)
+
+
+class Failed(Exception):
+    """An attempt (or one owner's slice of it) went on without members: `lost`, and why."""
+
+    def __init__(self, lost: set[str], reason: str, group: list[str] | None = None, stepped: bool = False):
+        super().__init__(reason)
+        self.lost, self.reason, self.group, self.stepped = set(lost), reason, group, stepped
+
+
+class OwnedSlice:
+    """The slice this member reduces in one attempt: every member's pieces in, the averaged pieces out."""
+
+    def __init__(self, attempt: Attempt, bounds: tuple[int, int], limits: Limits, codec: PieceCodec, pool):
+        self.attempt, self.limits, self.codec, self.pool = attempt, limits, codec, pool
+        self.pieces = piece_bounds(*bounds, limits.piece_elements)
+        self.others = [p for p in attempt.group if p != attempt.me.peer_id]
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.contributions: dict[str, averaging_pb2.Contribution] = {attempt.me.peer_id: attempt.me}
+        self.arrived = asyncio.Event()  # every other member's header is in
+        self.results: list[bytes] = []
+        self.changed = asyncio.Condition()
+        self.failure: Failed | None = None
+        self.done = False
+
+    def register(self, contribution: averaging_pb2.Contribution) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue(MAX_QUEUED)
+        self.queues[contribution.peer_id] = queue
+        self.contributions[contribution.peer_id] = contribution
+        if all(p in self.queues for p in self.others):
+            self.arrived.set()
+        return queue
+
+    async def fail(self, failure: Failed) -> None:
+        if self.failure is None and not self.done:
+            self.failure = failure
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def reduce(self) -> None:
+        """Reduce every piece in order; the slice's failure (a lost member) ends it."""
+        try:
+            try:
+                await asyncio.wait_for(self.arrived.wait(), self.limits.group_timeout)
+            except TimeoutError:
+                missing = {p for p in self.others if p not in self.queues}
+                raise Failed(missing, f"no frame from {sorted(missing)} in {self.limits.group_timeout:.1f} s") from None
+            group = self.attempt.group
+            claims = [int(self.contributions[p].samples) for p in group]
+            weights = fixed_weights(claims, self.limits.max_weight_ratio)
+            loop = asyncio.get_running_loop()
+            for start, end in self.pieces:
+                if self.failure is not None:
+                    raise self.failure
+                received = await asyncio.gather(*(self._next(p) for p in self.others))
+                encoded = await loop.run_in_executor(self.pool, self._reduce_piece, start, end, received, weights)
+                async with self.changed:
+                    self.results.append(encoded)
+                    self.changed.notify_all()
+            self.done = True
+            async with self.changed:
+                self.changed.notify_all()
+        except Failed as e:
+            await self.fail(e)
+        except Exception as e:  # anything else ends the slice too, never the server
+            logger.warning("averaging slice failed: %s", e)
+            await self.fail(Failed(set(), f"{type(e).__name__}: {e}"))
+
+    async def _next(self, peer: str) -> tuple[str, bytes]:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            item = await asyncio.wait_for(self.queues[peer].get(), self.limits.read_timeout)
+        except TimeoutError:
+            raise Failed({peer}, f"{peer}: no piece in {self.limits.read_timeout:.1f} s") from None
+        if isinstance(item, Failed):
+            raise item
+        return peer, item
+
+    def _reduce_piece(self, start: int, end: int, received: list[tuple[str, bytes]], weights: list[float]) -> bytes:
+        """On the averaging thread: decode the members' pieces, check them, aggregate, encode once; our own copy
+        of the result comes from the bytes every member gets."""
+        numel = end - start
+        by_peer = {self.attempt.me.peer_id: self.attempt.flat.read(start, end)}
+        bad = {}
+        for peer, data in received:
+            try:
+                values = self.codec.decode(data, numel)
+            except PieceError as e:
+                bad[peer] = str(e)
+                continue
+            if not bool(torch.isfinite(values).all()):
+                bad[peer] = "values that are not finite"
+                continue
+            by_peer[peer] = values
+        if bad:
+            raise Failed(set(bad), "; ".join(f"{p} sent {why}" for p, why in sorted(bad.items())))
+        parts = [by_peer[p] for p in self.attempt.group]
+        result = aggregate(parts, weights, self.limits.aggregate)
+        encoded = self.codec.encode(result)
+        self.attempt.out[start:end] = self.codec.decode(encoded, numel)
+        return encoded
+
+    async def result(self, index: int) -> bytes | None:
+        """The averaged piece `index` once reduced; None once the slice failed."""
+        async with self.changed:
+            while len(self.results) <= index and self.failure is None:
+                await self.changed.wait()
+            return self.results[index] if len(self.results) > index else None
+
+    def verdict(self) -> averaging_pb2.AverageVerdict:
+        if self.failure is not None:
+            return averaging_pb2.AverageVerdict(
+                ok=False, lost=sorted(self.failure.lost), reason=self.failure.reason, group=self.attempt.group
+            )
+        gathered = [self.contributions[p] for p in self.attempt.group]
+        return averaging_pb2.AverageVerdict(ok=True, gathered=gathered, group=self.attempt.group)

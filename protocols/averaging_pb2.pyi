@@ -1,0 +1,67 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Contribution(_message.Message):
+    __slots__ = ("peer_id", "samples", "incarnation", "seq")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    samples: int
+    incarnation: int
+    seq: int
+    def __init__(self, peer_id: _Optional[str] = ..., samples: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AverageHeader(_message.Message):
+    __slots__ = ("run_id", "stage", "expert", "epoch", "attempt", "group", "sender", "total_elements")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    expert: str
+    epoch: int
+    attempt: int
+    group: _containers.RepeatedScalarFieldContainer[str]
+    sender: Contribution
+    total_elements: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., expert: _Optional[str] = ..., epoch: _Optional[int] = ..., attempt: _Optional[int] = ..., group: _Optional[_Iterable[str]] = ..., sender: _Optional[_Union[Contribution, _Mapping]] = ..., total_elements: _Optional[int] = ...) -> None: ...
+
+class AverageVerdict(_message.Message):
+    __slots__ = ("ok", "lost", "reason", "gathered", "group", "stepped", "total_elements")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GATHERED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    gathered: _containers.RepeatedCompositeFieldContainer[Contribution]
+    group: _containers.RepeatedScalarFieldContainer[str]
+    stepped: bool
+    total_elements: int
+    def __init__(self, ok: _Optional[bool] = ..., lost: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gathered: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., group: _Optional[_Iterable[str]] = ..., stepped: _Optional[bool] = ..., total_elements: _Optional[int] = ...) -> None: ...
+
+class AverageFrame(_message.Message):
+    __slots__ = ("header", "piece", "verdict")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    header: AverageHeader
+    piece: bytes
+    verdict: AverageVerdict
+    def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., piece: _Optional[bytes] = ..., verdict: _Optional[_Union[AverageVerdict, _Mapping]] = ...) -> None: ...
