@@ -1,27 +1,30 @@
-"""Averaging time of 4 replicas behind 100 Mbit/s links, against the butterfly all-reduce's bound.
+"""Averaging: our all-reduce (peer.server.allreduce, gRPC with mutual TLS, in the peer's process) against
+hivemind's DecentralizedAverager (its own process, p2pd with libp2p's encryption), on the same tensors, in one run.
 
-What is measured: the wall time of one averaging round of `peer.server.averaging.GradientAverager` (hivemind's
-DecentralizedAverager under our matchmaking, with the run's averaging codec) among `--peers` peers, each
-in its own network namespace of the WAN lab (benchmarks/lab.py, needs root) capped at `--rate` Mbit/s
-both ways. The bound is the butterfly all-reduce's: each peer sends (and receives) 2(n-1)/n of the
-tensors' size, so a round takes at least 2(n-1)/n * size / bandwidth (matchmaking not counted).
+Two phases, each with `--peers` worker processes averaging `--size-mb` MB of float32 shaped like a model's
+parameters, one round at a time at a shared clock's start times:
 
-How: each lab host runs a worker (this script with --worker): a DHT node (worker 0 first, the others
-join it), then a GradientAverager over `--size-mb` MB of float32 tensors shaped like a model's
-parameters. The parent waits until every worker is ready, then gives them a common start time;
-round r starts on every worker at start + r * period (one shared clock), and each calls
-average(tensors, samples=1, epoch=r, expected=<every worker's peer id>). Worker i fills its tensors with base + i + r,
-so the result must be base + (n-1)/2 + r (checked within the codec's precision). A round's time is
-the latest worker's finish minus the common start; a round is ok when every worker averaged in a
-full group and got the right mean. Bytes per round are each host's interface counters (IP headers,
-DHT chatter and all), compared with the butterfly's 2(n-1)/n * size each way.
+1. loopback, both paths: CPU per averaged byte per peer, every process of the peer from /proc (ours: the
+   worker; hivemind's: the worker, its averager and DHT processes and their p2p daemons), over the round's
+   own window. Goal: ours <= 0.35x hivemind's.
+2. the WAN lab (benchmarks/lab.py, needs root): each worker in its own network namespace capped at `--rate`
+   Mbit/s both ways; the round's wall time (the latest worker's finish minus the common start) against the
+   butterfly bound 2(n-1)/n * size / bandwidth, and each host's bytes (interface counters) against the
+   butterfly's 2(n-1)/n * size each way. Goal: ours <= 1.15x the bound, every round ok. hivemind's runs
+   `--hivemind-wan-rounds` rounds beside it for comparison (its matchmaking counts in its time).
+
+Environment, for experiments: SWARMTRAIN_BENCH_PIECE_BYTES (averaging.piece_bytes of the workers, default 1 MiB),
+SWARMTRAIN_BENCH_DEBUG=1 (each worker logs a timeline of its rounds: pieces sent, slice reduced, verdicts).
+
+Worker i fills its tensors with base + i + r in round r, so every peer's result must be base + (n-1)/2 + r
+(within the codec's precision); a round is ok when every worker got it from the whole group.
 
     sudo .venv/bin/python benchmarks/averaging.py [--rate 100] [--size-mb 48] [--rounds 5] [--quick]
 
-Last line: key=value pairs: ratio (median round time / bound), rounds_ok, bound_s, median_s, mean_s,
-max_s, bytes_per_peer_over_bound (mean over hosts and rounds of max(tx, rx) / the butterfly's) and
-status (benchmarks/report.py); when a round fails to finish (or on Ctrl+C), those of the rounds before.
-Goal: ratio <= 1.3 with every round ok. `--quick`: 2 rounds of 4 MB.
+Last line: key=value pairs: cpu_ns_per_byte_ours, cpu_ns_per_byte_hivemind, cpu_ratio (ours / hivemind), ratio
+(ours, median WAN round / bound), rounds_ok, bound_s, median_s, max_s, bytes_per_peer_over_bound,
+hivemind_ratio, hivemind_rounds_ok, status. Without the lab (not root) the WAN phase is skipped
+(wan=skipped). `--quick`: 4 MB, 2 rounds, no hivemind WAN rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import signal
 import statistics
@@ -41,132 +43,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.averaging_workers import template_shapes, wait_json, worker, write_json  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-# worst expected error of the mean, as a fraction of the inputs' largest magnitude (two roundings per value)
-TOLERANCE = {"none": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1.2e-2}
-COLUMNS = 1024  # width of the template's matrices
-QUICK = {"size_mb": 4.0, "rounds": 2, "period": 4.0, "averaging_timeout": 30.0, "start_timeout": 60.0}
+QUICK = {"size_mb": 4.0, "rounds": 2, "cpu_rounds": 2, "hivemind_wan_rounds": 0, "start_timeout": 90.0}
 EXIT_WAIT = 15.0  # s the workers have, together, to leave once every result is in
+PATHS = ("ours", "hivemind")
 
 
-# --- worker: runs inside one lab host ---
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # readers never see half a file
-
-
-def _wait_json(path: Path, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {path.name}")
-        time.sleep(0.1)
-    return json.loads(path.read_text())
-
-
-def template_shapes(size_mb: float) -> list[tuple[int, ...]]:
-    """Shapes of about `size_mb` MB (1e6 bytes) of float32: four large matrices, two smaller ones and a vector."""
-    elements = max(8, int(size_mb * 1e6 / 4))
-    shapes: list[tuple[int, ...]] = []
-    for fraction in (0.24, 0.24, 0.2, 0.2, 0.05, 0.05):
-        rows = int(elements * fraction) // COLUMNS
-        if rows:
-            shapes.append((rows, COLUMNS))
-    rest = elements - sum(r * c for r, c in shapes)
-    return [*shapes, (rest,)] if rest else shapes
-
-
-def make_spec(compression: str, timeout: float):
-    from peer.config import RunSpec
-
-    return RunSpec.from_dict(
-        {
-            "name": "avgbench",
-            "compression": {"averaging": compression},
-            "averaging": {"averaging_timeout": timeout},
-        }
-    )
-
-
-def worker(args: argparse.Namespace) -> int:
-    import multiprocessing as mp
-
-    mp.set_start_method("fork", force=True)  # hivemind forks (as peer/cli/main.py sets it)
-    import torch
-
-    from dht.identity import Identity
-    from dht.node import SwarmDHT
-    from peer.process.lifetime import start_reaper
-    from peer.server.averaging import GradientAverager
-
-    start_reaper()  # before hivemind's processes: they, their p2p daemons and sockets end with this worker
-    torch.set_num_threads(1)
-    if args.verbose:  # why a part failed is logged at debug level only
-        logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
-    work, me = Path(args.workdir), args.worker
-    initial = [] if me == 0 else [_wait_json(work / "dht0.json", args.start_timeout)["maddr"]]
-    dht = SwarmDHT(Identity.generate(), initial, [f"/ip4/{args.ip}/tcp/0"], [], 60.0, 10.0)
-    averager = None
-    try:
-        if me == 0:
-            maddrs = [m for m in dht.visible_maddrs() if f"/ip4/{args.ip}/" in m]
-            if not maddrs:
-                raise RuntimeError(f"the DHT announces {dht.visible_maddrs()}, not the lab address {args.ip}")
-            _write_json(work / "dht0.json", {"maddr": maddrs[0]})
-        shapes = template_shapes(args.size_mb)
-        generator = torch.Generator().manual_seed(0)  # every worker makes the same base
-        base = [0.1 * torch.randn(shape, generator=generator) for shape in shapes]
-        spec = make_spec(args.compression, args.averaging_timeout)
-        averager = GradientAverager(dht, "avgbench", base, spec)
-        _write_json(work / f"ready{me}.json", {"elements": sum(t.numel() for t in base), "peer": dht.peer_id})
-        go = _wait_json(work / "go.json", args.start_timeout)
-        rounds = []
-        for r in range(args.rounds):
-            entry = _round(averager, base, r, go, args)
-            rounds.append(entry)
-            print(json.dumps(entry), flush=True)
-            _write_json(work / f"result{me}.json", rounds)
-        # stay until the parent has every result: a peer that leaves at once cuts the streams of the parts
-        # it reduced for slower peers (they then miss the last part of the round)
-        _wait_json(work / "done.json", args.averaging_timeout + 60)
-        return 0
-    finally:
-        if averager is not None:
-            averager.shutdown()
-        dht.shutdown()
-
-
-def _round(averager, base: list, r: int, go: dict, args: argparse.Namespace) -> dict:
-    """Round `r` at its agreed start: its times, and whether every peer's average came out right."""
-    me, n = args.worker, args.peers
-    inputs = [b + (me + r) for b in base]  # made before the start, so its time is not counted
-    start = go["start"] + r * go["period"]
-    late = time.time() - start
-    if late < 0:
-        time.sleep(-late)
-    began = time.time()
-    result = averager.average(inputs, samples=1, epoch=r, expected=go["peers"])
-    finished = time.time()
-    entry = {"round": r, "seconds": finished - start, "own_seconds": finished - began, "late": max(0, late)}
-    if result is None:
-        entry.update(ok=False, error="no group or the round failed")
-        return entry
-    mean = (n - 1) / 2 + r
-    err = max(float((a - b - mean).abs().max()) for a, b in zip(result.gradients, base, strict=True))
-    tol = TOLERANCE[args.compression] * (0.6 + n - 1 + r)  # 0.6 bounds |base| (0.1 * randn, 12M draws)
-    entry.update(group=result.group_size, max_err=err, tolerance=tol)
-    entry["ok"] = result.group_size == n and err <= tol
-    if not entry["ok"]:
-        entry["error"] = f"group of {result.group_size}, max error {err:.3g} (tolerance {tol:.3g})"
-    return entry
-
-
-# --- parent: builds the lab, starts the workers, reports ---
+# --- parent: starts the workers (on loopback or in the lab), reports ---
 
 
 class Failed(RuntimeError):
@@ -192,62 +78,6 @@ def _sleep_until(when: float, procs: list[subprocess.Popen], work: Path) -> None
         time.sleep(min(left, 0.2))
 
 
-def run_rounds(args: argparse.Namespace, work: Path, out: dict) -> None:
-    """Build the lab, run the workers' rounds; `out` gets the bound and each round's interface counters as they come
-    (the workers write their rounds' results to result<i>.json)."""
-    from benchmarks.lab import Lab
-
-    n, size = args.peers, sum(4 * _numel(s) for s in template_shapes(args.size_mb))
-    butterfly = 2 * (n - 1) / n * size  # bytes each peer sends, and receives, in one round
-    bound = butterfly * 8 / (args.rate * 1e6)
-    period = args.period or max(10.0, 2 * bound + 10)
-    out.update(bound=bound, butterfly=butterfly, counters=[])
-    print(
-        f"{n} peers at {args.rate:g} Mbit/s, {size / 1e6:.1f} MB of float32 in {len(template_shapes(args.size_mb))} "
-        f"tensors, codec {args.compression}: butterfly bound {bound:.2f} s, a round every {period:.1f} s; "
-        f"logs in {work}",
-        flush=True,
-    )
-    with Lab() as lab:
-        hosts = [lab.add_host(f"avg{i}", args.rate) for i in range(n)]
-        procs: list[subprocess.Popen] = []
-        common = [
-            *("--workdir", str(work), "--peers", str(n), "--size-mb", str(args.size_mb)),
-            *("--rounds", str(args.rounds), "--compression", args.compression),
-            *("--averaging-timeout", str(args.averaging_timeout), "--start-timeout", str(args.start_timeout)),
-            *(["--verbose"] if args.verbose else []),
-        ]
-        for i, host in enumerate(hosts):
-            home = work / f"w{i}"
-            (home / "tmp").mkdir(parents=True, exist_ok=True)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(home / "tmp"))  # own p2p daemon sockets
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", str(i), "--ip", host.ip, *common]
-            with open(home / "worker.log", "wb") as log:
-                procs.append(host.popen(argv, cwd=home, stdout=log, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + args.start_timeout
-        while not all((work / f"ready{i}.json").exists() for i in range(n)):
-            _check_alive(procs, work)
-            if time.monotonic() > deadline:
-                raise Failed(f"the workers were not ready within {args.start_timeout:.0f} s; logs in {work}")
-            time.sleep(0.2)
-        start = time.time() + 2.0
-        peers = [_wait_json(work / f"ready{i}.json", args.start_timeout)["peer"] for i in range(n)]
-        _write_json(work / "go.json", {"start": start, "period": period, "peers": peers})
-        for r in range(args.rounds):
-            _sleep_until(start + r * period - 0.5, procs, work)
-            out["counters"].append([h.counters() for h in hosts])
-        deadline = time.monotonic() + max(0.0, start + args.rounds * period - time.time()) + args.averaging_timeout + 30
-        while not all(len(rounds) == args.rounds for rounds in _results(work, n)):
-            _check_alive(procs, work, allow_done=True)
-            if time.monotonic() > deadline:
-                raise Failed(f"the rounds did not finish in time; logs in {work}")
-            time.sleep(0.2)
-        out["counters"].append([h.counters() for h in hosts])
-        _write_json(work / "done.json", {})
-        _let_leave(procs)
-
-
 def _results(work: Path, n: int) -> list[list[dict]]:
     """Each worker's rounds so far."""
     results: list[list[dict]] = [[] for _ in range(n)]
@@ -258,7 +88,7 @@ def _results(work: Path, n: int) -> list[list[dict]]:
 
 
 def _let_leave(procs: list[subprocess.Popen]) -> None:
-    """Give the workers EXIT_WAIT s to leave on their own; kill those still there (the lab's close is next)."""
+    """Give the workers EXIT_WAIT s to leave on their own; kill those still there."""
     deadline = time.monotonic() + EXIT_WAIT
     for i, proc in enumerate(procs):
         try:
@@ -276,95 +106,204 @@ def _numel(shape: tuple[int, ...]) -> int:
     return total
 
 
-def report(args: argparse.Namespace, work: Path, out: dict, figures: Figures) -> None:
-    """Print the rounds that every worker finished, and their bytes were counted (all but when one failed)."""
-    n, counters = args.peers, out.get("counters", [])
+def size_bytes(args: argparse.Namespace) -> int:
+    return sum(4 * _numel(s) for s in template_shapes(args.size_mb))
+
+
+def _start(args, work: Path, path: str, rounds: int, hosts: list | None) -> list[subprocess.Popen]:
+    """The workers of one phase: in the lab's hosts, or on loopback (each under our process, killed with it)."""
+    from peer.process.lifetime import tied_to_me
+
+    common = [
+        *("--workdir", str(work), "--peers", str(args.peers), "--size-mb", str(args.size_mb), "--path", path),
+        *("--rounds", str(rounds), "--compression", args.compression),
+        *("--averaging-timeout", str(args.averaging_timeout), "--start-timeout", str(args.start_timeout)),
+    ]
+    procs = []
+    for i in range(args.peers):
+        home = work / f"w{i}"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(home / "tmp"))  # own p2p daemon sockets
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+        ip = hosts[i].ip if hosts else "127.0.0.1"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", str(i), "--ip", ip, *common]
+        with open(home / "worker.log", "wb") as log:
+            if hosts:
+                procs.append(hosts[i].popen(argv, cwd=home, stdout=log, stderr=subprocess.STDOUT, env=env))
+            else:
+                kwargs = dict(cwd=home, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                procs.append(subprocess.Popen(tied_to_me(argv), **kwargs))
+    return procs
+
+
+def run_phase(args, work: Path, path: str, rounds: int, hosts: list | None, period: float) -> list:
+    """One phase's rounds; each round's interface counters (lab hosts) before it, and after the last."""
+    work.mkdir(parents=True, exist_ok=True)
+    procs = _start(args, work, path, rounds, hosts)
+    counters = []
+    try:
+        n = args.peers
+        deadline = time.monotonic() + args.start_timeout
+        while not all((work / f"ready{i}.json").exists() for i in range(n)):
+            _check_alive(procs, work)
+            if time.monotonic() > deadline:
+                raise Failed(f"the {path} workers were not ready within {args.start_timeout:.0f} s; logs in {work}")
+            time.sleep(0.1)
+        ready = [wait_json(work / f"ready{i}.json", args.start_timeout) for i in range(n)]
+        start = time.time() + 1.0
+        peers, endpoints = [r["peer"] for r in ready], [r["endpoint"] for r in ready]
+        write_json(work / "go.json", {"start": start, "period": period, "peers": peers, "endpoints": endpoints})
+        for r in range(rounds):
+            _sleep_until(start + r * period - 0.3, procs, work)
+            counters.append([h.counters() for h in hosts] if hosts else [])
+        deadline = time.monotonic() + max(0.0, start + rounds * period - time.time()) + args.averaging_timeout + 30
+        while not all(len(x) == rounds for x in _results(work, n)):
+            _check_alive(procs, work, allow_done=True)
+            if time.monotonic() > deadline:
+                raise Failed(f"the {path} rounds did not finish in time; logs in {work}")
+            time.sleep(0.1)
+        counters.append([h.counters() for h in hosts] if hosts else [])
+        write_json(work / "done.json", {})
+    finally:
+        _let_leave(procs)
+    return counters
+
+
+def summary(args, work: Path, rounds: int, bound: float | None, counters: list) -> dict:
+    """Per phase: ok rounds, times, CPU per byte per peer, and (lab) bytes per peer over the butterfly's."""
+    n, size = args.peers, size_bytes(args)
     results = _results(work, n)
-    done = min(*map(len, results), len(counters) - 1)
-    if done < 1:
+    entries = [[results[i][r] for i in range(n)] for r in range(min(map(len, results)))]
+    times = [max(e["seconds"] for e in round_) for round_ in entries]
+    out = {
+        "rounds_ok": sum(all(e["ok"] for e in round_) for round_ in entries),
+        "rounds": rounds,
+        "times": times,
+        "cpu_ns_per_byte": statistics.mean(e["cpu_s"] for round_ in entries for e in round_) / size * 1e9,
+        "errors": sorted({e["error"] for round_ in entries for e in round_ if e.get("error")}),
+    }
+    if bound:
+        butterfly = 2 * (n - 1) / n * size
+        ratios = [
+            max(b - a for a, b in zip(counters[r][i], counters[r + 1][i], strict=True)) / butterfly
+            for r in range(len(entries))
+            for i in range(n)
+        ]
+        out["bytes_ratio"] = statistics.mean(ratios) if ratios else float("nan")
+    return out
+
+
+def loopback_phase(args, work: Path, figures: Figures) -> None:
+    period = max(4.0, args.size_mb / 8)  # loopback rounds take well under a second per 10 MB
+    cpu = {}
+    for path in PATHS:
+        run_phase(args, work / f"loopback-{path}", path, args.cpu_rounds, None, period)
+        s = summary(args, work / f"loopback-{path}", args.cpu_rounds, None, [])
+        cpu[path] = s["cpu_ns_per_byte"]
+        times = ", ".join(f"{t:.2f}" for t in s["times"])
+        print(
+            f"loopback {path:>8}: {s['rounds_ok']}/{s['rounds']} rounds ok, wall {times} s, "
+            f"{s['cpu_ns_per_byte']:.2f} ns of CPU per averaged byte per peer {'; '.join(s['errors'])}",
+            flush=True,
+        )
+        figures[f"cpu_ns_per_byte_{path}"] = f"{s['cpu_ns_per_byte']:.2f}"
+        figures[f"loopback_rounds_ok_{path}"] = f"{s['rounds_ok']}/{s['rounds']}"
+    figures["cpu_ratio"] = f"{cpu['ours'] / cpu['hivemind']:.3f}"
+    print(f"CPU per byte: ours {cpu['ours'] / cpu['hivemind']:.3f}x hivemind's (goal <= 0.35)", flush=True)
+
+
+def wan_phase(args, work: Path, figures: Figures) -> None:
+    from benchmarks.lab import Lab, LabError, check_available, cleanup_stale
+
+    try:
+        check_available()
+    except LabError as e:
+        print(f"WAN lab unavailable ({e}): skipped", flush=True)
+        figures["wan"] = "skipped"
         return
-    bound, butterfly = out["bound"], out["butterfly"]
-    times, oks, byte_ratios = [], 0, []
-    print(
-        f"{'round':>5} {'time s':>7} {'ratio':>6} {'ok':>5}  per host tx/rx MB (butterfly {butterfly / 1e6:.1f} each way)"
-    )
-    for r in range(done):
-        entries = [results[i][r] for i in range(n)]
-        seconds = max(e["seconds"] for e in entries)
-        ok = sum(bool(e["ok"]) for e in entries)
-        oks += ok == n
-        times.append(seconds)
-        traffic = []
-        for i in range(n):
-            tx, rx = (b - a for a, b in zip(counters[r][i], counters[r + 1][i], strict=True))
-            byte_ratios.append(max(tx, rx) / butterfly)
-            traffic.append(f"{tx / 1e6:.1f}/{rx / 1e6:.1f}")
-        late = max(e["late"] for e in entries)
-        notes = [e["error"] for e in entries if e.get("error")] + ([f"started {late:.1f} s late"] if late > 0.5 else [])
-        print(f"{r:>5} {seconds:7.2f} {seconds / bound:6.3f} {ok:>3}/{n}  {' '.join(traffic)}  {'; '.join(notes)}")
-    median = statistics.median(times)
-    figures.update(ratio=f"{median / bound:.3f}", rounds_ok=f"{oks}/{args.rounds}", bound_s=f"{bound:.2f}")
-    figures.update(median_s=f"{median:.2f}", mean_s=f"{statistics.mean(times):.2f}", max_s=f"{max(times):.2f}")
-    figures["bytes_per_peer_over_bound"] = f"{statistics.mean(byte_ratios):.3f}"
-    print(
-        f"median round {median:.2f} s over the bound {bound:.2f} s = {median / bound:.3f} (goal <= 1.3); "
-        f"{oks}/{args.rounds} rounds ok; each peer moved {statistics.mean(byte_ratios):.3f}x the butterfly's bytes"
-    )
+    cleanup_stale()
+    n, size = args.peers, size_bytes(args)
+    bound = 2 * (n - 1) / n * size * 8 / (args.rate * 1e6)
+    print(f"WAN lab: {n} peers at {args.rate:g} Mbit/s, butterfly bound {bound:.2f} s", flush=True)
+    for path, rounds in (("ours", args.rounds), ("hivemind", args.hivemind_wan_rounds)):
+        if rounds < 1:
+            continue
+        period = bound * (1.5 if path == "ours" else 2.5) + 4.0
+        with Lab() as lab:
+            hosts = [lab.add_host(f"avg{i}", args.rate) for i in range(n)]
+            counters = run_phase(args, work / f"wan-{path}", path, rounds, hosts, period)
+        s = summary(args, work / f"wan-{path}", rounds, bound, counters)
+        median = statistics.median(s["times"])
+        times = ", ".join(f"{t:.2f}" for t in s["times"])
+        print(
+            f"WAN {path:>8}: {s['rounds_ok']}/{rounds} rounds ok, wall {times} s, median {median / bound:.3f}x the "
+            f"bound, {s['bytes_ratio']:.3f}x the butterfly's bytes {'; '.join(s['errors'])}",
+            flush=True,
+        )
+        prefix = "" if path == "ours" else "hivemind_"
+        figures[f"{prefix}ratio"] = f"{median / bound:.3f}"
+        figures[f"{prefix}rounds_ok"] = f"{s['rounds_ok']}/{rounds}"
+        if path == "ours":
+            figures.update(bound_s=f"{bound:.2f}", median_s=f"{median:.2f}", max_s=f"{max(s['times']):.2f}")
+            figures["bytes_per_peer_over_bound"] = f"{s['bytes_ratio']:.3f}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="averaging.py",
-        description="Time averaging rounds of n peers, each in a WAN-lab namespace behind a bandwidth cap, against "
-        "the butterfly all-reduce bound 2(n-1)/n * size / bandwidth. Needs root; removes everything it creates.",
+        description="Our all-reduce against hivemind's averager: CPU per averaged byte on loopback, and rounds of n "
+        "peers in WAN-lab namespaces behind a bandwidth cap against the butterfly bound (needs root).",
     )
     parser.add_argument("--rate", type=float, default=100.0, help="each peer's cap in Mbit/s, both ways (default 100)")
     parser.add_argument("--peers", type=int, default=4, help="peers averaging together (default 4)")
+    parser.add_argument("--size-mb", type=float, default=48.0, help="MB (1e6 bytes) of float32 (default 48; quick 4)")
+    parser.add_argument("--rounds", type=int, default=5, help="our WAN rounds (default 5; quick 2)")
+    parser.add_argument("--cpu-rounds", type=int, default=3, help="loopback rounds of each path (default 3; quick 2)")
     parser.add_argument(
-        "--size-mb", type=float, default=48.0, help="MB (1e6 bytes) of float32 averaged (default 48; quick 4)"
+        "--hivemind-wan-rounds", type=int, default=2, help="hivemind's WAN rounds, for comparison (default 2; quick 0)"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5; quick 2)")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none", help="averaging codec (default none)")
+    parser.add_argument("--averaging-timeout", type=float, default=60.0, help="s a round may take (default 60)")
     parser.add_argument(
-        "--period", type=float, default=0.0, help="s between round starts (default: max(10, 2 x bound + 10); quick 4)"
+        "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120; quick 90)"
     )
-    parser.add_argument(
-        "--averaging-timeout", type=float, default=120.0, help="s a round may take (default 120; quick 30)"
-    )
-    parser.add_argument(
-        "--start-timeout", type=float, default=120.0, help="s for the workers to be ready (default 120; quick 60)"
-    )
-    parser.add_argument("--verbose", action="store_true", help="workers log hivemind's all-reduce at debug level")
     add_workdir(parser, "the workers' logs")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: run worker i
-    parser.add_argument("--ip", default="", help=argparse.SUPPRESS)
-    add_quick(parser, "2 rounds of 4 MB, one every 4 s")
+    parser.add_argument("--path", choices=PATHS, default="ours", help=argparse.SUPPRESS)
+    parser.add_argument("--ip", default="127.0.0.1", help=argparse.SUPPRESS)
+    add_quick(parser, "4 MB, 2 rounds of each, no hivemind WAN rounds")
     return parser
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
-    if args.peers < 2 or args.rounds < 1 or args.size_mb <= 0 or args.rate <= 0:
-        print("averaging.py: need --peers >= 2, --rounds >= 1, --size-mb > 0 and --rate > 0", file=sys.stderr)
+    if args.peers < 2 or args.rounds < 1 or args.cpu_rounds < 1 or args.size_mb <= 0 or args.rate <= 0:
+        print(
+            "averaging.py: need --peers >= 2, --rounds >= 1, --cpu-rounds >= 1, --size-mb > 0, --rate > 0",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
-    from benchmarks.lab import LabError, open_benchmark
+    from benchmarks.credential import make_authority
+    from benchmarks.lab import LabError
 
-    open_benchmark("averaging.py", figures)
     with workdir(args.workdir, "swarmtrain-avg-") as work:
-        for stale in work.glob("*.json"):  # a reused workdir: old ready/result files would be read as new
+        for stale in work.rglob("*.json"):  # a reused workdir: old ready/result files would be read as new
             stale.unlink()
-        out: dict = {}
+        make_authority(work)
+        print(
+            f"{args.peers} peers, {size_bytes(args) / 1e6:.1f} MB of float32, codec {args.compression}; logs in {work}"
+        )
         try:
-            run_rounds(args, work, out)
-        except (Failed, LabError, OSError) as e:  # a worker that failed, a wait that timed out: one line
+            loopback_phase(args, work, figures)
+            wan_phase(args, work, figures)
+        except (Failed, LabError, OSError, TimeoutError) as e:  # a worker that failed, a wait that timed out
             raise SystemExit(f"averaging.py: {e}") from None
-        finally:
-            report(args, work, out, figures)  # the rounds done, also when a later one failed or on Ctrl+C
 
 
 def main() -> None:
     parser = build_parser()
     args = parser.parse_known_args()[0]
-    if args.worker is not None:  # a worker in a lab host: its output is its log, not a report
+    if args.worker is not None:  # a worker: its output is its log, not a report
+        args.workdir = str(Path(args.workdir))
         sys.exit(worker(parser.parse_args()))
     if args.quick:  # the quick defaults; flags given still win
         parser.set_defaults(**QUICK)

@@ -77,5 +77,6 @@ def test_a_round_outlives_a_member_killed_or_stopped_mid_round(members, tmp_path
         assert int(found[2]) == sum(weights), log[-3000:]  # exactly the survivors' samples
         assert abs(float(found[3]) - mean) < 1e-5 and found[4] == "True", log[-3000:]
         took = float(found[5]) - died
+        print(f"member {i} finished {took:.2f} s after its partner's {fault} (detection bound {detection:.1f} s)")
         assert took <= detection + AFTER_DETECTION, f"member {i} finished {took:.2f} s after the {fault}\n{log[-3000:]}"
     assert "RESULT" not in (tmp_path / f"member{MEMBERS - 1}.log").read_text()

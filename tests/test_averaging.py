@@ -41,9 +41,7 @@ class _Member:
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
-        handler = grpc.stream_stream_rpc_method_handler(
-            self.Average, response_serializer=averaging_pb2.AverageFrame.SerializeToString
-        )
+        handler = grpc.stream_stream_rpc_method_handler(self.Average)
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("swarmtrain.Averaging", {"Average": handler}),)
         )

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import torch
 
-from protocols import averaging_pb2, codec, expert_pb2, framing, stage_pb2, stage_pb2_grpc
+from protocols import codec, expert_pb2, framing, stage_pb2, stage_pb2_grpc
 from protocols.failures import reason_of
 
 SERVICE = "swarmtrain.Stage"
@@ -240,14 +240,10 @@ class StageClient:
         return json.loads(response.metadata_json), tensors
 
     def average(self, endpoint: str, peer: str, timeout: float):
-        """An open bidirectional Average call to the replica `peer` (peer.server.allreduce), frames as messages."""
+        """An open bidirectional Average call to the replica `peer` (peer.server.allreduce): frames as bytes
+        (protocols.averaging_frames), so a piece's data is never copied through protobuf."""
         channel, _ = self._channel(endpoint, peer)
-        method = channel.stream_stream(
-            AVERAGE_METHOD,
-            request_serializer=averaging_pb2.AverageFrame.SerializeToString,
-            response_deserializer=averaging_pb2.AverageFrame.FromString,
-        )
-        return method(timeout=timeout)
+        return channel.stream_stream(AVERAGE_METHOD)(timeout=timeout)
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():

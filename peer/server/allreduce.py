@@ -37,6 +37,8 @@ from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_ke
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
+from protocols.averaging_frames import message_frame, parse_frame, piece_frame
+from protocols.framing import FramingError
 
 logger = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # (epoch, attempt) states an owner keeps: the newest rounds only
@@ -66,8 +68,8 @@ class AllReduce:
         self.admitted: Callable[[str], bool] = lambda peer: True
         self._slices: collections.OrderedDict[tuple[int, int], OwnedSlice] = collections.OrderedDict()
         self._started: dict[tuple[int, int], asyncio.Event] = {}
-        self._stepped: collections.OrderedDict[int, list[str]] = collections.OrderedDict()  # epoch -> its group
-        self.total = 0
+        # epoch -> the group that stepped it, for the last rounds
+        self._stepped: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
 
     def bind(self, loop, client, peer_id: str, endpoint_of, header: averaging_pb2.AverageHeader, epoch_now, admitted):
         """Set once the replica serves: its loop, client (TLS pinning), peer id, partners' endpoints, part."""
@@ -78,28 +80,37 @@ class AllReduce:
     async def round(self, tensors: list[torch.Tensor], me: averaging_pb2.Contribution, epoch: int, group: list[str]):
         """Average `tensors` with `group` (peer ids, ours included) for `epoch`: an Outcome, or None if it failed."""
         flat = Flat(tensors)
-        self.total = flat.numel
         out = torch.empty(flat.numel, dtype=torch.float32)
-        group, quorum = sorted(set(group)), len(set(group)) // 2 + 1
+        try:
+            found = await self._attempts(flat, out, me, epoch, sorted(set(group)))
+        finally:
+            self._close(epoch)  # partners' calls for this round that come later are answered at once
+        if found is None:
+            return None
+        gathered, attempts = found
+        averaged, offset = [], 0
+        for t in tensors:
+            averaged.append(out[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return Outcome(averaged, gathered, attempts)
+
+    async def _attempts(self, flat: Flat, out: torch.Tensor, me, epoch: int, group: list[str]):
+        """Attempts until one succeeds, each without the members the last lost: (contributions, attempts) or None."""
+        quorum = len(group) // 2 + 1  # more than half of the group the round started with
         for attempt in range(self.limits.max_attempts):
             if self.peer_id not in group or len(group) < max(2, quorum):
                 logger.warning("averaging for step %d: %d of the %d members left, no quorum", epoch, len(group), quorum)
                 return None
-            run = Attempt(epoch, attempt, group, me, flat, out)
             try:
-                gathered = await self._attempt(run)
+                gathered = await self._attempt(Attempt(epoch, attempt, group, me, flat, out))
             except Failed as e:
                 logger.warning("averaging for step %d, attempt %d, failed: %s", epoch, attempt, e.reason)
                 if e.stepped:
                     return None
                 group = sorted((set(group) - e.lost) & set(e.group or group))
                 continue
-            self._remember_stepped(epoch, group)
-            averaged, offset = [], 0
-            for t in tensors:
-                averaged.append(out[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
-            return Outcome(averaged, gathered, attempt + 1)
+            self._stepped[epoch] = group
+            return gathered, attempt + 1
         return None
 
     async def _attempt(self, run: Attempt) -> list[averaging_pb2.Contribution]:
@@ -167,7 +178,7 @@ class AllReduce:
             with contextlib.suppress(Exception):
                 writer.cancel()
                 verdict = averaging_pb2.AverageVerdict(ok=False, lost=sorted(run.lost), reason="attempt given up")
-                await asyncio.wait_for(call.write(averaging_pb2.AverageFrame(verdict=verdict)), 0.5)
+                await asyncio.wait_for(call.write(_verdict(verdict)), 0.5)
             call.cancel()
             raise
         finally:
@@ -181,13 +192,14 @@ class AllReduce:
         header.sender.CopyFrom(run.me)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(Exception):  # the call ended (the owner answered, or it broke): the reader says
-            await call.write(averaging_pb2.AverageFrame(header=header))
+            await call.write(message_frame(averaging_pb2.AverageFrame(header=header)))
             for start, end in pieces:
-                data = await loop.run_in_executor(
-                    self.pool, lambda s=start, e=end: self.codec.encode(run.flat.read(s, e))
+                frame = await loop.run_in_executor(
+                    self.pool, lambda s=start, e=end: piece_frame(self.codec.encode(run.flat.read(s, e)))
                 )
-                await call.write(averaging_pb2.AverageFrame(piece=data))
+                await call.write(frame)
             await call.done_writing()
+            logger.debug("step %d attempt %d: all %d pieces sent", run.epoch, run.attempt, len(pieces))
 
     async def _receive(self, call, run: Attempt, owner: str, pieces):
         loop = asyncio.get_running_loop()
@@ -201,24 +213,29 @@ class AllReduce:
             first = False
             if frame is grpc.aio.EOF:
                 return Failed({owner}, f"{owner}: the call ended without a verdict")
-            kind = frame.WhichOneof("body")
+            try:
+                kind, body = parse_frame(frame)
+            except FramingError as e:
+                return Failed({owner}, f"{owner}: {e}")
             if kind == "verdict":
-                if frame.verdict.ok and received != len(pieces):
+                if body.ok and received != len(pieces):
                     return Failed({owner}, f"{owner}: a verdict after {received} of {len(pieces)} pieces")
-                if frame.verdict.stepped:
+                if body.stepped:
                     return Failed(set(), f"{owner} already stepped this round", stepped=True)
-                if frame.verdict.total_elements and frame.verdict.total_elements != run.flat.numel:
+                logger.debug(
+                    "step %d attempt %d: verdict of %s after %d pieces", run.epoch, run.attempt, owner, received
+                )
+                if body.total_elements and body.total_elements != run.flat.numel:
                     # sizes differ: whoever differs from us is the odd one, as far as we can tell
-                    return Failed({owner}, f"{owner} holds {frame.verdict.total_elements} elements, not ours")
-                return frame.verdict
+                    return Failed({owner}, f"{owner} holds {body.total_elements} elements, not ours")
+                return body
             if kind != "piece" or received >= len(pieces):
                 return Failed({owner}, f"{owner}: sent a frame it should not ({kind})")
             start, end = pieces[received]
             try:
-                values = await loop.run_in_executor(self.pool, self.codec.decode, frame.piece, end - start)
+                await loop.run_in_executor(self.pool, _decode_into, self.codec, body, run.out, start, end)
             except PieceError as e:
                 return Failed({owner}, f"{owner}: {e}")
-            run.out[start:end] = values
             received += 1
 
     # ---- the owner's side: partners' calls -------------------------------------------------------
@@ -230,8 +247,14 @@ class AllReduce:
             old, _ = self._slices.popitem(last=False)
             self._started.pop(old, None)
 
-    def _remember_stepped(self, epoch: int, group: list[str]) -> None:
-        self._stepped[epoch] = group
+    def _close(self, epoch: int) -> None:
+        """Our round for `epoch` is over: its slices go (the handlers still answering hold their own), and partners
+        waiting for an attempt of it that will not come are answered. A failed round leaves no mark: the replica's
+        next round may be at the same step."""
+        for key in [k for k in self._slices if k[0] == epoch]:
+            del self._slices[key]
+        for key in [k for k in self._started if k[0] == epoch]:
+            self._started.pop(key).set()
         while len(self._stepped) > MAX_ROUNDS:
             self._stepped.popitem(last=False)
 
@@ -275,8 +298,8 @@ class AllReduce:
         try:
             owned = await self._slice_for(header)
         except Failed as e:
-            yield averaging_pb2.AverageFrame(
-                verdict=averaging_pb2.AverageVerdict(ok=False, reason=e.reason, group=e.group or [], stepped=e.stepped)
+            yield _verdict(
+                averaging_pb2.AverageVerdict(ok=False, reason=e.reason, group=e.group or [], stepped=e.stepped)
             )
             return
         if list(header.group) != owned.attempt.group or header.total_elements != owned.attempt.flat.numel:
@@ -285,7 +308,7 @@ class AllReduce:
                 ok=False, reason=f"{sender} came with {why}", group=owned.attempt.group
             )
             verdict.total_elements = owned.attempt.flat.numel
-            yield averaging_pb2.AverageFrame(verdict=verdict)
+            yield _verdict(verdict)
             if why == "another size":
                 await owned.fail(
                     Failed({sender}, f"{sender} sent {header.total_elements} elements, not {owned.attempt.flat.numel}")
@@ -301,12 +324,12 @@ class AllReduce:
                 piece = await owned.result(index)
                 if piece is None:
                     break
-                yield averaging_pb2.AverageFrame(piece=piece)
+                yield piece  # the frame the owner built once, for every member
             if owned.failure is None and not owned.done:
                 async with owned.changed:
                     while not owned.done and owned.failure is None:
                         await owned.changed.wait()
-            yield averaging_pb2.AverageFrame(verdict=owned.verdict())
+            yield _verdict(owned.verdict())
         finally:
             reader.cancel()
 
@@ -315,16 +338,18 @@ class AllReduce:
         count = 0
         try:
             async for raw in frames:
-                frame = _parse(raw)
-                kind = frame.WhichOneof("body") if frame is not None else None
+                try:
+                    kind, body = parse_frame(raw)
+                except FramingError:
+                    kind, body = "malformed", None
                 if kind == "verdict":  # the member gave the attempt up: whom it lost
-                    lost = set(frame.verdict.lost) & set(owned.attempt.group) or {sender}
-                    await owned.fail(Failed(lost, f"{sender} gave the attempt up: {frame.verdict.reason}"))
+                    lost = set(body.lost) & set(owned.attempt.group) or {sender}
+                    await owned.fail(Failed(lost, f"{sender} gave the attempt up: {body.reason}"))
                     return
                 if kind != "piece" or count >= len(owned.pieces):
                     await queue.put(Failed({sender}, f"{sender} sent a frame it should not ({kind})"))
                     return
-                await queue.put(frame.piece)
+                await queue.put(body)
                 count += 1
             if count < len(owned.pieces):
                 await queue.put(Failed({sender}, f"{sender} ended its stream after {count} pieces"))
@@ -343,17 +368,17 @@ def _failed(verdict) -> bool:
     return isinstance(verdict, averaging_pb2.AverageVerdict) and not verdict.ok
 
 
-def _refusal(reason: str) -> averaging_pb2.AverageFrame:
-    return averaging_pb2.AverageFrame(verdict=averaging_pb2.AverageVerdict(ok=False, reason=reason))
+def _verdict(verdict: averaging_pb2.AverageVerdict) -> bytes:
+    return message_frame(averaging_pb2.AverageFrame(verdict=verdict))
 
 
-def _parse(raw) -> averaging_pb2.AverageFrame | None:
-    if isinstance(raw, averaging_pb2.AverageFrame):
-        return raw
-    try:
-        return averaging_pb2.AverageFrame.FromString(raw)
-    except Exception:  # what a partner sends is its own to get wrong: not a frame, and the call ends on it
-        return None
+def _refusal(reason: str) -> bytes:
+    return _verdict(averaging_pb2.AverageVerdict(ok=False, reason=reason))
+
+
+def _decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int) -> None:
+    """On the averaging thread: an owner's averaged piece into our output (PieceError if it is not one)."""
+    out[start:end] = codec.decode(data, end - start)
 
 
 async def first_header(frames, timeout: float) -> averaging_pb2.AverageHeader:
@@ -364,7 +389,10 @@ async def first_header(frames, timeout: float) -> averaging_pb2.AverageHeader:
         raise ValueError(f"no header in {timeout:.1f} s") from None
     except StopAsyncIteration:
         raise ValueError("the call ended before its header") from None
-    frame = _parse(raw)
-    if frame is None or frame.WhichOneof("body") != "header":
-        raise ValueError("an Average call must start with an AverageFrame holding its header")
-    return frame.header
+    try:
+        kind, body = parse_frame(raw)
+    except FramingError as e:
+        raise ValueError(f"an Average call must start with its header: {e}") from None
+    if kind != "header":
+        raise ValueError(f"an Average call must start with its header, not a {kind}")
+    return body

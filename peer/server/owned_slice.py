@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.model.numerics import all_finite
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.robust import aggregate, fixed_weights
 from peer.server.slicing import Flat, Limits, piece_bounds
 from protocols import averaging_pb2
+from protocols.averaging_frames import piece_frame
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
@@ -93,6 +95,7 @@ class OwnedSlice:
                     self.results.append(encoded)
                     self.changed.notify_all()
             self.done = True
+            logger.debug("step %d attempt %d: our slice reduced", self.attempt.epoch, self.attempt.attempt)
             async with self.changed:
                 self.changed.notify_all()
         except Failed as e:
@@ -112,9 +115,11 @@ class OwnedSlice:
             raise item
         return peer, item
 
-    def _reduce_piece(self, start: int, end: int, received: list[tuple[str, bytes]], weights: list[float]) -> bytes:
-        """On the averaging thread: decode the members' pieces, check them, aggregate, encode once; our own copy
-        of the result comes from the bytes every member gets."""
+    def _reduce_piece(
+        self, start: int, end: int, received: list[tuple[str, memoryview]], weights: list[float]
+    ) -> bytes:
+        """On the averaging thread: decode the members' pieces, check them, aggregate, encode once into the frame
+        every member gets; our own copy of the result is what they decode of it."""
         numel = end - start
         by_peer = {self.attempt.me.peer_id: self.attempt.flat.read(start, end)}
         bad = {}
@@ -124,20 +129,25 @@ class OwnedSlice:
             except PieceError as e:
                 bad[peer] = str(e)
                 continue
-            if not bool(torch.isfinite(values).all()):
+            if not all_finite(values):
                 bad[peer] = "values that are not finite"
                 continue
             by_peer[peer] = values
         if bad:
             raise Failed(set(bad), "; ".join(f"{p} sent {why}" for p, why in sorted(bad.items())))
         parts = [by_peer[p] for p in self.attempt.group]
-        result = aggregate(parts, weights, self.limits.aggregate)
+        result = (
+            _mean(parts, weights)
+            if self.limits.aggregate == "mean"
+            else aggregate(parts, weights, self.limits.aggregate)
+        )
         encoded = self.codec.encode(result)
-        self.attempt.out[start:end] = self.codec.decode(encoded, numel)
-        return encoded
+        frame = piece_frame(encoded)
+        self.attempt.out[start:end] = result if not self.codec.lossy else self.codec.decode(encoded, numel)
+        return frame
 
     async def result(self, index: int) -> bytes | None:
-        """The averaged piece `index` once reduced; None once the slice failed."""
+        """The frame of averaged piece `index` once reduced; None once the slice failed."""
         async with self.changed:
             while len(self.results) <= index and self.failure is None:
                 await self.changed.wait()
@@ -150,3 +160,15 @@ class OwnedSlice:
             )
         gathered = [self.contributions[p] for p in self.attempt.group]
         return averaging_pb2.AverageVerdict(ok=True, gathered=gathered, group=self.attempt.group)
+
+
+def _mean(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The weighted mean of the pieces (zero weight: left out), summed in place: no stack of all of them."""
+    total = sum(w for w in weights if w > 0)
+    out = torch.zeros_like(parts[0], dtype=torch.float32)
+    if total <= 0:
+        return out
+    for w, part in zip(weights, parts, strict=True):
+        if w > 0:
+            out.add_(part, alpha=w / total)
+    return out

@@ -13,9 +13,15 @@ before it decodes anything and never allocates more than the piece it expects.
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import torch
 
 from protocols import codec
+
+# a decoded piece may be a read-only view of the bytes that arrived (never written: what reads it copies or reduces)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 NAMES = ("none", "fp16", "bf16", "int8", "int4")
 
@@ -64,10 +70,12 @@ class PieceCodec:
             return 4 * blocks + numel
         return 4 * blocks + (numel + 1) // 2
 
-    def encode(self, flat: torch.Tensor) -> bytes:
+    def encode(self, flat: torch.Tensor) -> bytes | memoryview:
+        """The piece's bytes; for `none`, a view of `flat`'s own memory when it is contiguous float32 (the frame that
+        carries it makes the one copy)."""
         flat = flat.detach().reshape(-1).to(torch.float32)
         if self.name == "none":
-            return flat.contiguous().numpy().tobytes()
+            return memoryview(flat.contiguous().numpy()).cast("B")
         if self.name == "fp16":
             return flat.to(torch.float16).numpy().tobytes()
         if self.name == "bf16":
@@ -84,9 +92,9 @@ class PieceCodec:
             raise PieceError(f"a piece of {numel} elements in {self.name} is {self.size(numel)} bytes, not {len(data)}")
         if numel == 0:
             return torch.empty(0)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if self.name == "none":
-            return raw.view(torch.float32)
+        if self.name == "none":  # a read-only view of the bytes: no copy
+            return torch.from_numpy(np.frombuffer(data, dtype=np.float32))
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
         if self.name == "fp16":
             return raw.view(torch.float16).to(torch.float32)
         if self.name == "bf16":
@@ -98,5 +106,5 @@ class PieceCodec:
         return dequantize_int4(scales, raw[4 * blocks :], numel, self.block_size)
 
     def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
-        """What a receiver decodes of `flat`: the codec's rounding applied (float32, flat)."""
-        return self.decode(self.encode(flat), flat.numel())
+        """What a receiver decodes of `flat`: the codec's rounding applied (float32, flat, its own memory)."""
+        return self.decode(self.encode(flat), flat.numel()).clone()

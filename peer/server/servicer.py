@@ -23,7 +23,7 @@ from peer.net.guard import CALLER
 from peer.net.refusal import Refused, refuse
 from peer.server.allreduce import first_header
 from peer.server.replica import Replica
-from protocols import averaging_pb2, codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
 from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
@@ -442,7 +442,5 @@ def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
     handlers["BackwardStream"] = grpc.stream_stream_rpc_method_handler(servicer.BackwardStream)
     handlers["GetState"] = grpc.unary_stream_rpc_method_handler(servicer.GetState)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(servicer.SERVICE, handlers),))
-    average = grpc.stream_stream_rpc_method_handler(
-        servicer.Average, response_serializer=averaging_pb2.AverageFrame.SerializeToString
-    )
+    average = grpc.stream_stream_rpc_method_handler(servicer.Average)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(AVERAGING_SERVICE, {"Average": average}),))

@@ -56,10 +56,13 @@ async def main(work: Path, index: int, members: int, mb: float, read_timeout: fl
         async for frame in averager.allreduce.serve(header, frames, ""):
             yield frame
 
+    endpoints: dict[str, str] = {}  # filled once every member has written its own
+    loop = asyncio.get_running_loop()
+    header = averaging_pb2.AverageHeader(run_id="faults")
+    averager.allreduce.bind(loop, StageClient(1 << 20, 1 << 30), ids[index], endpoints.get, header, lambda: 0, bool)
+    averager.loop = loop  # bound before we serve: a partner's call may come the moment our endpoint is known
     server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        average, response_serializer=averaging_pb2.AverageFrame.SerializeToString
-    )
+    handler = grpc.stream_stream_rpc_method_handler(average)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("swarmtrain.Averaging", {"Average": handler}),)
     )
@@ -69,11 +72,7 @@ async def main(work: Path, index: int, members: int, mb: float, read_timeout: fl
     (work / f"endpoint{index}.tmp").rename(work / f"endpoint{index}")
     while not all((work / f"endpoint{i}").exists() for i in range(members)):
         await asyncio.sleep(0.05)
-    endpoints = {ids[i]: (work / f"endpoint{i}").read_text() for i in range(members)}
-    loop = asyncio.get_running_loop()
-    header = averaging_pb2.AverageHeader(run_id="faults")
-    averager.allreduce.bind(loop, StageClient(1 << 20, 1 << 30), ids[index], endpoints.get, header, lambda: 0, bool)
-    averager.loop = loop
+    endpoints.update({ids[i]: (work / f"endpoint{i}").read_text() for i in range(members)})
     tensors = [torch.full((int(mb * 1e6 / 4),), float(index + 1))]
     print(f"STARTED t={time.time():.3f}", flush=True)
     result = await loop.run_in_executor(None, averager.average, tensors, index + 1, 0, ids)
