@@ -21,7 +21,11 @@ Worker i fills its tensors with base + i + r in round r, so every peer's result 
 
     sudo .venv/bin/python benchmarks/averaging.py [--rate 100] [--size-mb 48] [--rounds 5] [--quick]
 
-Last line: key=value pairs: cpu_ns_per_byte_ours, cpu_ns_per_byte_hivemind, cpu_ratio (ours / hivemind), ratio
+Also: each peer's peak RSS (VmHWM of its processes, added up) over the averaged tensors' bytes, per path (the worker
+itself holds the base tensors and one round's inputs: 2x before any averaging).
+
+Last line: key=value pairs: cpu_ns_per_byte_ours, cpu_ns_per_byte_hivemind, cpu_ratio (ours / hivemind),
+rss_over_size_ours, rss_over_size_hivemind, ratio
 (ours, median WAN round / bound), rounds_ok, bound_s, median_s, max_s, bytes_per_peer_over_bound,
 hivemind_ratio, hivemind_rounds_ok, status. Without the lab (not root) the WAN phase is skipped
 (wan=skipped). `--quick`: 4 MB, 2 rounds, no hivemind WAN rounds.
@@ -181,6 +185,8 @@ def summary(args, work: Path, rounds: int, bound: float | None, counters: list) 
         "times": times,
         "cpu_ns_per_byte": statistics.mean(e["cpu_s"] for round_ in entries for e in round_) / size * 1e9,
         "errors": sorted({e["error"] for round_ in entries for e in round_ if e.get("error")}),
+        # a peer's processes at their largest (each process's own peak, added up) over the averaged tensors' bytes
+        "rss_over_size": max(e.get("peak_rss", 0) for round_ in entries for e in round_) / size,
     }
     if bound:
         butterfly = 2 * (n - 1) / n * size
@@ -203,11 +209,13 @@ def loopback_phase(args, work: Path, figures: Figures) -> None:
         times = ", ".join(f"{t:.2f}" for t in s["times"])
         print(
             f"loopback {path:>8}: {s['rounds_ok']}/{s['rounds']} rounds ok, wall {times} s, "
-            f"{s['cpu_ns_per_byte']:.2f} ns of CPU per averaged byte per peer {'; '.join(s['errors'])}",
+            f"{s['cpu_ns_per_byte']:.2f} ns of CPU per averaged byte per peer, peak RSS {s['rss_over_size']:.2f}x "
+            f"the averaged bytes {'; '.join(s['errors'])}",
             flush=True,
         )
         figures[f"cpu_ns_per_byte_{path}"] = f"{s['cpu_ns_per_byte']:.2f}"
         figures[f"loopback_rounds_ok_{path}"] = f"{s['rounds_ok']}/{s['rounds']}"
+        figures[f"rss_over_size_{path}"] = f"{s['rss_over_size']:.2f}"
     figures["cpu_ratio"] = f"{cpu['ours'] / cpu['hivemind']:.3f}"
     print(f"CPU per byte: ours {cpu['ours'] / cpu['hivemind']:.3f}x hivemind's (goal <= 0.35)", flush=True)
 

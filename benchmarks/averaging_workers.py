@@ -66,6 +66,20 @@ def _cpu() -> float:
     return cpu_seconds([os.getpid()]) or 0.0
 
 
+def _peak_rss() -> int:
+    """Bytes: the largest resident set each process of this peer has had so far (VmHWM), added up."""
+    from benchmarks.cputime import descendants_of
+
+    total = 0
+    for pid in [os.getpid(), *descendants_of(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
 def _timed_round(average, base: list, r: int, go: dict, args: argparse.Namespace) -> dict:
     """Round `r` at its agreed start, through `average(inputs, r) -> (group size, averaged tensors) or None`."""
     me, n = args.worker, args.peers
@@ -77,7 +91,7 @@ def _timed_round(average, base: list, r: int, go: dict, args: argparse.Namespace
     cpu = _cpu()
     result = average(inputs, r)
     finished, cpu = time.time(), _cpu() - cpu
-    entry = {"round": r, "seconds": finished - start, "late": max(0.0, late), "cpu_s": cpu}
+    entry = {"round": r, "seconds": finished - start, "late": max(0.0, late), "cpu_s": cpu, "peak_rss": _peak_rss()}
     if result is None:
         entry.update(ok=False, error="the round failed")
         return entry

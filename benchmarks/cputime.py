@@ -52,6 +52,26 @@ def cpu_seconds(roots: list[int]) -> float | None:
     return total if seen else None
 
 
+def descendants_of(pid: int) -> list[int]:
+    """The live descendants of `pid`, read from /proc/<pid>/task/*/children."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
 def train_together(swarms: dict, name: str, micro_batches: int, warmup: int, extra: list[str], timeout):
     """A trainer on each swarm at once, each for `micro_batches`: per swarm, (samples/s, CPU s per 1000 samples)
     over one window, from when every trainer is past its first `warmup` micro-batches to when one of them has

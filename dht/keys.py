@@ -41,16 +41,6 @@ def books_key(run_id: str) -> str:
     return f"swarmtrain/run/{run_id}/books"
 
 
-def averaging_prefix(run_id: str, stage: int) -> str:
-    """The prefix under which hivemind's averager matches the replicas of one stage."""
-    return f"swarmtrain_{run_id}_stage{stage}"
-
-
-def expert_averaging_prefix(run_id: str, expert: str) -> str:
-    """The prefix under which hivemind's averager matches the replicas of one expert."""
-    return f"swarmtrain_{run_id}_expert{expert.replace('.', '_')}"
-
-
 def relays_key(run_id: str) -> str:
     """Offers of peers that relay for unreachable ones (peer.net.relay), a subkey per relay."""
     return f"swarmtrain/run/{run_id}/relays"

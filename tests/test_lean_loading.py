@@ -25,13 +25,12 @@ def spec(tie: bool = False, stages: int = 2) -> RunSpec:
 
 def test_zeros_take_memory_only_where_written():
     before = memory.resident()
-    plain, shared = allocation.zeros((64, MB // 4)), allocation.shared_zeros((64, MB // 4))  # 64 MB each
+    plain = allocation.zeros((64, MB // 4))  # 64 MB
     assert memory.resident() - before < 8 * MB
-    assert float(plain.sum()) == 0.0 and shared.is_shared()
-    plain.fill_(1.0)
-    shared[:32].fill_(2.0)
-    assert memory.resident() - before > 90 * MB
-    assert float(plain.sum()) == 64 * MB // 4 and float(shared.sum()) == 2.0 * 32 * MB // 4
+    assert float(plain.sum()) == 0.0
+    plain[:48].fill_(1.0)
+    assert memory.resident() - before > 40 * MB
+    assert float(plain.sum()) == 48 * MB // 4
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -28,7 +28,7 @@ def connect(
 
     Without `coordinator`, `maddr` is the coordinator's own address and names it. The credential
     (peer.net.security) comes through the DHT, so no gRPC object exists yet when this returns:
-    hivemind's averager, which forks, can still be created.
+    anything else that forks can still be created.
     """
     coordinator = coordinator_peer_id(maddr, coordinator)
     net = cfg.network  # (the CLI checked that something answers at maddr: dht.address.check_reachable)

@@ -169,8 +169,8 @@ def _serve(server: StageServer, dht, cfg: PeerConfig, experts, ranks):
 
 
 def _rejoin(stage: int, deadline) -> None:
-    """This peer again, as a fresh process serving `stage`: hivemind's averager must be created before any
-    gRPC object in a process; the identity (same peer id) and settings carry over."""
+    """This peer again, as a fresh process serving `stage`: hivemind's DHT node, which forks, must be created
+    before any gRPC object in a process; the identity (same peer id) and settings carry over."""
     if deadline is not None:
         deadline.cancel()
     sys.stdout.flush()

@@ -1,9 +1,8 @@
 """Tensors that take no memory until written: a server that is about to load a state into its part
 must not first hold (and write) a copy of it that it throws away.
 
-Large CPU tensors come from pages the kernel hands out zero-filled on their first touch: an
-anonymous mapping for private ones, a shared-memory file for those another process (hivemind's
-averager) reads. Small ones are ordinary zeros."""
+Large CPU tensors come from pages the kernel hands out zero-filled on their first touch (an anonymous
+mapping). Small ones are ordinary zeros."""
 
 from __future__ import annotations
 
@@ -26,13 +25,3 @@ def zeros(shape, dtype: torch.dtype = torch.float32, device: torch.device | str 
 
 def zeros_like(t: torch.Tensor) -> torch.Tensor:
     return zeros(t.shape, t.dtype, t.device)
-
-
-def shared_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Zeros in shared memory (what hivemind's averager hands to its own process), resident only where written."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < SMALL:
-        return torch.zeros(shape, dtype=dtype).share_memory_()
-    storage = torch.UntypedStorage._new_shared(nbytes)  # a new shared file, sized but never written
-    strides = torch.empty(shape, device="meta").stride()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), strides)

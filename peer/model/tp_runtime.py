@@ -209,7 +209,7 @@ class ShardedStageRuntime(StageRuntime):
         self.full_shapes = [full_shape(p.shape, d, tp.world) for p, d in zip(self.params, self.dims, strict=True)]
 
     def full_template(self) -> list[torch.Tensor]:
-        """Zeros shaped like the unsplit parameters: what the stage's averager averages."""
+        """Zeros shaped like the unsplit parameters: what the stage's replicas average."""
         return [torch.zeros(shape) for shape in self.full_shapes]
 
     # ---- commands -----------------------------------------------------------------------------

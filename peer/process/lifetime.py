@@ -10,10 +10,10 @@ All Linux:
   start pollers whose descriptors `close_fds` then closes: "epoll_wait error: Bad file descriptor").
 - `die_with_parent`, the same for a child forked by multiprocessing (called first thing in it).
 - `start_reaper`, called once by every long-running `peer` command: it forks the reaper
-  (peer.process.reaper), which ends the peer's descendants (hivemind's DHT and averager processes, their
-  p2p daemons, tensor-parallel ranks) once the peer has exited in any way, its own SIGKILL
+  (peer.process.reaper), which ends the peer's descendants (hivemind's DHT process, its
+  p2p daemon, tensor-parallel ranks) once the peer has exited in any way, its own SIGKILL
   included, and removes their sockets and the peer's private runtime directory. The same call
-  makes every process the peer forks from its main thread (hivemind's DHT and averagers) die with
+  makes every process the peer forks from its main thread (hivemind's DHT) die with
   it, through PR_SET_PDEATHSIG in an at-fork hook. The runtime directory names its owner (the peer's
   and the reaper's pids with their start times); a start first sweeps the runtime directories whose
   peer and reaper are both gone (a supervisor that SIGKILLs a whole unit kills the reaper too).

@@ -116,7 +116,7 @@ def _listening(path: str) -> bool:
 def stale_sockets(since: float, prefix: str = SOCKET_DIR) -> list[str]:
     """hivemind's unix sockets made since `since` (wall clock) that nobody listens on any more.
 
-    A process that died with the peer before the reaper saw it bind (an averager started in the
+    A process that died with the peer before the reaper saw it bind (a DHT node started in the
     last look's period) leaves a socket file no list names. Bound sockets of this network namespace
     are skipped unprobed; others (a peer in another namespace, a file without a listener) get a
     connect, once the file is old enough that its maker has surely called listen().

@@ -8,7 +8,8 @@ also invites each serving partner directly (the `Round` call); the partners that
 serving partner steps at once, inside the backward that crossed the target, so one replica per
 part reproduces plain gradient accumulation exactly.
 
-The round itself (matchmaking, all-reduce) runs on a thread of its own. The torch thread waits
+The round (peer.server.averaging: our all-reduce, on this replica's event loop) is waited for on a thread of
+its own. The torch thread waits
 for it up to `averaging.pause_limit` and applies the step in the same job, so the requests queued
 meanwhile run on the new weights; a round that takes longer lets them go on (their gradients then
 count one step later), so a slow or failing round never stalls the part.
@@ -74,11 +75,6 @@ class Part:
 
     def key(self, run_id: str) -> str:
         return keys.expert_key(run_id, self.expert) if self.expert else keys.servers_key(run_id, self.stage)
-
-    def averaging_prefix(self, run_id: str) -> str:
-        if self.expert:
-            return keys.expert_averaging_prefix(run_id, self.expert)
-        return keys.averaging_prefix(run_id, self.stage)
 
     def matches(self, record: ServerRecord) -> bool:
         return record.stage == self.stage and record.expert == self.expert

@@ -1,5 +1,6 @@
 """The averaging round of a replica (peer.server.replica): inviting the serving partners, forming the
-group from those that answer, hivemind's all-reduce on its own thread, and joining a partner's round.
+group from those that answer, the all-reduce (peer.server.averaging) waited for on the round thread, and joining a
+partner's round.
 
 Rounds is a piece of Replica, on the replica's event loop."""
 
@@ -14,7 +15,6 @@ import time
 from dht.records import ServerRecord
 
 logger = logging.getLogger(__name__)
-MATCHMAKING_STAGGER = 0.05  # s between replicas entering hivemind's matchmaking, by peer-id rank
 MAX_INVITERS = 64  # invitations remembered (one per partner) until their round
 DRAIN_POLL = 0.005  # s between looks, while a step drains, at the backwards still to come
 SNAPSHOT_TRIES = 3  # reads of the runtime's cached forwards tried while the torch thread changes them
@@ -74,12 +74,8 @@ class Rounds:
             # a partner that was only slow is then behind and catches up from us
             await self._finish_step(self._step_alone())
             return
-        # enter matchmaking in peer-id order, a few tens of ms apart: replicas that start at the same
-        # instant can each take the other for its leader, and hivemind then fails the round
-        ranked = sorted([self.dht.peer_id, *(r_pid for r_pid, r in self.peers.items() if r.epoch <= epoch)])
-        stagger = MATCHMAKING_STAGGER * ranked.index(self.dht.peer_id)
         expected = sorted([self.dht.peer_id, *joiners])
-        await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch, stagger)))
+        await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch)))
 
     async def _answers(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> tuple[dict, float]:
         """The partners' answers to the invitation to the round for `epoch`, and the seconds the first invitations
@@ -140,7 +136,7 @@ class Rounds:
             if pid not in self._distrusted and (isinstance(a, BaseException) or a.epoch <= limit)
         }
 
-    async def _averaged_step(self, expected: list[str], epoch: int, stagger: float):
+    async def _averaged_step(self, expected: list[str], epoch: int):
         """Take the gradients (torch thread), average them with `expected` (round thread), then step or put them back."""
         rt = self.runtime
         started = time.perf_counter()
@@ -152,7 +148,7 @@ class Rounds:
         # trainers must know what this round covers before it can succeed: if we die right after it,
         # they ask the survivors whether we were in the group instead of replaying what it stepped
         self.round_seq = seq
-        sat_out = await self._sits_out(grads, samples, seq, incarnation, epoch, stagger)
+        sat_out = await self._sits_out(grads, samples, seq, incarnation, epoch)
         if sat_out is not None:
             self.samples_averaging = 0
             return samples, sat_out, time.perf_counter() - started
@@ -227,18 +223,15 @@ class Rounds:
         if waiting:
             logger.info("%s: %d backward(s) not back after the drain; they count a step late", self.label, len(waiting))
 
-    async def _sits_out(
-        self, grads, samples: int, seq: int, incarnation: int, epoch: int, stagger: float
-    ) -> int | None:
-        """Announce the round, wait `stagger`; None to go on, else why this replica sits it out: 0 (its gradients
-        are back in the accumulator) or -1 (they are dropped)."""
+    async def _sits_out(self, grads, samples: int, seq: int, incarnation: int, epoch: int) -> int | None:
+        """Announce the round; None to go on, else why this replica sits it out: 0 (its gradients are back in the
+        accumulator) or -1 (they are dropped)."""
         rt = self.runtime
         if not await self._announce_round():
             # trainers cannot learn what this round covers: were it to succeed here and this replica die, they
-            # would replay what its partners stepped. It stays out; its partners' group lacks it and fails alike
+            # would replay what its partners stepped. It stays out; its partners go on without it (peer.server.allreduce)
             logger.warning("%s: could not announce the round for step %d in the DHT; sitting it out", self.label, epoch)
             return 0 if await self.run_torch(self._restore_unless_dropped, grads, samples, seq, incarnation) else -1
-        await asyncio.sleep(stagger)
         if rt.incarnation != incarnation and not rt.local:
             # stopped after the take for longer than our record lives (the announcement found it expired and
             # dropped the accumulator): trainers took us for gone and replay what we held, the taken gradients

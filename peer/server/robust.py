@@ -1,7 +1,7 @@
 """How a group's members' tensors become one: the weights the group's own data fixes, and the aggregates.
 
-Pure functions on tensors; peer.server.hivemind_averager applies them to each part it reduces. Every
-member computes them from the same gathered data, so all reach the same weights and the same result.
+Pure functions on tensors; peer.server.owned_slice applies them to each piece an owner reduces. Every owner
+computes the weights from the same contributions (each verdict says which), so all reach the same weights.
 
 - weights: a member's weight is the samples it announced in the round's gathered data (every member
   sees the same), never the weight its messages carry, and at most `ratio` times the lower median of
