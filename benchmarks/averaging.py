@@ -10,8 +10,10 @@ parameters, one round at a time at a shared clock's start times:
 2. the WAN lab (benchmarks/lab.py, needs root): each worker in its own network namespace capped at `--rate`
    Mbit/s both ways; the round's wall time (the latest worker's finish minus the common start) against the
    butterfly bound 2(n-1)/n * size / bandwidth, and each host's bytes (interface counters) against the
-   butterfly's 2(n-1)/n * size each way. Goal: ours <= 1.15x the bound, every round ok. hivemind's runs
-   `--hivemind-wan-rounds` rounds beside it for comparison (its matchmaking counts in its time).
+   butterfly's 2(n-1)/n * size each way. Goal: ours <= 1.15x the bound, every round ok. Beside it, in the same
+   lab: raw TCP moving the same bytes at once (each peer 2 x size / n to every other, nothing waiting on
+   anything: the lab's own ceiling, `tcp_ratio`, and ours over it, `over_tcp`), and hivemind's for
+   `--hivemind-wan-rounds` rounds (its matchmaking counts in its time).
 
 Environment, for experiments: SWARMTRAIN_BENCH_PIECE_BYTES (averaging.piece_bytes of the workers, default 1 MiB),
 SWARMTRAIN_BENCH_DEBUG=1 (each worker logs a timeline of its rounds: pieces sent, slice reduced, verdicts).
@@ -25,9 +27,9 @@ Also: each peer's peak RSS (VmHWM of its processes, added up) over the averaged 
 itself holds the base tensors and one round's inputs: 2x before any averaging).
 
 Last line: key=value pairs: cpu_ns_per_byte_ours, cpu_ns_per_byte_hivemind, cpu_ratio (ours / hivemind),
-rss_over_size_ours, rss_over_size_hivemind, ratio
+rss_over_size_ours, rss_over_size_hivemind, tcp_ratio, tcp_rounds_ok, ratio
 (ours, median WAN round / bound), rounds_ok, bound_s, median_s, max_s, bytes_per_peer_over_bound,
-hivemind_ratio, hivemind_rounds_ok, status. Without the lab (not root) the WAN phase is skipped
+hivemind_ratio, hivemind_rounds_ok, over_tcp, status. Without the lab (not root) the WAN phase is skipped
 (wan=skipped). `--quick`: 4 MB, 2 rounds, no hivemind WAN rounds.
 """
 
@@ -233,10 +235,11 @@ def wan_phase(args, work: Path, figures: Figures) -> None:
     n, size = args.peers, size_bytes(args)
     bound = 2 * (n - 1) / n * size * 8 / (args.rate * 1e6)
     print(f"WAN lab: {n} peers at {args.rate:g} Mbit/s, butterfly bound {bound:.2f} s", flush=True)
-    for path, rounds in (("ours", args.rounds), ("hivemind", args.hivemind_wan_rounds)):
+    medians: dict[str, float] = {}
+    for path, rounds in (("tcp", args.rounds), ("ours", args.rounds), ("hivemind", args.hivemind_wan_rounds)):
         if rounds < 1:
             continue
-        period = bound * (1.5 if path == "ours" else 2.5) + 4.0
+        period = bound * (2.5 if path == "hivemind" else 1.5) + 4.0  # hivemind's matchmaking takes its time too
         with Lab() as lab:
             hosts = [lab.add_host(f"avg{i}", args.rate) for i in range(n)]
             counters = run_phase(args, work / f"wan-{path}", path, rounds, hosts, period)
@@ -248,12 +251,17 @@ def wan_phase(args, work: Path, figures: Figures) -> None:
             f"bound, {s['bytes_ratio']:.3f}x the butterfly's bytes {'; '.join(s['errors'])}",
             flush=True,
         )
-        prefix = "" if path == "ours" else "hivemind_"
+        prefix = {"ours": "", "tcp": "tcp_", "hivemind": "hivemind_"}[path]
         figures[f"{prefix}ratio"] = f"{median / bound:.3f}"
         figures[f"{prefix}rounds_ok"] = f"{s['rounds_ok']}/{rounds}"
+        medians[path] = median
         if path == "ours":
             figures.update(bound_s=f"{bound:.2f}", median_s=f"{median:.2f}", max_s=f"{max(s['times']):.2f}")
             figures["bytes_per_peer_over_bound"] = f"{s['bytes_ratio']:.3f}"
+
+    if "tcp" in medians and "ours" in medians:  # what the lab's own TCP leaves: ours over raw TCP moving the same bytes
+        figures["over_tcp"] = f"{medians['ours'] / medians['tcp']:.3f}"
+        print(f"ours over raw TCP moving the same bytes at once: {medians['ours'] / medians['tcp']:.3f}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_workdir(parser, "the workers' logs")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: run worker i
-    parser.add_argument("--path", choices=PATHS, default="ours", help=argparse.SUPPRESS)
+    parser.add_argument("--path", choices=(*PATHS, "tcp"), default="ours", help=argparse.SUPPRESS)
     parser.add_argument("--ip", default="127.0.0.1", help=argparse.SUPPRESS)
     add_quick(parser, "4 MB, 2 rounds of each, no hivemind WAN rounds")
     return parser

@@ -96,6 +96,9 @@ def _timed_round(average, base: list, r: int, go: dict, args: argparse.Namespace
         entry.update(ok=False, error="the round failed")
         return entry
     group, averaged = result
+    if averaged is None:  # raw TCP: nothing averaged, only moved
+        entry.update(group=group, ok=group == n)
+        return entry
     mean = (n - 1) / 2 + r
     err = max(float((a - b - mean).abs().max()) for a, b in zip(averaged, base, strict=True))
     tol = TOLERANCE[args.compression] * (0.6 + n - 1 + r)  # 0.6 bounds |base| (0.1 * randn, 12M draws)
@@ -238,6 +241,61 @@ def hivemind_worker(args: argparse.Namespace, work: Path) -> int:
         dht.shutdown()
 
 
+def tcp_worker(args: argparse.Namespace, work: Path) -> int:
+    """Raw TCP, for the lab's own ceiling: each round, 2 x size / n bytes to every other peer and as much from each,
+    all at once (a butterfly's bytes, with no reduction and nothing waiting on anything), over connections kept
+    from round to round. A round is ok when every byte arrived."""
+    import socket
+    import threading
+
+    n, share = args.peers, 2 * sum(4 * _numel(s) for s in template_shapes(args.size_mb)) // args.peers
+    listener = socket.create_server((args.ip, 0))
+    write_json(
+        work / f"ready{args.worker}.json",
+        {"peer": str(args.worker), "endpoint": f"{args.ip}:{listener.getsockname()[1]}"},
+    )
+    go = wait_json(work / "go.json", args.start_timeout)
+    others = [e for i, e in enumerate(go["endpoints"]) if i != args.worker]
+    incoming = []
+    accepting = threading.Thread(target=lambda: incoming.extend(listener.accept()[0] for _ in others))
+    accepting.start()
+    outgoing = [socket.create_connection((e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1]))) for e in others]
+    accepting.join()
+    data, buffers = memoryview(bytearray(share)), [bytearray(1 << 20) for _ in incoming]
+
+    def receive(sock, buffer) -> None:
+        got = 0
+        while got < share:
+            got += sock.recv_into(buffer, min(len(buffer), share - got)) or share  # a closed peer ends the round
+        received.append(got)
+
+    def average(inputs, r):
+        received.clear()
+        threads = [threading.Thread(target=receive, args=(c, b)) for c, b in zip(incoming, buffers, strict=True)]
+        threads += [threading.Thread(target=c.sendall, args=(data,)) for c in outgoing]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (n if len(received) == n - 1 else 0), None
+
+    received: list[int] = []
+    rounds = []
+    for r in range(args.rounds):
+        entry = _timed_round(average, [], r, go, args)
+        rounds.append(entry)
+        write_json(work / f"result{args.worker}.json", rounds)
+    wait_json(work / "done.json", args.averaging_timeout + 60)
+    return 0
+
+
+def _numel(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
 def worker(args: argparse.Namespace) -> int:
     import logging
 
@@ -248,6 +306,8 @@ def worker(args: argparse.Namespace) -> int:
         logging.getLogger("asyncio").setLevel(logging.WARNING)
 
     work = Path(args.workdir)
+    if args.path == "tcp":
+        return tcp_worker(args, work)
     if args.path == "ours":
         start_reaper()
         return ours_worker(args, work)

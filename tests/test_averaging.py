@@ -24,6 +24,7 @@ from peer.server.allreduce import first_header
 from peer.server.averaging import GradientAverager
 from peer.server.robust import aggregate, fixed_weights
 from protocols import averaging_pb2
+from protocols.failures import Reason
 
 SPEC = {"averaging": {"request_timeout": 0.5, "averaging_timeout": 6.0, "group_timeout": 2.0, "read_timeout": 1.0}}
 
@@ -232,31 +233,33 @@ def test_a_member_that_sends_poison_or_the_wrong_size_is_left_out(poison):
 
 
 def test_a_call_from_outside_the_group_or_for_another_part_is_refused():
-    """An Average call whose sender is not in its own group, or that names another run: a verdict naming why."""
+    """An Average call whose sender is not in its own group, that names another run, or another step: a gRPC status
+    with the reason of protocols.failures, before any piece is read; the owner's round is not touched."""
+    from peer.net.refusal import Refused
+
     spec = RunSpec.from_dict(SPEC)
     with _averagers(2, spec) as (members, servers):
-        loop = members[0][1].loop
-
-        async def call(header):
-            channel = grpc.aio.insecure_channel(servers[0].endpoint)
-            method = channel.stream_stream(
-                "/swarmtrain.Averaging/Average",
-                request_serializer=averaging_pb2.AverageFrame.SerializeToString,
-                response_deserializer=averaging_pb2.AverageFrame.FromString,
-            )
-            stream = method(timeout=5)
-            await stream.write(averaging_pb2.AverageFrame(header=header))
-            frame = await stream.read()
-            await channel.close()
-            return frame.verdict
-
+        allreduce, loop = members[0][1].allreduce, members[0][1].loop
         stranger = averaging_pb2.Contribution(peer_id="stranger", samples=5)
+
+        async def serve(header):
+            async for _ in allreduce.serve(header, None, ""):
+                pass
+
+        def refused(header) -> Refused:
+            with pytest.raises(Refused) as e:
+                asyncio.run_coroutine_threadsafe(serve(header), loop).result(10)
+            return e.value
+
         outside = averaging_pb2.AverageHeader(run_id="test", epoch=0, group=[members[0][0]], sender=stranger)
-        verdict = asyncio.run_coroutine_threadsafe(call(outside), loop).result(10)
-        assert not verdict.ok and "not an admitted replica" in verdict.reason
+        e = refused(outside)
+        assert e.code == grpc.StatusCode.PERMISSION_DENIED and e.reason == Reason.NOT_ADMITTED
         other = averaging_pb2.AverageHeader(run_id="other", epoch=0, group=[members[0][0], "stranger"], sender=stranger)
-        verdict = asyncio.run_coroutine_threadsafe(call(other), loop).result(10)
-        assert not verdict.ok and "run_id" in verdict.reason
+        assert refused(other).reason == Reason.WRONG_RUN
+        _EPOCH[0] = 5
+        later = averaging_pb2.AverageHeader(run_id="test", epoch=9, group=[members[0][0], "stranger"], sender=stranger)
+        e = refused(later)
+        assert e.reason == Reason.STALE_EPOCH and "at step 5, not 9" in e.message
 
 
 def test_weights_are_capped_claims_and_the_robust_aggregates_ignore_a_minority():

@@ -125,3 +125,34 @@ def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
 
 def stage_pb2_pb_chunk(data: bytes) -> tensor_pb2.Chunk:
     return tensor_pb2.Chunk(data=data)
+
+
+def test_bad_averaging_calls_are_refused_with_a_reason_and_server_keeps_serving(stage1):
+    """The replicas' all-reduce service (peer.server.allreduce) on a live stage server: a call that does not start
+    with a header, one from a caller that names another sender, one for another stage: each a gRPC status with
+    its reason before any piece is read; the server serves on."""
+    from protocols import averaging_pb2
+
+    stub, endpoint = stage1
+    with channel(endpoint) as ch:
+        average = ch.stream_stream("/swarmtrain.Averaging/Average")
+
+        def call(*frames: bytes):
+            return list(average(iter(frames), timeout=10))
+
+        def header(**fields) -> bytes:
+            sender = averaging_pb2.Contribution(peer_id="someone-else", samples=3)
+            fields = {"run_id": "badinput", "stage": 1, "epoch": 0, "group": ["a", "someone-else"], **fields}
+            return averaging_pb2.AverageFrame(
+                header=averaging_pb2.AverageHeader(sender=sender, **fields)
+            ).SerializeToString()
+
+        code, message = _status(lambda: call(b"\x12\x03abc"))  # a piece where the header must be
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "must start with its header" in message
+        with pytest.raises(grpc.RpcError) as e:
+            call(header())
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and reason_of(e.value) == Reason.NOT_ADMITTED
+        assert "not from someone-else" in e.value.details()
+        code, message = _status(lambda: call(header(stage=0)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "stage 1, not stage 0" in message
+    assert info(endpoint).stage == 1

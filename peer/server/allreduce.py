@@ -33,12 +33,16 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from peer.net.refusal import Refused
 from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
 from protocols.averaging_frames import message_frame, parse_frame, piece_frame
+from protocols.failures import Reason
 from protocols.framing import FramingError
+
+STALE, WRONG_RUN, BAD = Reason.STALE_EPOCH, Reason.WRONG_RUN, Reason.BAD_INPUT
 
 logger = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # (epoch, attempt) states an owner keeps: the newest rounds only
@@ -265,8 +269,13 @@ class AllReduce:
             raise Failed(set(), f"this replica already stepped {epoch}", self._stepped[epoch], stepped=True)
         now = self.epoch_now()
         # a partner may invite us while we still apply the step before (peer.server.replica_round.join_round)
-        if not now <= epoch <= now + 1 or header.attempt >= self.limits.max_attempts:
-            raise Failed(set(), f"this replica is at step {now}, not {epoch} (attempt {header.attempt})")
+        if not now <= epoch <= now + 1:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"this replica is at step {now}, not {epoch}", STALE)
+        if header.attempt >= self.limits.max_attempts:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"attempt {header.attempt}: rounds take at most {self.limits.max_attempts} (averaging.max_attempts)",
+            )
         if key not in self._slices:
             if key not in self._started and len(self._started) >= 2 * MAX_ROUNDS:
                 raise Failed(set(), "too many rounds waited for at once")
@@ -281,20 +290,23 @@ class AllReduce:
             raise Failed(set(), "the round is over here")
         return owned
 
+    def _check_caller(self, header: averaging_pb2.AverageHeader, caller: str) -> None:
+        """Refused (a gRPC status with its reason) unless the call is an admitted replica's, for this part."""
+        sender = header.sender.peer_id
+        if caller and caller != sender:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"the call comes from {caller}, not from {sender}")
+        if not self.admitted(sender) or sender not in header.group or sender == self.peer_id:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{sender} is not an admitted replica of this part")
+        if header.run_id != self.header_base.run_id:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not this one's", WRONG_RUN)
+        if (header.stage, header.expert) != (self.header_base.stage, self.header_base.expert):
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {header.stage} {header.expert!r}: not ours")
+
     async def serve(self, header: averaging_pb2.AverageHeader, frames, caller: str):
         """A partner's Average call (its header read, `frames` the rest): its pieces of our slice in, the averaged
         pieces out, then our verdict."""
+        self._check_caller(header, caller)
         sender = header.sender.peer_id
-        if caller and caller != sender:
-            yield _refusal(f"the call comes from {caller}, not from {sender}")
-            return
-        if not self.admitted(sender) or sender not in header.group or header.sender.peer_id == self.peer_id:
-            yield _refusal(f"{sender} is not an admitted replica of this part in this round")
-            return
-        for field_name in ("run_id", "stage", "expert"):
-            if getattr(header, field_name) != getattr(self.header_base, field_name):
-                yield _refusal(f"{field_name} is {getattr(header, field_name)!r}, not this part's")
-                return
         try:
             owned = await self._slice_for(header)
         except Failed as e:
@@ -315,8 +327,7 @@ class AllReduce:
                 )
             return
         if sender in owned.queues:
-            yield _refusal(f"{sender} already sends to this round")
-            return
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"{sender} already sends to this attempt", BAD)
         queue = owned.register(header.sender)
         reader = asyncio.ensure_future(self._read_pieces(frames, owned, sender, queue))
         try:
@@ -370,10 +381,6 @@ def _failed(verdict) -> bool:
 
 def _verdict(verdict: averaging_pb2.AverageVerdict) -> bytes:
     return message_frame(averaging_pb2.AverageFrame(verdict=verdict))
-
-
-def _refusal(reason: str) -> bytes:
-    return _verdict(averaging_pb2.AverageVerdict(ok=False, reason=reason))
 
 
 def _decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int) -> None:

@@ -290,8 +290,11 @@ class ServicerBase:
                 f"group: {len(header.group)} members, more than averaging.max_group_size",
                 Reason.BAD_INPUT,
             )
-        async for frame in replica.averager.allreduce.serve(header, frames, CALLER.get()):
-            yield frame
+        try:
+            async for frame in replica.averager.allreduce.serve(header, frames, CALLER.get()):
+                yield frame
+        except Refused as e:  # a stranger, another run or part, another step: refused before any piece is read
+            await refuse(context, e.code, e.message, e.reason)
 
     async def GetState(self, request_bytes: bytes, context):
         try:
