@@ -23,8 +23,9 @@ Worker i fills its tensors with base + i + r in round r, so every peer's result 
 
     sudo .venv/bin/python benchmarks/averaging.py [--rate 100] [--size-mb 48] [--rounds 5] [--quick]
 
-Also: each peer's peak RSS (VmHWM of its processes, added up) over the averaged tensors' bytes, per path (the worker
-itself holds the base tensors and one round's inputs: 2x before any averaging).
+Also, per path: what a peer's processes took at their largest (VmHWM, added up) beyond what they held before the
+rounds (code, the base tensors), over the averaged tensors' bytes: a round's inputs are 1x of it, the rest is
+what averaging holds (ours: the averaged output; hivemind's: its averager's shared copy and more).
 
 Last line: key=value pairs: cpu_ns_per_byte_ours, cpu_ns_per_byte_hivemind, cpu_ratio (ours / hivemind),
 rss_over_size_ours, rss_over_size_hivemind, tcp_ratio, tcp_rounds_ok, ratio
@@ -187,8 +188,10 @@ def summary(args, work: Path, rounds: int, bound: float | None, counters: list) 
         "times": times,
         "cpu_ns_per_byte": statistics.mean(e["cpu_s"] for round_ in entries for e in round_) / size * 1e9,
         "errors": sorted({e["error"] for round_ in entries for e in round_ if e.get("error")}),
-        # a peer's processes at their largest (each process's own peak, added up) over the averaged tensors' bytes
-        "rss_over_size": max(e.get("peak_rss", 0) for round_ in entries for e in round_) / size,
+        # what a peer's processes took at their largest (each process's own peak, added up) beyond what they held
+        # before the rounds, over the averaged tensors' bytes: a round's inputs (1x) and whatever averaging adds
+        "rss_over_size": max(e["peak_rss"] - e.get("rss_before", e["peak_rss"]) for round_ in entries for e in round_)
+        / size,
     }
     if bound:
         butterfly = 2 * (n - 1) / n * size
@@ -211,7 +214,7 @@ def loopback_phase(args, work: Path, figures: Figures) -> None:
         times = ", ".join(f"{t:.2f}" for t in s["times"])
         print(
             f"loopback {path:>8}: {s['rounds_ok']}/{s['rounds']} rounds ok, wall {times} s, "
-            f"{s['cpu_ns_per_byte']:.2f} ns of CPU per averaged byte per peer, peak RSS {s['rss_over_size']:.2f}x "
+            f"{s['cpu_ns_per_byte']:.2f} ns of CPU per averaged byte per peer, peak RSS +{s['rss_over_size']:.2f}x "
             f"the averaged bytes {'; '.join(s['errors'])}",
             flush=True,
         )

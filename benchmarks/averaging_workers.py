@@ -66,15 +66,15 @@ def _cpu() -> float:
     return cpu_seconds([os.getpid()]) or 0.0
 
 
-def _peak_rss() -> int:
-    """Bytes: the largest resident set each process of this peer has had so far (VmHWM), added up."""
+def _rss(field: str = "VmHWM") -> int:
+    """Bytes of `field` (VmHWM: the largest resident set so far; VmRSS: now) of every process of this peer, added up."""
     from benchmarks.cputime import descendants_of
 
     total = 0
     for pid in [os.getpid(), *descendants_of(os.getpid())]:
         try:
             with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
         except (OSError, StopIteration):
             continue
     return total
@@ -91,7 +91,7 @@ def _timed_round(average, base: list, r: int, go: dict, args: argparse.Namespace
     cpu = _cpu()
     result = average(inputs, r)
     finished, cpu = time.time(), _cpu() - cpu
-    entry = {"round": r, "seconds": finished - start, "late": max(0.0, late), "cpu_s": cpu, "peak_rss": _peak_rss()}
+    entry = {"round": r, "seconds": finished - start, "late": max(0.0, late), "cpu_s": cpu, "peak_rss": _rss()}
     if result is None:
         entry.update(ok=False, error="the round failed")
         return entry
@@ -109,9 +109,10 @@ def _timed_round(average, base: list, r: int, go: dict, args: argparse.Namespace
 
 
 def _rounds(average, args: argparse.Namespace, work: Path, base: list, go: dict) -> None:
-    rounds = []
+    rounds, before = [], _rss("VmRSS")  # what the peer holds before its rounds: its code, the base tensors
     for r in range(args.rounds):
         rounds.append(_timed_round(average, base, r, go, args))
+        rounds[-1]["rss_before"] = before
         print(json.dumps(rounds[-1]), flush=True)
         write_json(work / f"result{args.worker}.json", rounds)
     # stay until the parent has every result: a peer that leaves at once cuts the calls of slower peers
