@@ -45,7 +45,9 @@ PR_SET_PDEATHSIG = 1
 REAPER_ENV = "SWARMTRAIN_REAPER"  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
 USER_TMPDIR_ENV = "SWARMTRAIN_USER_TMPDIR"  # the temporary directory before the runtime dir replaced it
 MAX_RUNTIME_BASE = 48  # chars: unix sockets made in the runtime dir (torch's) must fit in 108 bytes
-RUNTIME_PREFIX = "swarmtrain-peer-"  # a peer's runtime dir: RUNTIME_PREFIX + random, in _runtime_base()
+RUNTIME_PREFIX = "swarmtrain-peer-"  # a peer's runtime dir: RUNTIME_PREFIX + tag + random, in _runtime_base()
+# a tag for the runtime dirs of every peer started below a process that sets it (a test session names its own)
+RUNTIME_TAG_ENV = "SWARMTRAIN_RUNTIME_TAG"
 OWNER_FILE = "owner"  # in a runtime dir: "<peer pid> <its start> <reaper pid> <its start>" (start: clock ticks)
 OWNERLESS_GRACE = 600.0  # s: a runtime dir with no owner file (being made, or an older version's) kept this long
 EXIT_JOIN = 1.0  # s, all together, that forked helpers get to end after SIGTERM when a process must exit now
@@ -131,7 +133,8 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
         runtime_dir = existing
     else:
         sweep_dead_runtime_dirs(_runtime_base())
-        runtime_dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=_runtime_base())
+        tag = "".join(c for c in os.environ.get(RUNTIME_TAG_ENV, "") if c.isalnum())[:16]
+        runtime_dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX + (f"{tag}-" if tag else ""), dir=_runtime_base())
         peer = os.getpid()
         pid = os.fork()
         if pid == 0:

@@ -84,27 +84,29 @@ class AllReduce:
     async def round(self, tensors: list[torch.Tensor], me: averaging_pb2.Contribution, epoch: int, group: list[str]):
         """Average `tensors` with `group` (peer ids, ours included) for `epoch`: an Outcome, or None if it failed."""
         flat = Flat(tensors)
-        out = torch.empty(flat.numel, dtype=torch.float32)
         try:
-            found = await self._attempts(flat, out, me, epoch, sorted(set(group)))
+            found = await self._attempts(flat, me, epoch, sorted(set(group)))
         finally:
             self._close(epoch)  # partners' calls for this round that come later are answered at once
         if found is None:
             return None
-        gathered, attempts = found
+        gathered, attempts, out = found
         averaged, offset = [], 0
         for t in tensors:
             averaged.append(out[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         return Outcome(averaged, gathered, attempts)
 
-    async def _attempts(self, flat: Flat, out: torch.Tensor, me, epoch: int, group: list[str]):
-        """Attempts until one succeeds, each without the members the last lost: (contributions, attempts) or None."""
+    async def _attempts(self, flat: Flat, me, epoch: int, group: list[str]):
+        """Attempts until one succeeds, each without the members the last lost: (contributions, attempts, the
+        averaged flat vector) or None. Each attempt fills an output of its own: what a failed one still writes (a
+        piece reduced or decoded as it ended) never reaches the next."""
         quorum = len(group) // 2 + 1  # more than half of the group the round started with
         for attempt in range(self.limits.max_attempts):
             if self.peer_id not in group or len(group) < max(2, quorum):
                 logger.warning("averaging for step %d: %d of the %d members left, no quorum", epoch, len(group), quorum)
                 return None
+            out = torch.empty(flat.numel, dtype=torch.float32)
             try:
                 gathered = await self._attempt(Attempt(epoch, attempt, group, me, flat, out))
             except Failed as e:
@@ -114,8 +116,13 @@ class AllReduce:
                 group = sorted((set(group) - e.lost) & set(e.group or group))
                 continue
             self._stepped[epoch] = group
-            return gathered, attempt + 1
+            return gathered, attempt + 1, out
         return None
+
+    def unstep(self, epoch: int) -> None:
+        """The replica did not step the average of its round for `epoch` (implausible, no samples): partners' calls
+        for its next round at that step are served again, not answered 'stepped'."""
+        self._stepped.pop(epoch, None)
 
     async def _attempt(self, run: Attempt) -> list[averaging_pb2.Contribution]:
         bounds = slice_bounds(run.flat.numel, len(run.group), self.block_size)
@@ -133,6 +140,8 @@ class AllReduce:
         finally:
             for task in calls.values():
                 task.cancel()
+            await owned.fail(Failed(set(), "the attempt is over"))  # nothing, once reduced; else its callers hear
+            reducer.cancel()
         return self._agreed(run, verdicts)
 
     async def _verdicts(self, run: Attempt, calls: dict, owned: OwnedSlice, reducer) -> dict[str, object]:
@@ -150,6 +159,10 @@ class AllReduce:
             )
             if failure is not None:
                 run.lost |= failure.lost
+                if owned.done and owned.failure is None:
+                    # our slice's average and ok verdict already went out: a member holding every owner's ok
+                    # verdict may step this attempt, so running another (a second average at this step) must not be
+                    raise Failed(failure.lost, f"{failure.reason}; our slice was already averaged", stepped=True)
                 await owned.fail(failure)
                 raise failure
         return verdicts
@@ -174,19 +187,27 @@ class AllReduce:
         pieces = piece_bounds(*bounds, self.limits.piece_elements)
         writer = asyncio.ensure_future(self._send(call, run, pieces))
         try:
-            return await self._receive(call, run, owner, pieces)
+            result = await self._receive(call, run, owner, pieces)
         except grpc.aio.AioRpcError as e:
             return Failed({owner}, f"{owner}: {e.code().name}: {e.details()}")
         except asyncio.CancelledError:
             # this attempt failed elsewhere: say whom it lost before the call goes, so the owner does not take us
-            with contextlib.suppress(Exception):
-                writer.cancel()
-                verdict = averaging_pb2.AverageVerdict(ok=False, lost=sorted(run.lost), reason="attempt given up")
-                await asyncio.wait_for(call.write(_verdict(verdict)), 0.5)
-            call.cancel()
+            writer.cancel()
+            await self._give_up(call, run.lost)
             raise
         finally:
             writer.cancel()
+        if isinstance(result, Failed):  # the owner did not answer as it should: it hears whom we lost, it included
+            await self._give_up(call, run.lost | result.lost)
+        return result
+
+    @staticmethod
+    async def _give_up(call, lost: set[str]) -> None:
+        """Tell an owner we leave this attempt, and whom it lost; then end the call."""
+        with contextlib.suppress(Exception):  # the call may be over already: nothing to tell then
+            verdict = averaging_pb2.AverageVerdict(ok=False, lost=sorted(lost), reason="attempt given up")
+            await asyncio.wait_for(call.write(_verdict(verdict)), 0.5)
+        call.cancel()
 
     async def _send(self, call, run: Attempt, pieces) -> None:
         header = averaging_pb2.AverageHeader()
@@ -209,7 +230,9 @@ class AllReduce:
         loop = asyncio.get_running_loop()
         received, first = 0, True
         while True:
-            wait = self.limits.group_timeout + self.limits.read_timeout if first else self.limits.read_timeout
+            # an owner gets twice the read deadline: its next piece may wait for a stalled member, whom it must be
+            # the first to blame (else we blame it, tell it so, and the members' groups come apart)
+            wait = 2 * self.limits.read_timeout + (self.limits.group_timeout if first else 0.0)
             try:
                 frame = await asyncio.wait_for(call.read(), wait)
             except TimeoutError:

@@ -93,14 +93,21 @@ class GradientAverager:
         total = sum(int(c.samples) for c in outcome.gathered)
         if total <= 0:  # the weights were all 0: the mean is 0/0; every member sees the same total and skips
             logger.warning("averaging group for step %d brought no samples: nobody steps", epoch)
+            self.unstep(epoch)
             return None
         averaged = outcome.averaged
         if not self._plausible(averaged, gradients, samples, epoch, members):
+            self.unstep(epoch)  # every member judges alike: the next round at this step is a new one
             return None
         coverage = {c.peer_id: (int(c.incarnation), int(c.seq)) for c in outcome.gathered}
         if pending is not None and samples > 0:  # stepped with our part in it: its rounding goes with the next round
             self.residual, self.residual_epoch = (pending, epoch + 1) if pending else ([], -1)
         return RoundResult(averaged, total, len(members), members, coverage)
+
+    def unstep(self, epoch: int) -> None:
+        """From any thread: the average of the round for `epoch` was not stepped (peer.server.allreduce.unstep)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.allreduce.unstep, epoch)
 
     def _round(self, gradients, me, epoch: int, group: list[str]):
         """The all-reduce on the replica's loop, waited for here within the round's bound."""

@@ -163,7 +163,7 @@ class Rounds:
         def finish():
             result = round_future.result()
             if rt.incarnation != incarnation and not rt.local:
-                return samples, -1  # the accumulator was dropped meanwhile: trainers replay these samples
+                return samples, self._unstepped(result, epoch)  # dropped meanwhile: trainers replay these samples
             if result is None:
                 # nobody steps on a failed round: replicas stay equal and the samples wait for the next one
                 rt.restore_round(grads, samples, seq)
@@ -195,6 +195,12 @@ class Rounds:
             self.samples_averaging = 0
         group_samples, members = outcome
         return group_samples, members, time.perf_counter() - started
+
+    def _unstepped(self, result, epoch: int) -> int:
+        """A round's average this replica does not step after all: its partners' next round at `epoch` is served."""
+        if result is not None:
+            self.averager.unstep(epoch)
+        return -1
 
     def _drains(self) -> bool:
         """Whether a step first waits for the backwards of forwards on the current weights (averaging.drain_limit)."""

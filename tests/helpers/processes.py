@@ -48,9 +48,16 @@ def remove_stale_sockets(before: set[str]) -> None:
             os.unlink(path)
 
 
+# this test session's tag on the runtime dirs of every peer it starts (peer.process.lifetime.RUNTIME_TAG_ENV), so
+# that its checks judge only what it started, not another session's peers on the same machine
+SESSION_TAG = f"pytest{os.getpid()}"
+os.environ.setdefault("SWARMTRAIN_RUNTIME_TAG", SESSION_TAG)
+
+
 def runtime_dirs(*places: Path) -> set[Path]:
-    """The peers' runtime directories (peer.process.lifetime) in these places: each reaper removes its own."""
-    return {d for place in places for d in place.glob("swarmtrain-peer-*")}
+    """This session's peers' runtime directories (peer.process.lifetime) in these places: each reaper removes its own."""
+    tag = os.environ["SWARMTRAIN_RUNTIME_TAG"]
+    return {d for place in places for d in place.glob(f"swarmtrain-peer-{tag}-*")}
 
 
 def _torch_helper(pid: int) -> bool:
