@@ -103,7 +103,11 @@ def test_a_peer_cannot_impersonate_take_a_stage_over_or_end_the_run_by_its_claim
 
     outputs = honest["s0a"].output() + honest["s0b"].output() + honest["s0c"].output()
     assert not re.search(r"Loaded the state of stage 0 \(step \d{6,}\)", outputs), outputs[-3000:]
-    assert f"refused the state of {ids['near']}" in outputs, outputs[-3000:]
+    # the believable liar (2 steps ahead, noised weights) is caught when an honest replica asks for its state; with
+    # rounds of well under a second the honest replicas may step on together and never ask: then its claim and its
+    # weights counted nowhere (in no honest step's group)
+    members = {m for name in ("s0a", "s0b", "s0c") for f in info(endpoints[name]).history for m in f.members}
+    assert f"refused the state of {ids['near']}" in outputs or ids["near"] not in members, outputs[-3000:]
     steps = [info(endpoints[name]).epoch for name in ("s0a", "s0b", "s0c")]
     assert all(started_at < step < 100_000 for step in steps), steps
 

@@ -42,7 +42,7 @@ from protocols.averaging_frames import message_frame, parse_frame, piece_frame
 from protocols.failures import Reason
 from protocols.framing import FramingError
 
-STALE, WRONG_RUN, BAD = Reason.STALE_EPOCH, Reason.WRONG_RUN, Reason.BAD_INPUT
+WRONG_RUN, BAD = Reason.WRONG_RUN, Reason.BAD_INPUT
 
 logger = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # (epoch, attempt) states an owner keeps: the newest rounds only
@@ -292,8 +292,8 @@ class AllReduce:
             raise Failed(set(), f"this replica already stepped {epoch}", self._stepped[epoch], stepped=True)
         now = self.epoch_now()
         # a partner may invite us while we still apply the step before (peer.server.replica_round.join_round)
-        if not now <= epoch <= now + 1:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"this replica is at step {now}, not {epoch}", STALE)
+        if not now <= epoch <= now + 1:  # a verdict, not a refusal: the caller fails this round, blaming nobody
+            raise Failed(set(), f"this replica is at step {now}, not {epoch}")
         if header.attempt >= self.limits.max_attempts:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
