@@ -8,6 +8,11 @@ decoded input tensor back; the client is `peer.net.client.StageClient` called as
 server runs in its own process; round trips of the two transports alternate so both see the same
 machine load. The last line is `ratio=<geometric mean of tcp_time/grpc_time> ...`.
 
+Beside them, grpcio alone (`raw_<size>`): the same server process and channel options, a stream of
+`CHUNK_BYTES` bytes messages read whole and sent back, no framing, no tensors, no limits, and the client
+joining what comes back. It is the most any path through grpcio can reach here: where it is below a goal,
+the goal is out of reach of gRPC in Python on this machine, whatever our own code does.
+
 Also measured: `floor_ms`, our round trip of a 16-element tensor (a gRPC call's fixed cost: the
 channel, HTTP/2 and the event loop), and per size `ceiling_<size>` = tcp / (tcp + floor), the most
 any path that makes one gRPC call per round trip could reach even if its bytes cost nothing.
@@ -41,12 +46,13 @@ import grpc  # noqa: E402
 
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.config import PeerConfig, RunSpec  # noqa: E402
-from peer.net.client import StageClient, server_options  # noqa: E402
+from peer.net.client import StageClient, channel_options, server_options  # noqa: E402
 from peer.process.lifetime import die_with_parent  # noqa: E402
 from peer.server.servicer import StageServicer, add_to_server  # noqa: E402
 from protocols import codec, stage_pb2  # noqa: E402
 
 MIB = 1024 * 1024
+RAW_SERVICE, RAW_METHOD = "bench.Raw", "/bench.Raw/Echo"  # grpcio alone, beside the stage service
 CHUNK_BYTES = 2 * MIB
 MAX_MESSAGE_BYTES = 512 * MIB
 
@@ -62,6 +68,13 @@ class EchoServicer(StageServicer):
             tensor = tensor.to(self.device).cpu()  # (.cpu() waits for the device)
         header, payload = codec.encode_payload(tensor)
         return stage_pb2.ForwardResponse(outputs=header), {"outputs": payload}
+
+
+async def raw_echo(request_iterator, context):
+    """Every bytes message of the stream read, then all sent back: grpcio's own cost of a round trip."""
+    messages = [message async for message in request_iterator]
+    for message in messages:
+        yield message
 
 
 def grpc_server_main(conn, preexec, device: str = "cpu") -> None:
@@ -82,6 +95,8 @@ def grpc_server_main(conn, preexec, device: str = "cpu") -> None:
         servicer = EchoServicer(shim)
         servicer.device = device
         add_to_server(servicer, server)
+        raw = {"Echo": grpc.stream_stream_rpc_method_handler(raw_echo)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE, raw),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         conn.send(port)
@@ -140,6 +155,38 @@ async def grpc_round_trip(client: StageClient, endpoint: str, tensor: torch.Tens
     return codec.decode(response.outputs, payload=payloads.get("outputs"))
 
 
+class RawClient:
+    """grpcio alone: a tensor's bytes as a stream of `CHUNK_BYTES` messages (cut once per tensor, outside the
+    timing), echoed whole, joined into one buffer again."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: str):
+        self.loop = loop
+
+        async def open_channel():  # on `loop`: an aio channel belongs to the loop it was made on
+            return grpc.aio.insecure_channel(endpoint, options=channel_options(MAX_MESSAGE_BYTES))
+
+        self.channel = loop.run_until_complete(open_channel())
+        self.echo = self.channel.stream_stream(RAW_METHOD)
+        self._cut: tuple[torch.Tensor | None, list[bytes]] = (None, [])
+
+    def _chunks(self, tensor: torch.Tensor) -> list[bytes]:
+        if self._cut[0] is not tensor:
+            data = memoryview(tensor.numpy()).cast("B")
+            self._cut = (tensor, [bytes(data[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)])
+        return self._cut[1]
+
+    async def _round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
+        call = self.echo(iter(self._chunks(tensor)), timeout=120)
+        buffer = bytearray().join([message async for message in call])
+        return torch.frombuffer(buffer, dtype=tensor.dtype).view(tensor.shape)
+
+    def round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.loop.run_until_complete(self._round_trip(tensor))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.channel.close())
+
+
 def _start(target, ctx, *extra) -> tuple[mp.Process, int]:
     """A server process that dies with this one (`target(conn, preexec, *extra)`), and the port it listens on."""
     parent, child = ctx.Pipe(duplex=False)
@@ -157,19 +204,19 @@ def _start(target, ctx, *extra) -> tuple[mp.Process, int]:
         raise RuntimeError(f"{target.__name__} died (exit code {proc.exitcode}) before it listened") from None
 
 
-def time_size(size: float, repeats: int, via_grpc, via_tcp) -> tuple[float, float]:
-    """Median seconds of a gRPC and of a TCP round trip of `size` MiB, the two alternating (`repeats` 0: by size)."""
+def time_size(size: float, repeats: int, *calls) -> list[float]:
+    """Median seconds of a round trip of `size` MiB through each of `calls`, alternating (`repeats` 0: by size)."""
     tensor = torch.randn(int(size * MIB) // 4)
-    for call in (via_grpc, via_tcp):  # warm up, and check the echo is exact
+    for call in calls:  # warm up, and check the echo is exact
         for _ in range(2):
             assert torch.equal(call(tensor), tensor)
-    timings = {via_grpc: [], via_tcp: []}
+    timings = {call: [] for call in calls}
     for _ in range(repeats or (30 if size < 1 else 10 if size <= 16 else 5)):
-        for call in timings:
+        for call in calls:
             started = time.perf_counter()
             call(tensor)
             timings[call].append(time.perf_counter() - started)
-    return statistics.median(timings[via_grpc]), statistics.median(timings[via_tcp])
+    return [statistics.median(timings[call]) for call in calls]
 
 
 def floor_seconds(via_grpc, repeats: int) -> float:
@@ -195,6 +242,7 @@ def compare(sizes: list[float], repeats: int, grpc_port: int, tcp_port: int, fig
     client = StageClient(CHUNK_BYTES, MAX_MESSAGE_BYTES, stream_bytes=PeerConfig().server.stream_bytes)
     tcp = TcpClient(tcp_port)
     endpoint = f"127.0.0.1:{grpc_port}"
+    raw = RawClient(loop, endpoint)
 
     def via_grpc(t):
         return loop.run_until_complete(grpc_round_trip(client, endpoint, t))
@@ -206,21 +254,24 @@ def compare(sizes: list[float], repeats: int, grpc_port: int, tcp_port: int, fig
         print(f"a 16-element tensor's round trip (the per-call floor): {floor * 1e3:.2f} ms")
         print(
             f"{'size':>6} {'gRPC ms':>9} {'gRPC MB/s':>10} {'TCP ms':>9} {'TCP MB/s':>10} {'ratio':>7} {'ceiling':>8}"
+            f" {'grpcio ms':>10} {'grpcio ratio':>13}"
         )
         for size in sizes:
-            g, t = time_size(size, repeats, via_grpc, tcp.round_trip)
+            g, t, r = time_size(size, repeats, via_grpc, tcp.round_trip, raw.round_trip)
             ratios.append(t / g)
             ceiling = t / (t + floor)
             print(
                 f"{size_name(size):>6} {g * 1e3:9.2f} {size / g:10.0f} {t * 1e3:9.2f} {size / t:10.0f} {t / g:7.3f} "
-                f"{ceiling:8.3f}",
+                f"{ceiling:8.3f} {r * 1e3:10.2f} {t / r:13.3f}",
                 flush=True,
             )
             figures["ratio"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
             figures["min_ratio"] = min(ratios)
             figures[f"ratio_{size_name(size)}"] = t / g
             figures[f"ceiling_{size_name(size)}"] = ceiling
+            figures[f"raw_{size_name(size)}"] = t / r
     finally:
+        raw.close()
         loop.run_until_complete(client.close())
         loop.close()
 
