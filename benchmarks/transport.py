@@ -89,7 +89,15 @@ def grpc_server_main(conn, preexec, device: str = "cpu") -> None:
         cfg.server.max_tensor_elements = MAX_MESSAGE_BYTES // 4
         # what the servicer reads of its server; RunSpec's defaults stand for a run (its admission plays no part here)
         shim = SimpleNamespace(
-            runtime=None, cfg=cfg, spec=RunSpec(), inflight=0, inflight_bytes=0, run_id="bench", stage=0, leaving=False
+            runtime=None,
+            cfg=cfg,
+            spec=RunSpec(),
+            inflight=0,
+            inflight_bytes=0,
+            run_id="bench",
+            stage=0,
+            leaving=False,
+            stir=lambda: None,  # no progress loop to wake
         )
         server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
         servicer = EchoServicer(shim)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from typing import TypeVar
@@ -59,6 +60,8 @@ class SwarmDHT:
         self.gate: Gate | None = None
         self.certificate: bytes | None = None  # DER of this peer's credential
         self.security = None  # the peer's peer.net.security.Security once admitted (TLS for its gRPC); opaque here
+        self._counts_lock = threading.Lock()
+        self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
@@ -119,8 +122,22 @@ class SwarmDHT:
         subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
         return subkey, envelope.seal(self.identity, key_id, subkey_bytes, expiration_time, payload, self.certificate)
 
+    def _count(self, operation: str) -> None:
+        with self._counts_lock:
+            self.operations[operation] += 1
+
+    def levels(self) -> dict[str, tuple[str, str, float]]:
+        """The DHT operations this peer made, for its metrics (peer.net.metrics)."""
+        with self._counts_lock:
+            stores, gets = self.operations["store"], self.operations["get"]
+        return {
+            "dht_stores": ("counter", "DHT stores this peer made", stores),
+            "dht_gets": ("counter", "DHT reads this peer made", gets),
+        }
+
     def store(self, key: str, record: Record, ttl: float) -> bool:
         """Store `record` under `key` with this peer's signed subkey, for `ttl` seconds."""
+        self._count("store")
         expiration = get_dht_time() + ttl
         subkey, value = self._seal(key, expiration, record)
         # back at the first replica that stored it (the others are written in the background): a frozen
@@ -134,6 +151,7 @@ class SwarmDHT:
         Once the node has a gate, only records of admitted peers count (unless `gated` is False:
         credential requests come from peers not admitted yet).
         """
+        self._count("get")
         future = self.dht.get(key, latest=True, return_future=True)
         found = future.result(timeout=self.request_timeout * 2)
         if found is None or not isinstance(found.value, dict):
@@ -179,6 +197,7 @@ class SwarmDHT:
 
     def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
         """Store an arbitrary value without signing it (for tests of what the validators refuse)."""
+        self._count("store")
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
         return bool(future.result(timeout=self.request_timeout * 2))
 

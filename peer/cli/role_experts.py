@@ -46,7 +46,7 @@ def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, co
         for uid in runtimes:
             averagers[uid] = GradientAverager(spec)
         host = ExpertHost(spec, cfg, dht, runtimes, averagers)
-        metrics = open_metrics(cfg, "expert host", lambda: _host_levels(host))
+        metrics = open_metrics(cfg, "expert host", lambda: _host_levels(host), dht)
         host.metrics = metrics
         done = asyncio.Event()
         for replica in host.replicas.values():

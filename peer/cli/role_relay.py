@@ -20,7 +20,7 @@ def run_relay(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: str 
     try:
         net = cfg.network
         relay = RelayService(cfg, spec.name, announce_host(net.host, net.announce_host), dht.security, "relay")
-        metrics = open_metrics(cfg, "relay", relay.levels)
+        metrics = open_metrics(cfg, "relay", relay.levels, dht)
         done, tasks = asyncio.Event(), []
 
         async def start():

@@ -74,7 +74,7 @@ def run_server(
         server = StageServer(spec, stage, cfg, dht, runtime, averager, balance=balance)
         server.before_serving = lambda before: _loaded(runtime, cfg, spec, experts, before)
         server.allowed_stages = splittable
-        server.metrics = open_metrics(cfg, "stage server", lambda: _server_levels(server))
+        server.metrics = open_metrics(cfg, "stage server", lambda: _server_levels(server), dht)
         deadline = _serve(server, dht, cfg, experts, ranks)
     finally:
         if ranks is not None:

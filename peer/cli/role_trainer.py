@@ -21,7 +21,7 @@ def run_trainer(maddr: str, cfg: PeerConfig, identity: Identity, coordinator: st
     try:
         trainer = Trainer(spec, cfg, dht)
         print(f"Joined run '{spec.name}' as a trainer on {trainer.feed.describe}.", flush=True)
-        trainer.metrics = open_metrics(cfg, "trainer", lambda: _trainer_levels(trainer))
+        trainer.metrics = open_metrics(cfg, "trainer", lambda: _trainer_levels(trainer), dht)
         serve_metrics(trainer.metrics, cfg)
 
         async def main():

@@ -312,7 +312,7 @@ class Coordinator(Custody):
         join = join_line(pick_join_maddr(maddrs))
         announce(spec, self.identity, maddrs, join, info_file)
         own_relay = self.relay.relay.levels if self.relay is not None else dict
-        metrics = open_metrics(cfg, "coordinator", lambda: {**swarm_levels(self.view), **own_relay()})
+        metrics = open_metrics(cfg, "coordinator", lambda: {**swarm_levels(self.view), **own_relay()}, self.dht)
         serve_metrics(metrics, cfg)
         self.timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
         # rejoining its swarm: the dashboard goes on from the run's past (only this run's, by fingerprint)

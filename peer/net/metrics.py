@@ -103,12 +103,15 @@ class Metrics:
         return self.endpoint
 
 
-def open_metrics(cfg: PeerConfig, role: str, source):
-    """This peer's Prometheus metrics (None with metrics.port = -1), reading levels from `source`."""
+def open_metrics(cfg: PeerConfig, role: str, source, dht=None):
+    """This peer's Prometheus metrics (None with metrics.port = -1), reading levels from `source` and the DHT
+    operations `dht` (dht.node.SwarmDHT) made."""
     if cfg.metrics.port < 0:
         return None
     metrics = Metrics(role)
     metrics.watch(source)
+    if dht is not None:
+        metrics.watch(dht.levels)
     return metrics
 
 

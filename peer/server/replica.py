@@ -121,6 +121,9 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
         self._last_publish_time = self._peers_read = 0.0  # monotonic: last announced, last read the others'
+        self._read_every = cfg.network.progress_period  # s between reads of the others' records: grows at rest
+        self._last_look: tuple | None = None  # what the progress loop saw last (peer.server.replica._activity)
+        self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
@@ -338,18 +341,56 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._first_seen = {pid: e for pid, e in self._first_seen.items() if pid in self._seen}
         self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
 
-    async def _progress_loop(self) -> None:
-        period = self.cfg.network.progress_period
-        while not self.leaving:
-            slept = time.monotonic()
+    def stir(self) -> None:
+        """Activity (a request, a round invitation): a resting replica reads its replicas' records at its fast
+        period again, from now (on the event loop)."""
+        self._read_every = self.cfg.network.progress_period
+        self._stirred.set()
+
+    def _activity(self) -> tuple:
+        """What the progress loop compares between looks: this replica's urgent record fields, and each
+        replica's step, samples, round and state as last read."""
+        peers = sorted(
+            (pid, r.epoch, r.samples, r.averaging_epoch, r.state, r.stepped_seq) for pid, r in self.peers.items()
+        )
+        return self._signature(self.record()), tuple(peers)
+
+    def _next_read_period(self) -> float:
+        """The read period after a look: progress_period while anything moves, doubling (up to
+        network.rest_read_period) while nothing does."""
+        net = self.cfg.network
+        look, previous = self._activity(), self._last_look
+        self._last_look = look
+        busy = self.inflight or self.stepping or self.state != "serving" or self.paused
+        if busy or self._pending_round is not None or self._inviters or look != previous:
+            return net.progress_period
+        return min(2 * self._read_every, net.rest_read_period)
+
+    async def _rest(self, period: float) -> None:
+        """Sleep `period`; a resting replica wakes early when stirred (a request or an invitation)."""
+        self._stirred.clear()
+        if period <= self.cfg.network.progress_period:
             await asyncio.sleep(period)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stirred.wait(), period)
+
+    async def _progress_loop(self) -> None:
+        net = self.cfg.network
+        while not self.leaving:
+            # awake at the read period, and at least once an announce period (the record's refresh)
+            period = min(self._read_every, net.announce_period)
+            slept = time.monotonic()
+            await self._rest(period)
             if time.monotonic() - slept > max(5 * period, 5.0):
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
             # local mode: nothing waits on the others' counts, so their records are read once an announce period
-            if not self.runtime.local or time.monotonic() - self._peers_read >= self.cfg.network.announce_period:
+            read_every = max(self._read_every, net.announce_period) if self.runtime.local else self._read_every
+            if time.monotonic() - self._peers_read >= read_every - 0.05 or self._stirred.is_set():
                 await self.refresh_peers()
+                self._read_every = self._next_read_period()
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
