@@ -121,9 +121,6 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
         self._last_publish_time = self._peers_read = 0.0  # monotonic: last announced, last read the others'
-        self._read_every = cfg.network.progress_period  # s between reads of the others' records: grows at rest
-        self._last_look: tuple | None = None  # what the progress loop saw last (peer.server.replica._activity)
-        self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
@@ -140,6 +137,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
         self.last_load_error = ""  # why the last state download failed
         self._init_claims()
+        self._init_rest()
         self._partial_state: tuple[int, int, dict] | None = None  # (step, shards, shards in) of a download
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
@@ -170,6 +168,12 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         averager.allreduce.bind(
             None, self.client, self.dht.peer_id, endpoint_of, header, lambda: self.runtime.epoch, admitted
         )
+
+    def _init_rest(self) -> None:
+        """How often the progress loop reads the others' records: seldom while nothing moves (`_next_read_period`)."""
+        self._read_every = self.cfg.network.progress_period  # s between reads of the others' records
+        self._last_look: tuple | None = None  # what the progress loop saw at its last read (`_activity`)
+        self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
