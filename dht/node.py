@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ from typing import TypeVar
 import msgpack
 from hivemind import DHT
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
@@ -37,6 +39,17 @@ R = TypeVar("R", bound=Record)
 async def _count_neighbours(_dht, node) -> int:
     """Runs inside the DHT process: how many peers the routing table knows."""
     return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _local_stamp(key_id: bytes, _dht, node) -> tuple:
+    """Runs inside the DHT process: the subkeys and expirations this node itself holds under `key_id`, read
+    from its own storage (no network)."""
+    found = node.protocol.storage.get(DHTID.from_bytes(key_id))
+    if found is None:
+        return ()
+    if isinstance(found.value, DictionaryDHTValue):
+        return tuple(sorted((repr(subkey), item.expiration_time) for subkey, item in found.value.items()))
+    return (("", found.expiration_time),)
 
 
 class SwarmDHT:
@@ -106,6 +119,13 @@ class SwarmDHT:
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
+
+    def local_stamp(self, key: str) -> tuple:
+        """What this node itself stores under `key` (subkeys and expirations), without asking the network: a
+        change tells a poller that a full read is worth it. In a swarm of up to hivemind's replication factor (5)
+        nodes every record is stored on every node; in a larger one a record may be on others only."""
+        key_id = DHTID.generate(source=key).to_bytes()
+        return self.dht.run_coroutine(functools.partial(_local_stamp, key_id))
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]

@@ -186,6 +186,10 @@ class DashboardConfig:
 @dataclass
 class CoordinatorConfig:
     report_period: float = 10.0  # s between the coordinator's looks at the run (summary line, checkpoints due)
+    # s between the coordinator's looks at a swarm at rest (no trainer, no server's step, samples or state
+    # changing; doubling from dashboard.period to this), and between its reads of spot-check reports while
+    # there are none; a change makes the looks dashboard.period apart again
+    rest_period: float = 10.0
     checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
     checkpoint_every_steps: int = 0  # a checkpoint whenever the run's step crosses a multiple of this; 0: not by steps
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
@@ -238,6 +242,10 @@ class SecurityConfig:
     # s between the coordinator's looks at its revocation file and at spot-check reports (revocations reach
     # peers within admission.refresh anyway)
     reports_period: float = 1.0
+    # s between the coordinator's DHT reads of credential requests while its own DHT node holds none new (it
+    # looks at that every requests_period, without the network); in a swarm of more nodes than the DHT's
+    # replication (5), a request stored on others only is answered within this
+    requests_read_period: float = 5.0
 
 
 @dataclass
@@ -303,8 +311,9 @@ class PeerConfig:
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             require_positive(f"relay.{name}", getattr(self.relay, name))
         port_range(self.relay.ports)  # ConfigError names a malformed range
-        for name in ("poll", "requests_period", "reports_period"):
+        for name in ("poll", "requests_period", "reports_period", "requests_read_period"):
             require_positive(f"security.{name}", getattr(self.security, name))
+        require_positive("coordinator.rest_period", self.coordinator.rest_period)
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         require_positive("network.progress_period", net.progress_period)

@@ -59,6 +59,8 @@ class Authority:
         self._grant_pool = concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant")
         self._published = 0.0
         self._revoked_mtime = -1.0
+        self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
+        self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
 
     # ---- the coordinator's own credential ------------------------------------------------------
     def issue_own(self, security) -> tuple[str, str]:
@@ -151,8 +153,20 @@ class Authority:
 
     def answer_requests(self) -> None:
         """Answer up to admission.max_pending requests not answered yet, renewals of admitted peers first. Decided
-        one by one (an invite is used once), the grants are stored a few at a time (a slow store holds no other)."""
-        requests = self.dht.get(keys.credential_requests_key(self.spec.name), CredentialRequest, gated=False)
+        one by one (an invite is used once), the grants are stored a few at a time (a slow store holds no other).
+
+        A pass reads the network only when the coordinator's own DHT node holds something new under the requests
+        key (dht.node.SwarmDHT.local_stamp: no network), or security.requests_read_period has passed since the last
+        read (a request stored on other nodes only, in a swarm larger than the DHT's replication)."""
+        key = keys.credential_requests_key(self.spec.name)
+        try:
+            stamp = self.dht.local_stamp(key)
+        except Exception:  # the DHT process is busy: read the network as before
+            stamp = None
+        if stamp is not None and stamp == self._requests_stamp and time.monotonic() < self._requests_due:
+            return
+        self._requests_stamp, self._requests_due = stamp, time.monotonic() + self.cfg.security.requests_read_period
+        requests = self.dht.get(key, CredentialRequest, gated=False)
         waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
         waiting.sort(key=lambda item: item[0] not in self._admitted)
         answers = [(pid, request, self._grant(pid, request)) for pid, request in waiting[: self.admission.max_pending]]
@@ -198,9 +212,10 @@ class Authority:
                     say(f"Pardoned peer {peer}: it may take part again")
                 if new or gone:
                     self._published = 0.0
-        if time.monotonic() - self._published >= self.admission.refresh / 2:
+        ttl = max(30.0, 4 * self.admission.refresh)
+        # unchanged, the list is stored again at a third of its lifetime (a change resets `_published`)
+        if time.monotonic() - self._published >= max(self.admission.refresh / 2, ttl / 3):
             record = RevocationList(peers=sorted(self.revoked), updated=time.time())
-            ttl = max(30.0, 4 * self.admission.refresh)
             if self.dht.store(keys.revocations_key(self.spec.name), record, ttl):
                 self._published = time.monotonic()
 
@@ -209,10 +224,11 @@ class Authority:
         dht.records), each with admission.min_reporter_samples samples done, of checks failed within
         admission.report_ttl and after any pardon of that server by the run's owner."""
         needed = self.admission.revoke_after_reports
-        if needed <= 0:
+        if needed <= 0 or time.monotonic() < self._reports_due:
             return
         reports = self.dht.get(keys.reports_key(self.spec.name), SpotCheckReport)
-        if not reports:
+        if not reports:  # none (no trainer checks now): read again in coordinator.rest_period
+            self._reports_due = time.monotonic() + self.cfg.coordinator.rest_period
             return
         done = {pid: r.samples for pid, r in self.dht.get(keys.trainers_key(self.spec.name), TrainerRecord).items()}
         self.follow_revocations()  # the revocation file read when it changed: its pardons are current

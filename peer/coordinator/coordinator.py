@@ -259,6 +259,15 @@ def run_coordinator(
         run.close()
 
 
+def resting(look: dict) -> tuple | None:
+    """What a look at a swarm at rest saw (each server's and expert's step, samples and state), to compare with
+    the next look; None while any trainer announces itself (training: the swarm is not at rest)."""
+    if look["trainers"]:
+        return None
+    parts = [*look["stages"], *look["experts"].values()]
+    return tuple(sorted((pid, r.epoch, r.samples, r.state) for records in parts for pid, r in records.items()))
+
+
 def announce(spec: RunSpec, identity: Identity, maddrs: list[str], join: str, info_file: str) -> None:
     """Say where the run is and how to join it; the same as JSON in `info_file`."""
     say(f"Coordinator of run '{spec.name}' is up (peer id {identity.peer_id}).")
@@ -284,6 +293,7 @@ class Coordinator(Custody):
         self.archive = self.dashboard = self.timeline = self.authority = self.relay = self.checkpointer = None
         self.resumed = False  # the archive is a checkpoint it resumes from (else pretrained weights, or none)
         self.view: dict = {}  # the last summary of the swarm, for the metrics
+        self._marker: tuple | None = None  # what the last look saw of a swarm at rest (`resting`); None: not at rest
         self.about: dict = {}  # what the dashboard shows of the coordinator itself
         self.last_publish = 0.0
         self.trained: dict[int, int] = {}  # stage -> the highest step the coordinator has seen it at
@@ -347,10 +357,11 @@ class Coordinator(Custody):
         self.about.update(checkpoints=cfg.coordinator.checkpoint_dir, last_checkpoint=None)
 
     def watch(self, stop: threading.Event) -> None:
-        """A first look at once (the dashboard has a state to show), then every tick; a report every period."""
+        """A first look at once (the dashboard has a state to show), then every tick; a report every period, at
+        most. At rest (`resting`) the tick doubles up to coordinator.rest_period; a change makes it fast again."""
         period = self.cfg.coordinator.report_period
-        tick = min(period, self.cfg.dashboard.period) if self.dashboard is not None else period
-        last_report = time.monotonic()
+        fast = min(period, self.cfg.dashboard.period) if self.dashboard is not None else period
+        tick, last_report, previous = fast, time.monotonic(), None
         while True:
             summary = self._look()
             if summary is not None and time.monotonic() - last_report >= period - 1e-3:
@@ -359,6 +370,12 @@ class Coordinator(Custody):
                 self.save_books()
                 if due is not None:
                     self._start_checkpoint(due)
+            marker = self._marker
+            if marker is None or marker != previous:
+                tick = fast
+            else:
+                tick = min(2 * tick, max(fast, self.cfg.coordinator.rest_period))
+            previous = marker
             if stop.wait(tick):
                 return
 
@@ -381,6 +398,7 @@ class Coordinator(Custody):
             return None
         self.view.clear()
         self.view.update(summary)
+        self._marker = resting(look)
         self._remember_trained(summary)
         self._take_handovers(look)
         self._keep_books(look)
