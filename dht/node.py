@@ -122,10 +122,16 @@ class SwarmDHT:
 
     def local_stamp(self, key: str) -> tuple:
         """What this node itself stores under `key` (subkeys and expirations), without asking the network: a
-        change tells a poller that a full read is worth it. In a swarm of up to hivemind's replication factor (5)
-        nodes every record is stored on every node; in a larger one a record may be on others only."""
+        change tells a poller that a full read is worth it. hivemind stores a record on the 5 nodes nearest its
+        key (the storer's own among them, a client's too): in a small swarm on every full node, in a larger one
+        maybe on others only. TimeoutError after the request timeout if the DHT process does not answer."""
         key_id = DHTID.generate(source=key).to_bytes()
-        return self.dht.run_coroutine(functools.partial(_local_stamp, key_id))
+        future = self.dht.run_coroutine(functools.partial(_local_stamp, key_id), return_future=True)
+        try:
+            return future.result(timeout=self.request_timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]

@@ -314,6 +314,11 @@ class PeerConfig:
         for name in ("poll", "requests_period", "reports_period", "requests_read_period"):
             require_positive(f"security.{name}", getattr(self.security, name))
         require_positive("coordinator.rest_period", self.coordinator.rest_period)
+        if self.coordinator.rest_period > 2 * self.network.record_ttl:
+            raise ConfigError(
+                f"coordinator.rest_period: at most 2 x network.record_ttl ({2 * self.network.record_ttl:g} s), got "
+                f"{self.coordinator.rest_period:g}: the records the coordinator refreshes at each look live 3 x that"
+            )
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         require_positive("network.progress_period", net.progress_period)

@@ -165,13 +165,15 @@ class Authority:
             stamp = None
         if stamp is not None and stamp == self._requests_stamp and time.monotonic() < self._requests_due:
             return
-        self._requests_stamp, self._requests_due = stamp, time.monotonic() + self.cfg.security.requests_read_period
         requests = self.dht.get(key, CredentialRequest, gated=False)
+        self._requests_stamp, self._requests_due = stamp, time.monotonic() + self.cfg.security.requests_read_period
         waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
         waiting.sort(key=lambda item: item[0] not in self._admitted)
         answers = [(pid, request, self._grant(pid, request)) for pid, request in waiting[: self.admission.max_pending]]
         if answers:  # most passes have none: no pool then
             list(self._grant_pool.map(lambda answer: self._store_grant(*answer), answers))
+        if any((pid, r.nonce) not in self._answered for pid, r in waiting):
+            self._requests_due = 0.0  # more than a pass answers, or a grant's store failed: read again next pass
 
     def _grant(self, peer_id: str, request: CredentialRequest) -> CredentialGrant:
         certificate, error = self.decide(peer_id, request)

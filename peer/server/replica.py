@@ -174,6 +174,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._read_every = self.cfg.network.progress_period  # s between reads of the others' records
         self._last_look: tuple | None = None  # what the progress loop saw at its last read (`_activity`)
         self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
+        self._woken = False  # stirred while resting: the next look reads at once
+        self._moved = False  # stirred since the read under way began: the read period stays fast
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
@@ -347,9 +349,12 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
 
     def stir(self) -> None:
         """Activity (a request, a round invitation): a resting replica reads its replicas' records at its fast
-        period again, from now (on the event loop)."""
+        period again, the first time at once (on the event loop)."""
+        if self._read_every > self.cfg.network.progress_period:
+            self._woken = True  # it was resting: read now, not at the end of the period it was sleeping
+            self._stirred.set()
         self._read_every = self.cfg.network.progress_period
-        self._stirred.set()
+        self._moved = True  # what the read under way (if any) saw is older than this
 
     def _activity(self) -> tuple:
         """What the progress loop compares between looks: this replica's urgent record fields, and each
@@ -360,12 +365,12 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         return self._signature(self.record()), tuple(peers)
 
     def _next_read_period(self) -> float:
-        """The read period after a look: progress_period while anything moves, doubling (up to
-        network.rest_read_period) while nothing does."""
+        """The read period after a look: progress_period while anything moves (or the replica was stirred while
+        it read), doubling (up to network.rest_read_period) while nothing does."""
         net = self.cfg.network
         look, previous = self._activity(), self._last_look
         self._last_look = look
-        busy = self.inflight or self.stepping or self.state != "serving" or self.paused
+        busy = self.inflight or self.stepping or self.state != "serving" or self.paused or self._moved
         if busy or self._pending_round is not None or self._inviters or look != previous:
             return net.progress_period
         return min(2 * self._read_every, net.rest_read_period)
@@ -386,13 +391,14 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             period = min(self._read_every, net.announce_period)
             slept = time.monotonic()
             await self._rest(period)
-            if time.monotonic() - slept > max(5 * period, 5.0):
+            if time.monotonic() - slept > period + 4.5:
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
             # local mode: nothing waits on the others' counts, so their records are read once an announce period
             read_every = max(self._read_every, net.announce_period) if self.runtime.local else self._read_every
-            if time.monotonic() - self._peers_read >= read_every - 0.05 or self._stirred.is_set():
+            if time.monotonic() - self._peers_read >= read_every - 0.05 or self._woken:
+                self._woken = self._moved = False
                 await self.refresh_peers()
                 self._read_every = self._next_read_period()
             if not self.stepping and self.state == "serving":
