@@ -39,9 +39,7 @@ def connect(
         net.dht_announce_maddrs,
         net.dht_startup_timeout,
         net.dht_request_timeout,
-        # a DHT client asks the DHT and is never asked: a peer nobody can dial, and a trainer (it serves nothing,
-        # so it stores and checks nobody's records; the servers and the coordinator hold the DHT)
-        client_mode=cfg.relay.reachability == "private" or role == "trainer",
+        client_mode=cfg.relay.reachability == "private",  # nobody can dial it: it only asks the DHT
     )
     try:
         spec = fetch_spec(dht, coordinator, timeout=net.spec_timeout)
