@@ -175,7 +175,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._last_look: tuple | None = None  # what the progress loop saw at its last read (`_activity`)
         self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
         self._woken = False  # stirred while resting: the next look reads at once
-        self._moved = False  # stirred since the read under way began: the read period stays fast
+        self._stir_since_read = False  # stirred since the read under way began: the read period stays fast
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
@@ -354,7 +354,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             self._woken = True  # it was resting: read now, not at the end of the period it was sleeping
             self._stirred.set()
         self._read_every = self.cfg.network.progress_period
-        self._moved = True  # what the read under way (if any) saw is older than this
+        self._stir_since_read = True  # what the read under way (if any) saw is older than this
 
     def _activity(self) -> tuple:
         """What the progress loop compares between looks: this replica's urgent record fields, and each
@@ -370,7 +370,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         net = self.cfg.network
         look, previous = self._activity(), self._last_look
         self._last_look = look
-        busy = self.inflight or self.stepping or self.state != "serving" or self.paused or self._moved
+        busy = self.inflight or self.stepping or self.state != "serving" or self.paused or self._stir_since_read
         if busy or self._pending_round is not None or self._inviters or look != previous:
             return net.progress_period
         return min(2 * self._read_every, net.rest_read_period)
@@ -398,7 +398,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             # local mode: nothing waits on the others' counts, so their records are read once an announce period
             read_every = max(self._read_every, net.announce_period) if self.runtime.local else self._read_every
             if time.monotonic() - self._peers_read >= read_every - 0.05 or self._woken:
-                self._woken = self._moved = False
+                self._woken = self._stir_since_read = False
                 await self.refresh_peers()
                 self._read_every = self._next_read_period()
             if not self.stepping and self.state == "serving":
