@@ -34,8 +34,6 @@ class Rounds:
         if await self._alone_after_poison(epoch):
             return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
-        if time.monotonic() - self._peers_read > self.cfg.network.progress_period:
-            await self.refresh_peers()  # invited while resting: an inviter read seconds ago may not be known yet
         partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
         answers, took = await self._answers(partners, epoch, timeout)
         joiners = _joiners(answers)
