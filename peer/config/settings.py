@@ -24,6 +24,10 @@ class NetworkConfig:
     announce_period: float = 2.0  # s between refreshes of this peer's DHT record
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
     progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
+    # s between a resting server's reads of its replicas' records: the read period doubles from progress_period
+    # at each look that finds nothing changed (no request, round, step or replica's progress), up to this; any
+    # request or round invitation makes it progress_period again at once
+    rest_read_period: float = 8.0
 
 
 @dataclass
@@ -318,6 +322,11 @@ class PeerConfig:
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         require_positive("network.progress_period", net.progress_period)
+        if net.rest_read_period < net.progress_period:
+            raise ConfigError(
+                f"network.rest_read_period: must be at least network.progress_period ({net.progress_period:g} s), "
+                f"got {net.rest_read_period:g}"
+            )
         if net.record_ttl < 2 * net.dht_request_timeout + net.announce_period:
             raise ConfigError(
                 f"network.record_ttl: must be at least 2 x network.dht_request_timeout + network.announce_period "

@@ -105,6 +105,11 @@ class ExpertHost:
             self.forward_batchers[uid] = Batcher(self._forward_batch(replica), ex.max_batch_tokens, ex.max_wait)
             self.backward_batchers[uid] = Batcher(self._backward_batch(replica), ex.max_batch_tokens, ex.max_wait)
 
+    def stir(self) -> None:
+        """A request came: every expert's replica reads its partners' records at the fast period again."""
+        for replica in self.replicas.values():
+            replica.stir()
+
     # ---- calls ----------------------------------------------------------------------------
     def _forward_batch(self, replica: Replica):
         runtime: ExpertRuntime = replica.runtime

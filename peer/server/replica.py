@@ -137,6 +137,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
         self.last_load_error = ""  # why the last state download failed
         self._init_claims()
+        self._init_rest()
         self._partial_state: tuple[int, int, dict] | None = None  # (step, shards, shards in) of a download
         # [monotonic end] of the torch thread's current wait for rounds, when replicas share one thread
         self.pause_window = pause_window
@@ -167,6 +168,15 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         averager.allreduce.bind(
             None, self.client, self.dht.peer_id, endpoint_of, header, lambda: self.runtime.epoch, admitted
         )
+
+    def _init_rest(self) -> None:
+        """How often the progress loop reads the others' records: seldom while nothing moves (`_next_read_period`)."""
+        self._read_every = self.cfg.network.progress_period  # s between reads of the others' records
+        self._last_look: tuple | None = None  # what the progress loop saw at its last read (`_activity`)
+        self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
+        self._woken = False  # stirred while resting: the next look reads at once
+        self._stir_since_read = False  # stirred since the read under way began: the read period stays fast
+        self._unknown_inviter = False  # invited by a replica not among `peers`: the round reads the records first
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
@@ -338,18 +348,60 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._first_seen = {pid: e for pid, e in self._first_seen.items() if pid in self._seen}
         self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
 
-    async def _progress_loop(self) -> None:
-        period = self.cfg.network.progress_period
-        while not self.leaving:
-            slept = time.monotonic()
+    def stir(self) -> None:
+        """Activity (a request, a round invitation): a resting replica reads its replicas' records at its fast
+        period again, the first time at once (on the event loop)."""
+        if self._read_every > self.cfg.network.progress_period:
+            self._woken = True  # it was resting: read now, not at the end of the period it was sleeping
+            self._stirred.set()
+        self._read_every = self.cfg.network.progress_period
+        self._stir_since_read = True  # what the read under way (if any) saw is older than this
+
+    def _activity(self) -> tuple:
+        """What the progress loop compares between looks: this replica's urgent record fields, and each
+        replica's step, samples, round and state as last read."""
+        peers = sorted(
+            (pid, r.epoch, r.samples, r.averaging_epoch, r.state, r.stepped_seq) for pid, r in self.peers.items()
+        )
+        return self._signature(self.record()), tuple(peers)
+
+    def _next_read_period(self) -> float:
+        """The read period after a look: progress_period while anything moves (or the replica was stirred while
+        it read), doubling (up to network.rest_read_period) while nothing does."""
+        net = self.cfg.network
+        look, previous = self._activity(), self._last_look
+        self._last_look = look
+        busy = self.inflight or self.stepping or self.state != "serving" or self.paused or self._stir_since_read
+        if busy or self._pending_round is not None or self._inviters or look != previous:
+            return net.progress_period
+        return min(2 * self._read_every, net.rest_read_period)
+
+    async def _rest(self, period: float) -> None:
+        """Sleep `period`; a resting replica wakes early when stirred (a request or an invitation)."""
+        self._stirred.clear()
+        if period <= self.cfg.network.progress_period:
             await asyncio.sleep(period)
-            if time.monotonic() - slept > max(5 * period, 5.0):
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stirred.wait(), period)
+
+    async def _progress_loop(self) -> None:
+        net = self.cfg.network
+        while not self.leaving:
+            # awake at the read period, and at least once an announce period (the record's refresh)
+            period = min(self._read_every, net.announce_period)
+            slept = time.monotonic()
+            await self._rest(period)
+            if time.monotonic() - slept > period + 4.5:
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
             # local mode: nothing waits on the others' counts, so their records are read once an announce period
-            if not self.runtime.local or time.monotonic() - self._peers_read >= self.cfg.network.announce_period:
+            read_every = max(self._read_every, net.announce_period) if self.runtime.local else self._read_every
+            if time.monotonic() - self._peers_read >= read_every - 0.05 or self._woken:
+                self._woken = self._stir_since_read = False
                 await self.refresh_peers()
+                self._read_every = self._next_read_period()
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:

@@ -34,6 +34,10 @@ class Rounds:
         if await self._alone_after_poison(epoch):
             return
         timeout = min(self.spec.averaging.request_timeout, 2.0)
+        if self._unknown_inviter:
+            # invited by a replica whose record this one has not read yet (it was resting): read it first
+            self._unknown_inviter = False
+            await self.refresh_peers()
         partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
         answers, took = await self._answers(partners, epoch, timeout)
         joiners = _joiners(answers)
@@ -278,6 +282,8 @@ class Rounds:
         it takes part."""
         if self.leaving:
             return False
+        if inviter and inviter not in self.peers:
+            self._unknown_inviter = True  # the round this starts reads the replicas' records first
         if inviter and inviter in self.peers:
             self._unresponsive.pop(inviter, None)  # it is alive and at work, whatever it ignored before
             self._inviters.pop(inviter, None)  # its newest invitation goes last: the oldest go first

@@ -122,6 +122,7 @@ class ServicerBase:
         self.server.inflight_bytes += held
         self._held_by[caller] = self._held_by.get(caller, 0) + held
         self.server.inflight += 1
+        self.server.stir()  # a resting server looks at its replicas' progress at the fast period again
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         started, outcome = time.perf_counter(), "error"
@@ -267,6 +268,7 @@ class ServicerBase:
         # an inviter is who the call comes from: with admission on, only the admitted caller may name itself
         inviter = request.inviter if CALLER.get() in (None, "", request.inviter) else ""
         joining = replica.join_round(request.epoch, inviter)
+        replica.stir()
         return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
 
     async def Average(self, frames, context):
