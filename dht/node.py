@@ -52,6 +52,15 @@ async def _local_stamp(key_id: bytes, _dht, node) -> tuple:
     return (("", found.expiration_time),)
 
 
+async def _local_items(key_id: bytes, _dht, node) -> list:
+    """Runs inside the DHT process: the (subkey, value bytes, expiration) entries this node itself holds under
+    `key_id`, from its own storage (no network)."""
+    found = node.protocol.storage.get(DHTID.from_bytes(key_id))
+    if found is None or not isinstance(found.value, DictionaryDHTValue):
+        return []
+    return [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items()]
+
+
 class SwarmDHT:
     """A running hivemind DHT node that stores and reads Swarmtrain's signed, typed records."""
 
@@ -182,17 +191,41 @@ class SwarmDHT:
         found = future.result(timeout=self.request_timeout * 2)
         if found is None or not isinstance(found.value, dict):
             return {}
+        items = ((subkey, item.value, item.expiration_time) for subkey, item in found.value.items())
+        return self._open_records(key, items, model, gated)
+
+    def local_get(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:
+        """What `get` returns, from the records this node itself stores under `key` (no network, not counted as
+        a DHT operation): the same signatures and gate. A record stored on other nodes only is not seen.
+        TimeoutError after the request timeout if the DHT process does not answer."""
+        key_id = DHTID.generate(source=key).to_bytes()
+        future = self.dht.run_coroutine(functools.partial(_local_items, key_id), return_future=True)
+        try:
+            raw = future.result(timeout=self.request_timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+        items = []
+        for subkey, value_bytes, expiration in raw:
+            try:
+                items.append((subkey, msgpack.unpackb(value_bytes, raw=False), expiration))
+            except Exception:  # bytes another peer stored: whatever msgpack raises, the entry is not a record
+                continue
+        return self._open_records(key, items, model, gated)
+
+    def _open_records(self, key: str, items, model: type[R], gated: bool) -> dict[str, R]:
+        """The validly signed, well-formed records among (subkey, value, expiration) entries under `key`."""
         key_id = DHTID.generate(source=key).to_bytes()
         now = get_dht_time()
         records: dict[str, R] = {}
-        for subkey, item in found.value.items():
+        for subkey, value, expiration in items:
             owner = keys.owner_of_subkey(subkey)
-            if owner is None or item.expiration_time < now:
+            if owner is None or expiration < now:
                 continue  # unsigned entries under our keys are never used
             subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
             opened = (
-                envelope.open_sealed(owner, key_id, subkey_bytes, item.expiration_time, item.value)
-                if isinstance(item.value, bytes)
+                envelope.open_sealed(owner, key_id, subkey_bytes, expiration, value)
+                if isinstance(value, bytes)
                 else None
             )
             if opened is None:

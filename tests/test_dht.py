@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from dht.records import RunSpecRecord, ServerRecord
+from dht.records import RevocationList, RunSpecRecord, ServerRecord
 from peer.config import RunSpec
 from peer.swarm.discovery import RunNotFound, fetch_spec
 from protocols.version import software_version
@@ -54,6 +54,30 @@ def test_signed_records_roundtrip_and_forgeries_are_refused(two_nodes):
     assert not b.store_raw(key, keys.signed_subkey(b.peer_id), forged.model_dump_json().encode(), ttl=30)
     records = a.get(key, ServerRecord)
     assert set(records) == {b.peer_id} and records[b.peer_id].endpoint == "127.0.0.1:1"
+
+
+def test_a_node_reads_the_records_it_holds_without_the_network(two_nodes):
+    """local_get: what the node itself stores, with get's checks, and no DHT operation counted."""
+    a, b = two_nodes
+    key = keys.revocations_key("run")
+    assert a.local_get(key, RevocationList) == {}
+    assert b.store(key, RevocationList(peers=["x"], updated=1.0), ttl=30)
+    # b's store is back at its first replica: a (the other of 2 nodes) holds it once the rest are written
+    deadline = time.monotonic() + 10
+    while not (held := a.local_get(key, RevocationList)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(held) == [b.peer_id] and held[b.peer_id].peers == ["x"]
+    gets = a.operations["get"]
+    a.local_get(key, RevocationList)
+    assert a.operations["get"] == gets
+    # a node's own storage is read with the same gate: a record of another type does not validate
+    assert a.local_get(key, ServerRecord) == {}
+    # and a newer store replaces what it holds
+    assert b.store(key, RevocationList(peers=["x", "y"], updated=2.0), ttl=30)
+    deadline = time.monotonic() + 10
+    while a.local_get(key, RevocationList)[b.peer_id].peers != ["x", "y"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.local_get(key, RevocationList)[b.peer_id].peers == ["x", "y"]
 
 
 def test_records_from_a_node_without_validators_are_ignored(two_nodes):

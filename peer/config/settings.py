@@ -246,6 +246,10 @@ class SecurityConfig:
     # looks at that every requests_period, without the network); in a swarm of more nodes than the DHT's
     # replication (5), a request stored on others only is answered within this
     requests_read_period: float = 5.0
+    # s between a peer's DHT reads of the revocation list while its own DHT node holds the coordinator's copy (it
+    # looks at that copy every admission.refresh, without the network: the coordinator stores each change on the
+    # DHT's 5 nearest nodes, every node of a small swarm); a peer whose node holds none reads every refresh
+    revocations_read_period: float = 30.0
 
 
 @dataclass
@@ -311,7 +315,7 @@ class PeerConfig:
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             require_positive(f"relay.{name}", getattr(self.relay, name))
         port_range(self.relay.ports)  # ConfigError names a malformed range
-        for name in ("poll", "requests_period", "reports_period", "requests_read_period"):
+        for name in ("poll", "requests_period", "reports_period", "requests_read_period", "revocations_read_period"):
             require_positive(f"security.{name}", getattr(self.security, name))
         require_positive("coordinator.rest_period", self.coordinator.rest_period)
         if self.coordinator.rest_period > 2 * self.network.record_ttl:

@@ -7,7 +7,8 @@ and its roles, and the run's CA certificate. From then on:
 - gRPC servers present the certificate and require one from every caller (mutual TLS, peer.net.guard);
 - gRPC channels present it and pin the server's TLS name to the peer its DHT record names;
 - DHT records carry it, and records of peers without a valid one do not count (dht.gate);
-- a thread renews it at half-life and re-reads the revocation list every `admission.refresh` s.
+- a thread renews it at half-life and follows the revocation list every `admission.refresh` s (its own DHT node's
+  copy, the network's every `security.revocations_read_period`).
 
 With `admission.mode = "off"` there is no `Security` at all: plaintext gRPC and no checks.
 """
@@ -89,6 +90,7 @@ class Security:
         self.certificate_pem = self.authority_pem = b""
         self.credential: Credential | None = None
         self.generation = 0  # bumped at each new certificate: channels made before are replaced
+        self._revocations_due = 0.0  # monotonic: the revocation list is read from the network again after this
         self.on_revoked: Callable[[], None] | None = None  # called once if this peer's own credential is revoked
         self.revoked = False
         self._lock = threading.Lock()
@@ -154,9 +156,17 @@ class Security:
                 logger.warning("could not renew this peer's credential yet: %s", e)
 
     def refresh_revocations(self) -> None:
-        found = self.dht.get(keys.revocations_key(self.spec.name), RevocationList).get(self.coordinator)
+        """Follow the coordinator's revocation list: its copy on this peer's own DHT node when that node holds one
+        (no network), the network's every security.revocations_read_period, or at once when the node holds none."""
+        key = keys.revocations_key(self.spec.name)
+        found = None
+        if time.monotonic() < self._revocations_due:
+            found = self.dht.local_get(key, RevocationList).get(self.coordinator)
         if found is None:
-            return
+            found = self.dht.get(key, RevocationList).get(self.coordinator)
+            if found is None:
+                return
+            self._revocations_due = time.monotonic() + self.cfg.security.revocations_read_period
         self.gate.revoked = frozenset(found.peers)
         if self.identity.peer_id in self.gate.revoked and not self.revoked:
             self.revoked = True
