@@ -5,7 +5,7 @@ and serve, with no trainer; beside them run as many bare hivemind `DHT` nodes (b
 hivemind's own class, nothing of ours), bootstrapped from one another. Once every peer serves and a settling
 time has passed, over one window: each peer's CPU, all its processes together (the peer itself, hivemind's DHT
 process, its p2p daemon) and each of them apart, read from /proc; and the DHT operations each peer made
-(`swarm_dht_stores_total` and `swarm_dht_gets_total` of its metrics endpoint). Goal (issue 48): a peer at rest
+(`swarm_dht_operations_total` of its metrics endpoint, by operation and kind of key). Goal (issue 48): a peer at rest
 <= 0.005 of one core (five times a bare node) and <= 0.2 DHT operations a second.
 
     python benchmarks/rest.py [--window S] [--settle S] [--quick]
@@ -38,7 +38,7 @@ DEMO_SPEC = Path(__file__).resolve().parent.parent / "peer" / "cli" / "demo.toml
 SERVERS = [f"server{stage}{replica}" for stage in range(2) for replica in "ab"]
 METRICS = re.compile(r"Prometheus metrics at (http://\S+/metrics)\.")
 BARE = re.compile(r"Bare DHT node at (\S+)")
-DHT_OPS = re.compile(r"^swarm_dht_(?:stores|gets)_total (\S+)$", re.MULTILINE)
+DHT_OPS = re.compile(r'^swarm_dht_operations_total\{kind="([^"]+)",operation="(\w+)"\} (\S+)$', re.MULTILINE)
 START_TIMEOUT = 180.0  # s for the swarm to serve
 
 
@@ -59,10 +59,10 @@ def process_times(root: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def dht_operations(url: str) -> float:
-    """The DHT operations a peer made so far, from its metrics endpoint."""
+def dht_operations(url: str) -> dict[str, float]:
+    """The DHT operations a peer made so far, from its metrics endpoint: {"operation kind": count}."""
     with urllib.request.urlopen(url, timeout=5) as response:
-        return sum(float(v) for v in DHT_OPS.findall(response.read().decode()))
+        return {f"{op} {kind}": float(v) for kind, op, v in DHT_OPS.findall(response.read().decode())}
 
 
 def start(procs: Processes, work: Path) -> dict[str, str]:
@@ -97,14 +97,18 @@ def start_bare(procs: Processes, count: int) -> list[str]:
 
 
 def measure(procs: Processes, names: list[str], urls: dict[str, str], window: float) -> tuple[dict, dict]:
-    """Over `window` seconds: {name: {kind: cores}} and {name: DHT operations a second} (peers with metrics)."""
+    """Over `window` seconds: {name: {kind: cores}} and {name: {"operation kind": DHT operations a second}} (peers
+    with metrics)."""
     roots = {name: procs.procs[name][0].pid for name in names}
     before = {name: process_times(pid) for name, pid in roots.items()}
     ops_before = {name: dht_operations(url) for name, url in urls.items()}
     started = time.monotonic()
     time.sleep(window)  # the measured window itself: nothing to poll for
     elapsed = time.monotonic() - started
-    ops = {name: (dht_operations(url) - ops_before[name]) / elapsed for name, url in urls.items()}
+    ops = {}
+    for name, url in urls.items():
+        after = dht_operations(url)
+        ops[name] = {k: (v - ops_before[name].get(k, 0.0)) / elapsed for k, v in after.items()}
     cores = {}
     for name, pid in roots.items():
         after, by_kind = process_times(pid), {}
@@ -120,7 +124,7 @@ def report(cores: dict, ops: dict, bare: list[str], figures: Figures) -> None:
     print(f"{'process':>12} {'cores':>8} {'peer':>8} {'dht':>8} {'p2pd':>8} {'DHT ops/s':>10}")
     for name in [*peers, *bare]:
         kinds = cores[name]
-        rate = f"{ops[name]:10.2f}" if name in ops else f"{'-':>10}"
+        rate = f"{sum(ops[name].values()):10.2f}" if name in ops else f"{'-':>10}"
         print(
             f"{name:>12} {sum(kinds.values()):8.4f} {kinds.get('peer', 0):8.4f} {kinds.get('dht', 0):8.4f} "
             f"{kinds.get('p2pd', 0):8.4f} {rate}"
@@ -131,8 +135,13 @@ def report(cores: dict, ops: dict, bare: list[str], figures: Figures) -> None:
     figures["cores_max"] = max(per_peer)
     figures["cores_per_bare"] = per_bare
     figures["over_bare"] = statistics.mean(per_peer) / max(per_bare, 1e-4)  # a bare node's floor: 0.0001 core
-    figures["dht_ops_per_s"] = statistics.mean(ops.values())
-    figures["dht_ops_max"] = max(ops.values())
+    totals = {name: sum(rates.values()) for name, rates in ops.items()}
+    figures["dht_ops_per_s"] = statistics.mean(totals.values())
+    figures["dht_ops_max"] = max(totals.values())
+    for role, members in (("coordinator", ["coordinator"]), ("server", SERVERS)):
+        kinds = sorted({k for n in members for k in ops[n]})
+        spent = {k: statistics.mean(ops[n].get(k, 0.0) for n in members) for k in kinds}
+        print(f"DHT ops/s of a {role}, by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in spent.items() if v > 0))
     for role, members in (("coordinator", ["coordinator"]), ("server", SERVERS)):
         for kind in ("peer", "dht", "p2pd"):
             figures[f"cores_{role}_{kind}"] = statistics.mean(cores[n].get(kind, 0.0) for n in members)

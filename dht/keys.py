@@ -16,6 +16,25 @@ def owner_of_subkey(subkey: object) -> str | None:
     return None
 
 
+def kind_of(key: str) -> str:
+    """A key's kind, without the run, coordinator, peer, stage or expert it names: "stage/servers",
+    "admission/revoked", "spec" (what DHT traffic is counted by)."""
+    parts = key.split("/")
+    if parts[:2] == ["swarmtrain", "coordinator"]:
+        return "/".join(parts[3:])
+    if parts[:2] == ["swarmtrain", "run"]:
+        named = {"stage": 1, "expert": 1, "peer": 1}  # these are followed by what they name
+        kept, skip = [], 0
+        for part in parts[3:]:
+            if skip:
+                skip -= 1
+                continue
+            kept.append(part)
+            skip = named.get(part, 0)
+        return "/".join(kept)
+    return "other"
+
+
 def spec_key(coordinator_peer_id: str) -> str:
     """The run spec a coordinator publishes (one subkey: the coordinator's own)."""
     return f"swarmtrain/coordinator/{coordinator_peer_id}/spec"

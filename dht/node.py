@@ -7,6 +7,7 @@ in the process: hivemind forks, and gRPC does not survive a fork.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -84,6 +85,8 @@ class SwarmDHT:
         self.security = None  # the peer's peer.net.security.Security once admitted (TLS for its gRPC); opaque here
         self._counts_lock = threading.Lock()
         self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
+        # the same, by operation and kind of key (keys.kind_of): what a peer's DHT traffic is spent on
+        self.operations_by_kind: collections.Counter[tuple[str, str]] = collections.Counter()
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
@@ -157,22 +160,25 @@ class SwarmDHT:
         subkey_bytes = msgpack.packb(subkey, use_bin_type=True)
         return subkey, envelope.seal(self.identity, key_id, subkey_bytes, expiration_time, payload, self.certificate)
 
-    def _count(self, operation: str) -> None:
+    def _count(self, operation: str, key: str) -> None:
         with self._counts_lock:
             self.operations[operation] += 1
+            self.operations_by_kind[operation, keys.kind_of(key)] += 1
 
     def levels(self) -> dict[str, tuple[str, str, float]]:
         """The DHT operations this peer made, for its metrics (peer.net.metrics)."""
         with self._counts_lock:
             stores, gets = self.operations["store"], self.operations["get"]
+            by_kind = dict(self.operations_by_kind)
         return {
             "dht_stores": ("counter", "DHT stores this peer made", stores),
             "dht_gets": ("counter", "DHT reads this peer made", gets),
+            "dht_operations": ("counter", "DHT operations this peer made, by operation and kind of key", by_kind),
         }
 
     def store(self, key: str, record: Record, ttl: float) -> bool:
         """Store `record` under `key` with this peer's signed subkey, for `ttl` seconds."""
-        self._count("store")
+        self._count("store", key)
         expiration = get_dht_time() + ttl
         subkey, value = self._seal(key, expiration, record)
         # back at the first replica that stored it (the others are written in the background): a frozen
@@ -186,7 +192,7 @@ class SwarmDHT:
         Once the node has a gate, only records of admitted peers count (unless `gated` is False:
         credential requests come from peers not admitted yet).
         """
-        self._count("get")
+        self._count("get", key)
         future = self.dht.get(key, latest=True, return_future=True)
         found = future.result(timeout=self.request_timeout * 2)
         if found is None or not isinstance(found.value, dict):
@@ -256,7 +262,7 @@ class SwarmDHT:
 
     def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
         """Store an arbitrary value without signing it (for tests of what the validators refuse)."""
-        self._count("store")
+        self._count("store", key)
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
         return bool(future.result(timeout=self.request_timeout * 2))
 

@@ -64,6 +64,7 @@ class ServerRecord(Record):
     round_seq: int = 0  # while averaging_epoch >= 0: the additions that round covers if it succeeds
     started: float = 0.0  # unix time the server started
     updated: float = 0.0  # unix time of this announcement
+    ttl: float = 0.0  # s this announcement lives from `updated` (longer at rest: peer.net.cadence); 0: record_ttl
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     requests: int = 0  # requests this peer served (all its parts together)
     errors: int = 0  # of those, the ones answered with an error

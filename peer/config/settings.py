@@ -21,13 +21,18 @@ class NetworkConfig:
     probe_timeout: float = 1.0  # s for the TCP connect that tells a gone peer (refused) from a failed call
     spec_timeout: float = 5.0  # s to find the run spec the coordinator signed, once in the DHT
     dht_request_timeout: float = 3.0  # s for one DHT store or get (a call waits at most twice this)
-    announce_period: float = 2.0  # s between refreshes of this peer's DHT record
+    announce_period: float = 2.0  # s between refreshes of this peer's DHT record while it changes
+    # s between refreshes of a record that does not change (a peer at rest): the period doubles from
+    # announce_period at each unchanged refresh up to this, and the record lives as much longer (peer.net.cadence);
+    # a change or a request makes it announce_period again. A dead resting peer vanishes after
+    # record_ttl + rest_announce_period - announce_period
+    rest_announce_period: float = 16.0
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
     progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
     # s between a resting server's reads of its replicas' records: the read period doubles from progress_period
     # at each look that finds nothing changed (no request, round, step or replica's progress), up to this; any
     # request or round invitation makes it progress_period again at once
-    rest_read_period: float = 8.0
+    rest_read_period: float = 16.0
 
 
 @dataclass
@@ -188,8 +193,9 @@ class CoordinatorConfig:
     report_period: float = 10.0  # s between the coordinator's looks at the run (summary line, checkpoints due)
     # s between the coordinator's looks at a swarm at rest (no trainer, no server's step, samples or state
     # changing; doubling from dashboard.period to this), and between its reads of spot-check reports while
-    # there are none; a change makes the looks dashboard.period apart again
-    rest_period: float = 10.0
+    # there are none; a change makes the looks dashboard.period apart again. The records it refreshes at each
+    # look (books, archive, trained parts) live 3 x the longer of this and network.record_ttl
+    rest_period: float = 30.0
     checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
     checkpoint_every_steps: int = 0  # a checkpoint whenever the run's step crosses a multiple of this; 0: not by steps
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
@@ -217,6 +223,10 @@ class CoordinatorConfig:
     # where the coordinator keeps the books (the trainers it has seen and what they completed), so a restarted
     # one goes on with them; empty: RUN.books.json beside its identity key
     books_file: str = ""
+
+    def refreshed_ttl(self, net: NetworkConfig) -> float:
+        """s the records the coordinator refreshes at each look live: three looks at rest."""
+        return 3 * max(net.record_ttl, self.rest_period)
 
 
 @dataclass
@@ -250,6 +260,12 @@ class SecurityConfig:
     # looks at that copy every admission.refresh, without the network: the coordinator stores each change on the
     # DHT's 5 nearest nodes, every node of a small swarm); a peer whose node holds none reads every refresh
     revocations_read_period: float = 30.0
+    # s the coordinator's revocation list lives in the DHT (at least 4 x admission.refresh); it is stored again at a
+    # third of that while unchanged, at once on a change
+    revocations_ttl: float = 120.0
+    # s between the coordinator's DHT reads of credential requests at rest: after a read that finds none waiting,
+    # the read period doubles from requests_read_period up to this; a request seen makes it short again
+    requests_rest_read_period: float = 60.0
 
 
 @dataclass
@@ -315,17 +331,29 @@ class PeerConfig:
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):
             require_positive(f"relay.{name}", getattr(self.relay, name))
         port_range(self.relay.ports)  # ConfigError names a malformed range
-        for name in ("poll", "requests_period", "reports_period", "requests_read_period", "revocations_read_period"):
+        for name in (
+            "poll",
+            "requests_period",
+            "reports_period",
+            "requests_read_period",
+            "revocations_read_period",
+            "revocations_ttl",
+        ):
             require_positive(f"security.{name}", getattr(self.security, name))
         require_positive("coordinator.rest_period", self.coordinator.rest_period)
-        if self.coordinator.rest_period > 2 * self.network.record_ttl:
+        if self.security.requests_rest_read_period < self.security.requests_read_period:
             raise ConfigError(
-                f"coordinator.rest_period: at most 2 x network.record_ttl ({2 * self.network.record_ttl:g} s), got "
-                f"{self.coordinator.rest_period:g}: the records the coordinator refreshes at each look live 3 x that"
+                "security.requests_rest_read_period: must be at least security.requests_read_period "
+                f"({self.security.requests_read_period:g} s), got {self.security.requests_rest_read_period:g}"
             )
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         require_positive("network.progress_period", net.progress_period)
+        if net.rest_announce_period < net.announce_period:
+            raise ConfigError(
+                f"network.rest_announce_period: must be at least network.announce_period ({net.announce_period:g} s), "
+                f"got {net.rest_announce_period:g}"
+            )
         if net.rest_read_period < net.progress_period:
             raise ConfigError(
                 f"network.rest_read_period: must be at least network.progress_period ({net.progress_period:g} s), "

@@ -185,7 +185,7 @@ class Archive:
 
     def announce(self) -> None:
         for key, record in self.records():
-            self.dht.store(key, record, self.cfg.network.record_ttl * 3)
+            self.dht.store(key, record, self.cfg.coordinator.refreshed_ttl(self.cfg.network))
 
     def stop(self) -> None:
         if self._server is not None:

@@ -61,6 +61,7 @@ class Authority:
         self._revoked_mtime = -1.0
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
+        self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
 
     # ---- the coordinator's own credential ------------------------------------------------------
     def issue_own(self, security) -> tuple[str, str]:
@@ -166,8 +167,12 @@ class Authority:
         if stamp is not None and stamp == self._requests_stamp and time.monotonic() < self._requests_due:
             return
         requests = self.dht.get(key, CredentialRequest, gated=False)
-        self._requests_stamp, self._requests_due = stamp, time.monotonic() + self.cfg.security.requests_read_period
         waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
+        sec = self.cfg.security
+        # at rest (nothing waiting) the reads of the network grow apart; a request waiting makes them short again
+        self._requests_every = min(2 * self._requests_every, sec.requests_rest_read_period) if not waiting else 0.0
+        self._requests_every = max(self._requests_every, sec.requests_read_period)
+        self._requests_stamp, self._requests_due = stamp, time.monotonic() + self._requests_every
         waiting.sort(key=lambda item: item[0] not in self._admitted)
         answers = [(pid, request, self._grant(pid, request)) for pid, request in waiting[: self.admission.max_pending]]
         if answers:  # most passes have none: no pool then
@@ -214,7 +219,7 @@ class Authority:
                     say(f"Pardoned peer {peer}: it may take part again")
                 if new or gone:
                     self._published = 0.0
-        ttl = max(30.0, 4 * self.admission.refresh)
+        ttl = max(self.cfg.security.revocations_ttl, 4 * self.admission.refresh)
         # unchanged, the list is stored again at a third of its lifetime (a change resets `_published`)
         if time.monotonic() - self._published >= max(self.admission.refresh / 2, ttl / 3):
             record = RevocationList(peers=sorted(self.revoked), updated=time.time())

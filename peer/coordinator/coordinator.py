@@ -29,6 +29,7 @@ from peer.coordinator.custody import Custody
 from peer.coordinator.dashboard import Dashboard, swarm_state
 from peer.coordinator.pretrained import open_pretrained
 from peer.coordinator.timeline import Timeline
+from peer.net.cadence import longest_ttl
 from peer.net.metrics import open_metrics, serve_metrics
 from peer.net.relay import RelayThread
 from peer.net.security import Security
@@ -324,7 +325,14 @@ class Coordinator(Custody):
         own_relay = self.relay.relay.levels if self.relay is not None else dict
         metrics = open_metrics(cfg, "coordinator", lambda: {**swarm_levels(self.view), **own_relay()}, self.dht)
         serve_metrics(metrics, cfg)
-        self.timeline = Timeline(cfg.dashboard.history, cfg.dashboard.events, cfg.dashboard.silent_after)
+        net = cfg.network
+        self.timeline = Timeline(
+            cfg.dashboard.history,
+            cfg.dashboard.events,
+            cfg.dashboard.silent_after,
+            record_ttl=net.record_ttl,
+            rest_slack=longest_ttl(net) - net.record_ttl,
+        )
         # rejoining its swarm: the dashboard goes on from the run's past (only this run's, by fingerprint)
         history = timeline_file(cfg, self.identity, spec)
         restarted = rejoined and self.timeline.load(history, spec.fingerprint()) > 0
@@ -391,7 +399,7 @@ class Coordinator(Custody):
             except Exception as e:  # the DHT may be busy: announced again next tick
                 logger.warning("archive announcement failed: %s", e)
         try:
-            look = gather(self.dht, spec)
+            look = gather(self.dht, spec, books=False)
             summary = swarm_summary(look)
         except Exception as e:  # the DHT may be busy: looked at again next tick
             logger.warning("look at the swarm failed: %s", e)

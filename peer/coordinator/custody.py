@@ -82,7 +82,11 @@ class Custody:
             self.books = Books(self.spec.stages.num_stages, self._stepped_before(), self._tolerance())
         books = self.books.observe(look["stages"], look["trainers"])
         with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
-            self.dht.store(keys.books_key(self.spec.name), self.books.record(books), self.cfg.network.record_ttl * 3)
+            self.dht.store(
+                keys.books_key(self.spec.name),
+                self.books.record(books),
+                self.cfg.coordinator.refreshed_ttl(self.cfg.network),
+            )
         since = self.books.since
         if since and time.time() - since > self.cfg.coordinator.books_grace and time.time() - self._books_said > 60:
             self._books_said = time.time()
@@ -152,7 +156,11 @@ class Custody:
                     updated=now,
                 )
                 with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
-                    self.dht.store(keys.servers_key(self.spec.name, stage), record, self.cfg.network.record_ttl * 3)
+                    self.dht.store(
+                        keys.servers_key(self.spec.name, stage),
+                        record,
+                        self.cfg.coordinator.refreshed_ttl(self.cfg.network),
+                    )
 
     def _checkpoint(self, step: int) -> None:
         """The checkpoint thread: take one, and offer it to joiners."""

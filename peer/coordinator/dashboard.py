@@ -61,7 +61,7 @@ def server_view(pid: str, r: ServerRecord, timeline: Timeline, now: float) -> di
         "peer": pid[-8:],
         "endpoint": r.endpoint,
         "state": r.state,
-        "health": health(r, quiet, timeline.stale_after),
+        "health": health(r, quiet, timeline.silent_after(r)),
         "throughput": r.throughput,
         "load": r.load,
         "step": r.epoch,

@@ -55,10 +55,20 @@ def _mean(values: list[float]) -> float | None:
 
 
 class Timeline:
-    def __init__(self, max_points: int = 2000, max_events: int = 500, stale_after: float = 10.0):
+    def __init__(
+        self,
+        max_points: int = 2000,
+        max_events: int = 500,
+        stale_after: float = 10.0,
+        record_ttl: float = 10.0,
+        rest_slack: float = 0.0,
+    ):
         self.points: collections.deque[Point] = collections.deque(maxlen=max_points)
         self.events: collections.deque[Event] = collections.deque(maxlen=max_events)
         self.stale_after = stale_after  # s without a new record before a server or trainer counts as silent
+        # a server at rest refreshes its record seldom and says so (its record's ttl over record_ttl, at most
+        # rest_slack: peer.net.cadence); it counts as silent that much later
+        self.record_ttl, self.rest_slack = record_ttl, rest_slack
         self._next_id = 1
         self._servers: dict[tuple[str, str], ServerRecord] = {}  # (part, peer id) -> its record in the last look
         self._silent: set[tuple[str, str]] = set()
@@ -80,6 +90,10 @@ class Timeline:
 
     def since(self, event_id: int) -> list[dict]:
         return [asdict(e) for e in self.events if e.id > event_id]
+
+    def silent_after(self, r: ServerRecord) -> float:
+        """Seconds without a new announcement of `r`'s server before it counts as silent."""
+        return self.stale_after + min(max(0.0, r.ttl - self.record_ttl), self.rest_slack)
 
     def quiet_for(self, key: tuple[str, str], updated: float, now: float) -> float:
         """Seconds since this coordinator first saw the record's current announcement."""
@@ -167,7 +181,7 @@ class Timeline:
                 else:
                     self.add("join", f"{where(key, r)} joined {part}{tp}", now)
             quiet = self.quiet_for(key, r.updated, now)
-            if r.state in ACTIVE and quiet > self.stale_after:
+            if r.state in ACTIVE and quiet > self.silent_after(r):
                 if key not in self._silent:
                     self._silent.add(key)
                     self.add("silent", f"{where(key, r)} of {part} has not announced for {quiet:.0f} s", now)

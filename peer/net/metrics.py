@@ -39,7 +39,14 @@ class _Watched:
                 continue
             for name, (kind, doc, value) in values.items():
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                yield family(f"swarm_{name}", doc, value=float(value))
+                if not isinstance(value, dict):
+                    yield family(f"swarm_{name}", doc, value=float(value))
+                    continue
+                # {(label values...): value}: labelled by operation and kind (dht.node's DHT counts)
+                labelled = family(f"swarm_{name}", doc, labels=["operation", "kind"])
+                for labels, v in sorted(value.items()):
+                    labelled.add_metric(list(labels), float(v))
+                yield labelled
 
 
 class Metrics:

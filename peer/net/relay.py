@@ -28,6 +28,7 @@ from dht.credential import CredentialError
 from dht.records import RelayRecord
 from peer.config import PeerConfig, port_range
 from peer.net.background import LoopThread
+from peer.net.cadence import Cadence
 from peer.net.client import channel_options
 from peer.net.refusal import refuse
 from peer.net.serving import announce_host, grpc_server, listen
@@ -274,14 +275,21 @@ class RelayService(relay_pb2_grpc.RelayServicer):
 
     # ---- presence ------------------------------------------------------------------------
     async def announce(self, dht) -> None:
-        """Announce this relay's offer and load every announce period, until cancelled."""
-        net = self.cfg.network
+        """Announce this relay's offer and load, until cancelled: every announce period while its load changes,
+        seldom at rest (peer.net.cadence)."""
+        cadence, last = Cadence(self.cfg.network), None
         while True:
+            record = self.record()
+            load = (record.endpoint, record.relayed, record.capacity, record.connections)
+            changed = load != last
+            ttl = cadence.ttl(changed)
             try:
-                await dht.astore(keys.relays_key(self.run), self.record(), net.record_ttl)
+                if await dht.astore(keys.relays_key(self.run), record, ttl):
+                    cadence.stored(ttl, changed)
+                    last = load
             except Exception as e:  # the relay's announcements must not stop: tried again next period
                 logger.warning("could not announce the relay: %s", e)
-            await asyncio.sleep(net.announce_period)
+            await asyncio.sleep(cadence.period)
 
     def close(self) -> None:
         for attachment in list(self.attached.values()):

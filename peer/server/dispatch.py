@@ -52,7 +52,7 @@ class RemoteExperts:
         self.layers = [layer for layer in spec.moe_layers() if layer in blocks]
         self.uids = [expert_uid(layer, e) for layer in self.layers for e in range(spec.moe.num_experts)]
         self.slot = {uid: i for i, uid in enumerate(self.uids)}
-        self.router = Router(dht, spec.name, 0, cfg.experts, cfg.network.record_ttl, experts=self.uids)
+        self.router = Router(dht, spec.name, 0, cfg.experts, cfg.network, experts=self.uids)
         self.client = StageClient.for_server(cfg.server, dht.security)
         self.codec = codec.codec_from_name(spec.compression.activations)
         self.block_size = spec.compression.block_size

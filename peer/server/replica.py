@@ -46,6 +46,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.model.part import PartRuntime
+from peer.net.cadence import Cadence
 from peer.net.client import StageClient
 from peer.net.refusal import Refused
 from peer.process.failpoints import Failpoints
@@ -121,6 +122,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
         self._last_publish_time = self._peers_read = 0.0  # monotonic: last announced, last read the others'
+        self.cadence = Cadence(cfg.network)  # when our record is refreshed, and for how long it lives
+        self._last_moves: tuple | None = None  # _moves of the last record stored
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
@@ -293,7 +296,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             await self.run_torch(self._drop_if_expired)  # before a new record makes trainers count anew
         record = self.record()
         signature = self._signature(record)
-        stale = time.monotonic() - self._last_publish_time > self.cfg.network.announce_period
+        stale = time.monotonic() - self._last_publish_time > self.cadence.period
         if not force and not stale and signature == self._last_published:
             return True
         async with self._publish_lock:
@@ -302,15 +305,31 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 # one stuck in the DHT) must not announce a fresh record before the drop
                 await self.run_torch(self._drop_if_expired)
             record = self.record()
+            changed = force or self._moves(record) != self._last_moves
+            record.ttl = self.cadence.ttl(changed)
             try:
-                stored = await self.dht.astore(self.part.key(self.run_id), record, self.cfg.network.record_ttl)
+                stored = await self.dht.astore(self.part.key(self.run_id), record, record.ttl)
             except Exception as e:  # the DHT may be busy: announced again next period
                 logger.warning("could not announce in the DHT: %s", e)
                 return False
             if stored:
                 self._last_published, self._last_publish_time = signature, time.monotonic()
-                self.record_expires = max(self.record_expires, record.updated + self.cfg.network.record_ttl)
+                self._last_moves = self._moves(record)
+                self.cadence.stored(record.ttl, changed)
+                self.record_expires = max(self.record_expires, record.updated + record.ttl)
             return bool(stored)
+
+    def _moves(self, record: ServerRecord) -> tuple:
+        """What of a record, changed since the last refresh, keeps the announce period short (peer.net.cadence):
+        everything but its time, lifetime and slowly drifting measurements."""
+        return (
+            *self._signature(record),
+            record.step,
+            record.samples,
+            record.stepped_seq,
+            record.endpoint,
+            record.relay,
+        )
 
     def _signature(self, record: ServerRecord) -> tuple:
         """What of a record, changed, is announced at once; the rest waits for the announce period.
@@ -355,6 +374,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             self._woken = True  # it was resting: read now, not at the end of the period it was sleeping
             self._stirred.set()
         self._read_every = self.cfg.network.progress_period
+        self.cadence.wake()
         self._stir_since_read = True  # what the read under way (if any) saw is older than this
 
     def _activity(self) -> tuple:
@@ -388,8 +408,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
     async def _progress_loop(self) -> None:
         net = self.cfg.network
         while not self.leaving:
-            # awake at the read period, and at least once an announce period (the record's refresh)
-            period = min(self._read_every, net.announce_period)
+            # awake at the read period, and at least once a refresh period (peer.net.cadence)
+            period = min(self._read_every, self.cadence.period)
             slept = time.monotonic()
             await self._rest(period)
             if time.monotonic() - slept > period + 4.5:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from peer.config import ExpertsConfig, TrainerConfig
+from peer.config import ExpertsConfig, NetworkConfig, TrainerConfig
+from peer.net.cadence import lifetime
 from peer.swarm.consensus import agreed
 
 STEP_READS = 3  # refreshes in a row that must all say the run reached its last step before a trainer stops
@@ -48,10 +49,10 @@ class Router:
         run_id: str,
         num_stages: int,
         cfg: TrainerConfig | ExpertsConfig,
-        record_ttl: float,
+        net: NetworkConfig,
         experts: list[str] | None = None,
     ):
-        self.dht, self.run_id, self.cfg, self.record_ttl = dht, run_id, cfg, record_ttl
+        self.dht, self.run_id, self.cfg, self.net = dht, run_id, cfg, net
         if experts is None:
             self.slots = [(keys.servers_key(run_id, s), s, "") for s in range(num_stages)]
         else:
@@ -171,7 +172,7 @@ class Router:
         if pid in self.present:
             return False
         heard = max(since, mine.updated if mine is not None else 0.0)
-        return time.time() > heard + self.record_ttl + 1.0
+        return time.time() > heard + lifetime(mine.ttl if mine is not None else 0.0, self.net) + 1.0
 
     # ---- choosing -------------------------------------------------------------------------
     def weight(self, peer_id: str, record: ServerRecord, kind: str) -> float:
@@ -210,7 +211,9 @@ class Router:
         if peer_id in self.dead or peer_id in self.leaving or peer_id in self.distrusted:
             return True
         record = self.latest.get(peer_id)
-        return record is None or (peer_id not in self.present and time.time() > record.updated + self.record_ttl + 1.0)
+        if record is None:
+            return True
+        return peer_id not in self.present and time.time() > record.updated + lifetime(record.ttl, self.net) + 1.0
 
     def deadline(
         self, peer_id: str, record: ServerRecord, kind: str, samples: int, work: float, nbytes: int = 0

@@ -17,7 +17,9 @@ from peer.swarm.books import from_record
 from protocols.version import software_version
 
 
-def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
+def gather(dht: SwarmDHT, spec: RunSpec, books: bool = True) -> dict:
+    """A look at the run from the DHT: every part's records, the trainers', the relays' and (with `books`; the
+    coordinator keeps its own) the books."""
     stages = [dht.get(keys.servers_key(spec.name, s), ServerRecord) for s in range(spec.stages.num_stages)]
     trainers = dht.get(keys.trainers_key(spec.name), TrainerRecord)
     experts = {
@@ -26,7 +28,7 @@ def gather(dht: SwarmDHT, spec: RunSpec) -> dict:
         for e in range(spec.moe.num_experts)
     }
     relays = dht.get(keys.relays_key(spec.name), RelayRecord)
-    books = dht.get(keys.books_key(spec.name), BooksRecord)
+    books = dht.get(keys.books_key(spec.name), BooksRecord) if books else {}
     return {"stages": stages, "trainers": trainers, "experts": experts, "relays": relays, "books": books}
 
 

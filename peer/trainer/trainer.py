@@ -61,7 +61,7 @@ class Trainer(Calls, Settling, Reporting):
     def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, feed: Feed | None = None):
         self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
         self.num_stages = spec.stages.num_stages
-        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network.record_ttl)
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network)
         self.ledger = Ledger(
             on_empty=self._receipts_gone, on_stepped=lambda r: self.journal.stepped(r.request.uid, r.stage)
         )
