@@ -12,7 +12,7 @@ process, its p2p daemon) and each of them apart, read from /proc; and the DHT op
 
 Last line: `cores_per_peer` (mean over the swarm's peers), `cores_max` (the busiest peer), `cores_per_bare`,
 `over_bare` (cores_per_peer / cores_per_bare), `dht_ops_per_s` (mean per peer), `dht_ops_max`, and per role and
-kind of process (`cores_server_peer`, `cores_server_p2pd`, ...).
+kind of process (`cores_server_peer`, `cores_server_reaper`, `cores_server_dht`, `cores_server_p2pd`, ...).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ START_TIMEOUT = 180.0  # s for the swarm to serve
 
 
 def process_times(root: int) -> dict[int, tuple[str, float]]:
-    """{pid: (kind, CPU seconds)} of `root` and its descendants; kind: peer (the root), p2pd, or dht (the rest:
-    hivemind's DHT process, forked from the peer)."""
+    """{pid: (kind, CPU seconds)} of `root` and its descendants; kind: peer (the root), p2pd, reaper (the root's
+    child that has none: peer.process.reaper, forked first), or dht (the rest: hivemind's DHT process, forked
+    from the peer)."""
     out = {}
     for pid in [root, *descendants_of(root)]:
         try:
@@ -53,8 +54,13 @@ def process_times(root: int) -> dict[int, tuple[str, float]]:
         except OSError:
             continue  # gone meanwhile
         fields = tail.split()
-        name = head.partition("(")[2]
-        kind = "peer" if pid == root else "p2pd" if name == "p2pd" else "dht"
+        name, parent = head.partition("(")[2], int(fields[1])
+        if pid == root:
+            kind = "peer"
+        elif name == "p2pd":
+            kind = "p2pd"
+        else:
+            kind = "reaper" if parent == root and not descendants_of(pid) else "dht"
         out[pid] = (kind, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
     return out
 
@@ -121,12 +127,13 @@ def measure(procs: Processes, names: list[str], urls: dict[str, str], window: fl
 
 def report(cores: dict, ops: dict, bare: list[str], figures: Figures) -> None:
     peers = [n for n in cores if n not in bare]
-    print(f"{'process':>12} {'cores':>8} {'peer':>8} {'dht':>8} {'p2pd':>8} {'DHT ops/s':>10}")
+    print(f"{'process':>12} {'cores':>8} {'peer':>8} {'reaper':>8} {'dht':>8} {'p2pd':>8} {'DHT ops/s':>10}")
     for name in [*peers, *bare]:
         kinds = cores[name]
         rate = f"{sum(ops[name].values()):10.2f}" if name in ops else f"{'-':>10}"
         print(
-            f"{name:>12} {sum(kinds.values()):8.4f} {kinds.get('peer', 0):8.4f} {kinds.get('dht', 0):8.4f} "
+            f"{name:>12} {sum(kinds.values()):8.4f} {kinds.get('peer', 0):8.4f} {kinds.get('reaper', 0):8.4f} "
+            f"{kinds.get('dht', 0):8.4f} "
             f"{kinds.get('p2pd', 0):8.4f} {rate}"
         )
     per_peer = [sum(cores[n].values()) for n in peers]
@@ -143,7 +150,7 @@ def report(cores: dict, ops: dict, bare: list[str], figures: Figures) -> None:
         spent = {k: statistics.mean(ops[n].get(k, 0.0) for n in members) for k in kinds}
         print(f"DHT ops/s of a {role}, by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in spent.items() if v > 0))
     for role, members in (("coordinator", ["coordinator"]), ("server", SERVERS)):
-        for kind in ("peer", "dht", "p2pd"):
+        for kind in ("peer", "reaper", "dht", "p2pd"):
             figures[f"cores_{role}_{kind}"] = statistics.mean(cores[n].get(kind, 0.0) for n in members)
     print(
         f"a peer at rest: {figures['cores_per_peer']:.4f} of a core (goal <= 0.005), "

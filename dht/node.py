@@ -42,15 +42,15 @@ async def _count_neighbours(_dht, node) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def _local_stamp(key_id: bytes, _dht, node) -> tuple:
-    """Runs inside the DHT process: the subkeys and expirations this node itself holds under `key_id`, read
-    from its own storage (no network)."""
-    found = node.protocol.storage.get(DHTID.from_bytes(key_id))
-    if found is None:
-        return ()
-    if isinstance(found.value, DictionaryDHTValue):
-        return tuple(sorted((repr(subkey), item.expiration_time) for subkey, item in found.value.items()))
-    return (("", found.expiration_time),)
+async def _local_subkeys(key_ids: list[bytes], _dht, node) -> list[list[tuple[str, float]]]:
+    """Runs inside the DHT process: per key, the (subkey, expiration) pairs this node itself holds under it, without
+    their values (no network)."""
+    out = []
+    for key_id in key_ids:
+        found = node.protocol.storage.get(DHTID.from_bytes(key_id))
+        held = found.value.items() if found is not None and isinstance(found.value, DictionaryDHTValue) else ()
+        out.append(sorted((repr(subkey), item.expiration_time) for subkey, item in held))
+    return out
 
 
 async def _local_items(key_id: bytes, _dht, node) -> list:
@@ -137,8 +137,25 @@ class SwarmDHT:
         change tells a poller that a full read is worth it. hivemind stores a record on the 5 nodes nearest its
         key (the storer's own among them, a client's too): in a small swarm on every full node, in a larger one
         maybe on others only. TimeoutError after the request timeout if the DHT process does not answer."""
+        return tuple(self._subkeys([key])[0])
+
+    def local_owners(self, keys_: Sequence[str]) -> tuple:
+        """Per key, the subkeys (signed: their owners) this node itself holds, in one call without the network:
+        who joined or vanished, not what changed in their records (see local_stamp)."""
+        return tuple(tuple(subkey for subkey, _ in held) for held in self._subkeys(keys_))
+
+    def _subkeys(self, keys_: Sequence[str]) -> list:
+        key_ids = [DHTID.generate(source=key).to_bytes() for key in keys_]
+        return self._in_dht_process(functools.partial(_local_subkeys, key_ids))
+
+    def _held(self, key: str) -> list:
+        """The (subkey, value bytes, expiration) entries this node itself holds under `key` (no network)."""
         key_id = DHTID.generate(source=key).to_bytes()
-        future = self.dht.run_coroutine(functools.partial(_local_stamp, key_id), return_future=True)
+        return self._in_dht_process(functools.partial(_local_items, key_id))
+
+    def _in_dht_process(self, coroutine):
+        """Run `coroutine(dht, node)` inside the DHT process; TimeoutError after the request timeout."""
+        future = self.dht.run_coroutine(coroutine, return_future=True)
         try:
             return future.result(timeout=self.request_timeout)
         except TimeoutError:
@@ -204,15 +221,8 @@ class SwarmDHT:
         """What `get` returns, from the records this node itself stores under `key` (no network, not counted as
         a DHT operation): the same signatures and gate. A record stored on other nodes only is not seen.
         TimeoutError after the request timeout if the DHT process does not answer."""
-        key_id = DHTID.generate(source=key).to_bytes()
-        future = self.dht.run_coroutine(functools.partial(_local_items, key_id), return_future=True)
-        try:
-            raw = future.result(timeout=self.request_timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
         items = []
-        for subkey, value_bytes, expiration in raw:
+        for subkey, value_bytes, expiration in self._held(key):
             try:
                 items.append((subkey, msgpack.unpackb(value_bytes, raw=False), expiration))
             except Exception:  # bytes another peer stored: whatever msgpack raises, the entry is not a record

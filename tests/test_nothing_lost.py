@@ -287,6 +287,7 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
     from types import SimpleNamespace
 
     from dht.records import ServerRecord
+    from peer.config import NetworkConfig
     from peer.swarm.router import Router
 
     now = time.time()
@@ -295,11 +296,16 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
         for p in ("live", "missed", "dead")
     }
     latest["expired"] = ServerRecord(stage=1, endpoint="127.0.0.1:2", throughput=1.0, updated=now - 60)
+    # a resting server's record says it lives longer (peer.net.cadence): 20 s old, it has not expired; one that
+    # claims to live a day is believed no longer than a resting one (record_ttl + rest - announce period: 24 s)
+    latest["resting"] = ServerRecord(stage=1, endpoint="127.0.0.1:3", throughput=1.0, updated=now - 20, ttl=24.0)
+    latest["boaster"] = ServerRecord(stage=1, endpoint="127.0.0.1:4", throughput=1.0, updated=now - 60, ttl=86400.0)
     router = SimpleNamespace(
-        dead={"dead"}, leaving={"left"}, distrusted={"liar"}, latest=latest, present={"live"}, record_ttl=10.0
+        dead={"dead"}, leaving={"left"}, distrusted={"liar"}, latest=latest, present={"live"}, net=NetworkConfig()
     )
-    lost = {p for p in ("live", "missed", "dead", "expired", "left", "liar", "unseen") if Router.lost(router, p)}
-    assert lost == {"dead", "expired", "left", "liar", "unseen"}
+    names = ("live", "missed", "dead", "expired", "left", "liar", "unseen", "resting", "boaster")
+    lost = {p for p in names if Router.lost(router, p)}
+    assert lost == {"dead", "expired", "left", "liar", "unseen", "boaster"}
 
 
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:

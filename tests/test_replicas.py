@@ -157,6 +157,7 @@ def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_
 
     from dht.records import ServerRecord
     from peer.config import PeerConfig
+    from peer.net.cadence import Cadence
     from peer.server.replica import Replica
 
     stored = []
@@ -180,6 +181,8 @@ def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_
         )
         r.record = lambda: r.now.model_copy()
         r._signature = lambda record: Replica._signature(r, record)
+        r._moves = lambda record: Replica._moves(r, record)
+        r.cadence, r._last_moves = Cadence(r.cfg.network), None
         return r
 
     async def announce(r, changes: list[dict], force: bool = False) -> list:

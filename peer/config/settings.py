@@ -214,7 +214,7 @@ class CoordinatorConfig:
     # s the signed run spec lives in the DHT after its last publication (every spec_republish s): newcomers
     # join through any peer while the coordinator is down for up to this long
     spec_ttl: float = 3600.0
-    spec_republish: float = 30.0  # s between the coordinator's publications of the run spec
+    spec_republish: float = 120.0  # s between the coordinator's publications of the run spec
     relay: bool = True  # the coordinator relays for peers that cannot be dialled (bounded by relay.max_peers)
     relay_port: int = 0  # port of the coordinator's relay (gRPC); 0: any free one
     # s the books (samples completed against what each stage accounts) may stay off before a warning: records
@@ -249,6 +249,9 @@ class SecurityConfig:
     # s between the coordinator's passes over new credential requests (each is a DHT read: a pass every 0.2 s
     # cost the coordinator about 5 % of a core)
     requests_period: float = 0.5
+    # s between those passes at rest: passes that see nothing new grow apart, doubling from requests_period up to
+    # this; a request seen makes them requests_period apart again (a join at rest waits at most this longer)
+    requests_rest_period: float = 2.0
     # s between the coordinator's looks at its revocation file and at spot-check reports (revocations reach
     # peers within admission.refresh anyway)
     reports_period: float = 1.0
@@ -259,7 +262,7 @@ class SecurityConfig:
     # s between a peer's DHT reads of the revocation list while its own DHT node holds the coordinator's copy (it
     # looks at that copy every admission.refresh, without the network: the coordinator stores each change on the
     # DHT's 5 nearest nodes, every node of a small swarm); a peer whose node holds none reads every refresh
-    revocations_read_period: float = 30.0
+    revocations_read_period: float = 60.0
     # s the coordinator's revocation list lives in the DHT (at least 4 x admission.refresh); it is stored again at a
     # third of that while unchanged, at once on a change
     revocations_ttl: float = 120.0
@@ -338,6 +341,7 @@ class PeerConfig:
             "requests_read_period",
             "revocations_read_period",
             "revocations_ttl",
+            "requests_rest_period",
         ):
             require_positive(f"security.{name}", getattr(self.security, name))
         require_positive("coordinator.rest_period", self.coordinator.rest_period)

@@ -61,6 +61,7 @@ class Authority:
         self._revoked_mtime = -1.0
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
+        self._reports_stamp: tuple = ()  # what the coordinator's own DHT node held of the reports, last read
         self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
 
     # ---- the coordinator's own credential ------------------------------------------------------
@@ -127,13 +128,19 @@ class Authority:
         """Two loops on threads of their own: credential requests, and revocations with spot-check reports, so a
         flood of requests (throwaway keys in open mode) delays no revocation."""
         self._threads = [
-            threading.Thread(target=self._loop, args=(period, steps), name=name, daemon=True)
-            for name, period, steps in (
-                ("authority-requests", self.cfg.security.requests_period, (self.answer_requests,)),
+            threading.Thread(target=self._loop, args=(period, steps, rest), name=name, daemon=True)
+            for name, period, steps, rest in (
+                (
+                    "authority-requests",
+                    self.cfg.security.requests_period,
+                    (self.answer_requests,),
+                    self.cfg.security.requests_rest_period,
+                ),
                 (
                     "authority-revocations",
                     self.cfg.security.reports_period,
                     (self.follow_revocations, self.read_reports),
+                    0.0,
                 ),
             )
         ]
@@ -144,28 +151,36 @@ class Authority:
         self._stop.set()
         self._grant_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _loop(self, period: float, steps) -> None:
-        while not self._stop.wait(period):
+    def _loop(self, period: float, steps, rest: float = 0.0) -> None:
+        """Run `steps` every `period` s; with `rest`, passes in which no step says it was busy (returns True) grow
+        apart, doubling up to `rest` s, and a busy one makes them `period` apart again."""
+        wait = period
+        while not self._stop.wait(wait):
+            busy = False
             for step in steps:
                 try:
-                    step()
+                    busy = bool(step()) or busy
                 except Exception as e:  # one step of the authority's loop must not end it: tried again next period
                     logger.warning("authority: %s failed: %s", step.__name__, e)
+                    busy = True
+            wait = period if busy or rest <= period else min(2 * wait, rest)
 
-    def answer_requests(self) -> None:
+    def answer_requests(self) -> bool:
         """Answer up to admission.max_pending requests not answered yet, renewals of admitted peers first. Decided
         one by one (an invite is used once), the grants are stored a few at a time (a slow store holds no other).
 
         A pass reads the network only when the coordinator's own DHT node holds something new under the requests
         key (dht.node.SwarmDHT.local_stamp: no network), or security.requests_read_period has passed since the last
-        read (a request stored on other nodes only, in a swarm larger than the DHT's replication)."""
+        read (a request stored on other nodes only, in a swarm larger than the DHT's replication). Whether the pass
+        saw anything new (the next pass comes sooner then)."""
         key = keys.credential_requests_key(self.spec.name)
         try:
             stamp = self.dht.local_stamp(key)
         except Exception:  # the DHT process is busy: read the network as before
             stamp = None
         if stamp is not None and stamp == self._requests_stamp and time.monotonic() < self._requests_due:
-            return
+            return False
+        moved = stamp != self._requests_stamp
         requests = self.dht.get(key, CredentialRequest, gated=False)
         waiting = [(pid, r) for pid, r in requests.items() if (pid, r.nonce) not in self._answered]
         sec = self.cfg.security
@@ -179,6 +194,7 @@ class Authority:
             list(self._grant_pool.map(lambda answer: self._store_grant(*answer), answers))
         if any((pid, r.nonce) not in self._answered for pid, r in waiting):
             self._requests_due = 0.0  # more than a pass answers, or a grant's store failed: read again next pass
+        return moved or bool(waiting)
 
     def _grant(self, peer_id: str, request: CredentialRequest) -> CredentialGrant:
         certificate, error = self.decide(peer_id, request)
@@ -231,10 +247,18 @@ class Authority:
         dht.records), each with admission.min_reporter_samples samples done, of checks failed within
         admission.report_ttl and after any pardon of that server by the run's owner."""
         needed = self.admission.revoke_after_reports
-        if needed <= 0 or time.monotonic() < self._reports_due:
+        if needed <= 0:
             return
-        reports = self.dht.get(keys.reports_key(self.spec.name), SpotCheckReport)
-        if not reports:  # none (no trainer checks now): read again in coordinator.rest_period
+        key = keys.reports_key(self.spec.name)
+        try:
+            stamp = self.dht.local_stamp(key)  # a report stored on this coordinator's own node is read at once
+        except Exception:  # the DHT process is busy: read when due
+            stamp = self._reports_stamp
+        if time.monotonic() < self._reports_due and stamp == self._reports_stamp:
+            return
+        self._reports_stamp = stamp
+        reports = self.dht.get(key, SpotCheckReport)
+        if not reports:  # none (no trainer checks now): read again in coordinator.rest_period, or on a new one
             self._reports_due = time.monotonic() + self.cfg.coordinator.rest_period
             return
         done = {pid: r.samples for pid, r in self.dht.get(keys.trainers_key(self.spec.name), TrainerRecord).items()}

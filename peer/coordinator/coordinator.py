@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from dht import keys
 from dht.address import answering
 from dht.identity import Identity
 from dht.node import DHTStartError, SwarmDHT
@@ -29,6 +30,7 @@ from peer.coordinator.custody import Custody
 from peer.coordinator.dashboard import Dashboard, swarm_state
 from peer.coordinator.pretrained import open_pretrained
 from peer.coordinator.timeline import Timeline
+from peer.model.moe import expert_uid
 from peer.net.cadence import longest_ttl
 from peer.net.metrics import open_metrics, serve_metrics
 from peer.net.relay import RelayThread
@@ -384,8 +386,42 @@ class Coordinator(Custody):
             else:
                 tick = min(2 * tick, max(fast, self.cfg.coordinator.rest_period))
             previous = marker
-            if stop.wait(tick):
+            if tick <= fast:
+                if stop.wait(tick):
+                    return
+                continue
+            woken = self._rest(stop, tick, fast)
+            if woken is None:
                 return
+            if woken:
+                tick = fast
+
+    def _members(self) -> tuple | None:
+        """Who holds a record under the parts' and trainers' keys, as this coordinator's own DHT node stores them
+        (no network; None if the DHT process did not answer)."""
+        spec = self.spec
+        watched = [keys.servers_key(spec.name, s) for s in range(spec.stages.num_stages)]
+        watched += [
+            keys.expert_key(spec.name, expert_uid(layer, e))
+            for layer in spec.moe_layers()
+            for e in range(spec.moe.num_experts)
+        ]
+        try:
+            return self.dht.local_owners([*watched, keys.trainers_key(spec.name)])
+        except Exception:  # the DHT process is busy: no event seen this time
+            return None
+
+    def _rest(self, stop: threading.Event, tick: float, fast: float) -> bool | None:
+        """Wait `tick` s at rest, looking every `fast` s at who holds records in this node's own storage: True when
+        a peer joined or vanished meanwhile (look now), False after the whole tick, None when stopped."""
+        members, end = self._members(), time.monotonic() + tick
+        while (left := end - time.monotonic()) > 0:
+            if stop.wait(min(fast, left)):
+                return None
+            now = self._members()
+            if members is not None and now is not None and now != members:
+                return True
+        return False
 
     def _look(self) -> dict | None:
         """Republish the spec when due, announce the archive, read the swarm and show it; its summary."""

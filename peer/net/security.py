@@ -91,6 +91,7 @@ class Security:
         self.credential: Credential | None = None
         self.generation = 0  # bumped at each new certificate: channels made before are replaced
         self._revocations_due = 0.0  # monotonic: the revocation list is read from the network again after this
+        self._revocations_stamp: tuple = ()  # what this node held of the list when its copy was last read
         self.on_revoked: Callable[[], None] | None = None  # called once if this peer's own credential is revoked
         self.revoked = False
         self._lock = threading.Lock()
@@ -161,7 +162,11 @@ class Security:
         key = keys.revocations_key(self.spec.name)
         found = None
         if time.monotonic() < self._revocations_due:
+            stamp = self.dht.local_stamp(key)  # subkeys and expirations only: unchanged, the copy is what we follow
+            if stamp and stamp == self._revocations_stamp:
+                return
             found = self.dht.local_get(key, RevocationList).get(self.coordinator)
+            self._revocations_stamp = stamp if found is not None else ()
         if found is None:
             found = self.dht.get(key, RevocationList).get(self.coordinator)
             if found is None:

@@ -122,8 +122,6 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._publish_lock = asyncio.Lock()
         self._last_published: tuple | None = None
         self._last_publish_time = self._peers_read = 0.0  # monotonic: last announced, last read the others'
-        self.cadence = Cadence(cfg.network)  # when our record is refreshed, and for how long it lives
-        self._last_moves: tuple | None = None  # _moves of the last record stored
         self._tasks: list[asyncio.Task] = []
         self.steps_averaged = self.steps_alone = self.rounds_failed = 0
         self.last_round = (0, 0.0)  # (members, seconds) of the last finished step
@@ -173,7 +171,10 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         )
 
     def _init_rest(self) -> None:
-        """How often the progress loop reads the others' records: seldom while nothing moves (`_next_read_period`)."""
+        """How often the progress loop reads the others' records, and refreshes its own: seldom while nothing moves
+        (`_next_read_period`, peer.net.cadence)."""
+        self.cadence = Cadence(self.cfg.network)  # when our record is refreshed, and for how long it lives
+        self._last_moves: tuple | None = None  # _moves of the last record stored
         self._read_every = self.cfg.network.progress_period  # s between reads of the others' records
         self._last_look: tuple | None = None  # what the progress loop saw at its last read (`_activity`)
         self._stirred = asyncio.Event()  # set by a request or an invitation: a resting progress loop looks at once
