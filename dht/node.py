@@ -11,6 +11,7 @@ import collections
 import contextlib
 import functools
 import logging
+import multiprocessing
 import os
 import shutil
 import threading
@@ -74,8 +75,10 @@ class SwarmDHT:
         startup_timeout: float = 20.0,
         request_timeout: float = 5.0,
         client_mode: bool = False,
+        watched: Sequence[str] = (),
     ):
-        """`client_mode`: a node others cannot dial (behind NAT): it asks the DHT, it is never asked."""
+        """`client_mode`: a node others cannot dial (behind NAT): it asks the DHT, it is never asked. `watched`:
+        keys whose stores at this node set an event (`touched`)."""
         self.identity = identity
         self.request_timeout = request_timeout
         # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
@@ -87,13 +90,16 @@ class SwarmDHT:
         self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
         # the same, by operation and kind of key (keys.kind_of): what a peer's DHT traffic is spent on
         self.operations_by_kind: collections.Counter[tuple[str, str]] = collections.Counter()
+        # key -> an event its validator (in the DHT process) sets when a signed record under it arrives here
+        self._touched = {key: multiprocessing.Event() for key in watched}
+        self._watched = {DHTID.generate(source=key).to_bytes(): event for key, event in self._touched.items()}
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
             identity_path=self._key_path,
             check_if_identity_free=False,  # hivemind's check reads RSA keys only; we lock the key file instead
-            record_validators=[SignedRecordValidator()],
+            record_validators=[SignedRecordValidator(self._watched)],
             start=False,
             await_ready=False,
             wait_timeout=request_timeout,
@@ -161,6 +167,11 @@ class SwarmDHT:
         except TimeoutError:
             future.cancel()
             raise
+
+    def touched(self, key: str):
+        """The event set when a validly signed record under `key` (one of `watched`) reaches this node: stored here
+        by any peer, or returned to one of this node's reads. Its waiter clears it; None for a key not watched."""
+        return self._touched.get(key)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]

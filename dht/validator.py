@@ -16,6 +16,11 @@ class SignedRecordValidator(RecordValidatorBase):
     subkeys (hivemind's own matchmaking entries) pass through; Swarmtrain's readers ignore them.
     """
 
+    def __init__(self, watched: dict | None = None):
+        # DHT key id -> a multiprocessing Event (made before the DHT process forks) set whenever a validly signed
+        # record under that key arrives at this node: its owner hears of a store without polling (dht.node.touched)
+        self.watched = watched or {}
+
     def validate(self, record: DHTRecord) -> bool:
         try:
             subkey = msgpack.unpackb(record.subkey, raw=False)
@@ -30,7 +35,10 @@ class SignedRecordValidator(RecordValidatorBase):
             return False
         if not isinstance(value, bytes):
             return False
-        return envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value) is not None
+        valid = envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value) is not None
+        if valid and (event := self.watched.get(record.key)) is not None:
+            event.set()
+        return valid
 
     @property
     def priority(self) -> int:

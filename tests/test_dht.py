@@ -80,6 +80,33 @@ def test_a_node_reads_the_records_it_holds_without_the_network(two_nodes):
     assert a.local_get(key, RevocationList)[b.peer_id].peers == ["x", "y"]
 
 
+def test_a_node_hears_of_a_signed_store_under_a_key_it_watches():
+    """SwarmDHT(watched=...): the node's validator, in its DHT process, sets the key's event when another peer's
+    signed record under it arrives (what wakes the coordinator's authority); a store under another key, or a
+    forged one under it, does not."""
+    key, other = keys.credential_requests_key("run"), keys.servers_key("run", 0)
+    a = SwarmDHT(Identity.generate(), host_maddrs=LOOPBACK, watched=[key])
+    b = None
+    try:
+        b = SwarmDHT(Identity.generate(), initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK)
+        touched = a.touched(key)
+        assert a.touched(other) is None and not touched.is_set()
+        assert b.store(other, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0), ttl=30)
+        deadline = time.monotonic() + 10  # until a holds it: then its validator has seen it
+        while not a.local_get(other, ServerRecord) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.local_get(other, ServerRecord) and not touched.is_set()
+        forged = msgpack.packb({"v": 1, "p": b"{}", "s": b"\x00" * 64}, use_bin_type=True)
+        b.store_raw(key, keys.signed_subkey(b.peer_id), forged, ttl=30)
+        assert not touched.wait(1.0), "a forged record woke the watcher"
+        assert b.store(key, RevocationList(peers=[], updated=1.0), ttl=30)
+        assert touched.wait(10), "a signed store under a watched key did not reach the watcher"
+    finally:
+        if b is not None:
+            b.shutdown()
+        a.shutdown()
+
+
 def test_records_from_a_node_without_validators_are_ignored(two_nodes):
     a, _ = two_nodes
     rogue = hivemind.DHT(initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK, start=True)

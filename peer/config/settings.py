@@ -250,8 +250,9 @@ class SecurityConfig:
     # cost the coordinator about 5 % of a core)
     requests_period: float = 0.5
     # s between those passes at rest: passes that see nothing new grow apart, doubling from requests_period up to
-    # this; a request seen makes them requests_period apart again (a join at rest waits at most this longer)
-    requests_rest_period: float = 2.0
+    # this; a request seen makes them requests_period apart again. A request stored on the coordinator's own DHT
+    # node makes a pass at once (its validator sees it arrive: dht.node.SwarmDHT.touched)
+    requests_rest_period: float = 5.0
     # s between the coordinator's looks at its revocation file and at spot-check reports (revocations reach
     # peers within admission.refresh anyway)
     reports_period: float = 1.0
@@ -268,7 +269,7 @@ class SecurityConfig:
     revocations_ttl: float = 120.0
     # s between the coordinator's DHT reads of credential requests at rest: after a read that finds none waiting,
     # the read period doubles from requests_read_period up to this; a request seen makes it short again
-    requests_rest_read_period: float = 60.0
+    requests_rest_read_period: float = 20.0
 
 
 @dataclass

@@ -61,7 +61,6 @@ class Authority:
         self._revoked_mtime = -1.0
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
-        self._reports_stamp: tuple = ()  # what the coordinator's own DHT node held of the reports, last read
         self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
 
     # ---- the coordinator's own credential ------------------------------------------------------
@@ -128,19 +127,21 @@ class Authority:
         """Two loops on threads of their own: credential requests, and revocations with spot-check reports, so a
         flood of requests (throwaway keys in open mode) delays no revocation."""
         self._threads = [
-            threading.Thread(target=self._loop, args=(period, steps, rest), name=name, daemon=True)
-            for name, period, steps, rest in (
+            threading.Thread(target=self._loop, args=(period, steps, rest, touched), name=name, daemon=True)
+            for name, period, steps, rest, touched in (
                 (
                     "authority-requests",
                     self.cfg.security.requests_period,
                     (self.answer_requests,),
                     self.cfg.security.requests_rest_period,
+                    self.dht.touched(keys.credential_requests_key(self.spec.name)),
                 ),
                 (
                     "authority-revocations",
                     self.cfg.security.reports_period,
                     (self.follow_revocations, self.read_reports),
                     0.0,
+                    None,
                 ),
             )
         ]
@@ -149,13 +150,16 @@ class Authority:
 
     def stop(self) -> None:
         self._stop.set()
+        if (touched := self.dht.touched(keys.credential_requests_key(self.spec.name))) is not None:
+            touched.set()  # its loop waits on this: it ends now
         self._grant_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _loop(self, period: float, steps, rest: float = 0.0) -> None:
+    def _loop(self, period: float, steps, rest: float = 0.0, touched=None) -> None:
         """Run `steps` every `period` s; with `rest`, passes in which no step says it was busy (returns True) grow
-        apart, doubling up to `rest` s, and a busy one makes them `period` apart again."""
+        apart, doubling up to `rest` s, and a busy one makes them `period` apart again; with `touched` (an event
+        set when a record reaches this coordinator's DHT node: dht.node.SwarmDHT.touched), a pass comes at once."""
         wait = period
-        while not self._stop.wait(wait):
+        while not self._pause(wait, touched):
             busy = False
             for step in steps:
                 try:
@@ -164,6 +168,14 @@ class Authority:
                     logger.warning("authority: %s failed: %s", step.__name__, e)
                     busy = True
             wait = period if busy or rest <= period else min(2 * wait, rest)
+
+    def _pause(self, seconds: float, touched) -> bool:
+        """Wait `seconds`, or until `touched` is set; whether the authority was stopped."""
+        if touched is None:
+            return self._stop.wait(seconds)
+        touched.wait(seconds)
+        touched.clear()
+        return self._stop.is_set()
 
     def answer_requests(self) -> bool:
         """Answer up to admission.max_pending requests not answered yet, renewals of admitted peers first. Decided
@@ -250,13 +262,11 @@ class Authority:
         if needed <= 0:
             return
         key = keys.reports_key(self.spec.name)
-        try:
-            stamp = self.dht.local_stamp(key)  # a report stored on this coordinator's own node is read at once
-        except Exception:  # the DHT process is busy: read when due
-            stamp = self._reports_stamp
-        if time.monotonic() < self._reports_due and stamp == self._reports_stamp:
+        touched = self.dht.touched(key)  # set when a report reaches this coordinator's own node: read at once
+        if time.monotonic() < self._reports_due and not (touched is not None and touched.is_set()):
             return
-        self._reports_stamp = stamp
+        if touched is not None:
+            touched.clear()
         reports = self.dht.get(key, SpotCheckReport)
         if not reports:  # none (no trainer checks now): read again in coordinator.rest_period, or on a new one
             self._reports_due = time.monotonic() + self.cfg.coordinator.rest_period

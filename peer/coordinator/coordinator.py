@@ -184,23 +184,34 @@ def start_dht(
     """
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     net = cfg.network
+    # the authority hears of credential requests and spot-check reports as they reach this node
+    watched = {"watched": [keys.credential_requests_key(spec.name), keys.reports_key(spec.name)]}
     # remembered peers that no longer answer at all are left out at once, not waited for (rejoin_timeout)
     known = answering(remembered_peers(peers_file(cfg, identity, spec)), net.connect_timeout)
     if initial:  # (the CLI kept those that answer)
         dht = SwarmDHT(
-            identity, [*initial, *known], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout
+            identity,
+            [*initial, *known],
+            host_maddrs,
+            announce_maddrs,
+            net.dht_startup_timeout,
+            net.dht_request_timeout,
+            **watched,
         )
         say(f"Joined the existing DHT through {', '.join(initial)}.")
         return dht, bool(known)
     if known:
         try:
             timeout = cfg.coordinator.rejoin_timeout
-            dht = SwarmDHT(identity, known, host_maddrs, announce_maddrs, timeout, net.dht_request_timeout)
+            dht = SwarmDHT(identity, known, host_maddrs, announce_maddrs, timeout, net.dht_request_timeout, **watched)
             say(f"Rejoined the swarm of run '{spec.name}' through {len(known)} remembered peer address(es).")
             return dht, True
         except DHTStartError as e:
             logger.warning("no remembered peer answered (%s); starting the run's DHT afresh", e)
-    return SwarmDHT(identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout), False
+    dht = SwarmDHT(
+        identity, [], host_maddrs, announce_maddrs, net.dht_startup_timeout, net.dht_request_timeout, **watched
+    )
+    return dht, False
 
 
 def open_dashboard(cfg: PeerConfig, timeline: Timeline) -> Dashboard | None:

@@ -197,6 +197,18 @@ class PartRuntime(PartState):
             a.copy_(p)
         self.initialized = True
 
+    def _restash(self) -> None:
+        """Before a step: keep the weights it replaces if a forward that ran on them may still see its backward
+        (weight stashing), else keep none (the last step's copy goes too: a copy of the weights is not held for
+        nothing)."""
+        self._stash = None  # first: the old copy is freed before a new one is made
+        if self.keeps_stash and self._awaits_backward():
+            self._stash = (self.version, [p.detach().clone() for p in self.params])
+
+    def _awaits_backward(self) -> bool:
+        """Hook: whether a forward on the current weights may still see its backward (a stage's cached forwards)."""
+        return True
+
     def _after_step(self) -> None:
         """Hook: the parameters just changed in place."""
 
@@ -312,15 +324,16 @@ class PartRuntime(PartState):
     def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: float, scale: float = 1.0) -> None:
         """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step` times `scale`; a new
         version."""
-        if self.keeps_stash:
-            self._stash = (self.version, [p.detach().clone() for p in self.params])
+        self._restash()
         limit = self.spec.training.max_grad_norm
         if limit > 0:  # every rank of a split part takes the same norm (a sum over the ranks), so they clip alike
             norm = math.sqrt(self._squared_norm(grads))
             if norm > limit:
                 grads = [g * (limit / norm) for g in grads]
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+            # the caller's tensors themselves (none of them is used after the step: AdamW reads its gradients
+            # without writing them), not a copy of the whole part
+            p.grad = g.to(device=p.device, dtype=p.dtype)
         set_lr(self.optimizer, schedule_step, self.spec.training, scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -349,8 +362,7 @@ class PartRuntime(PartState):
         taken, steps, samples = self._taken
         self._taken = None
         mu, lr = self.spec.averaging.outer_momentum, self.spec.averaging.outer_lr
-        if self.keeps_stash:
-            self._stash = (self.version, [p.detach().clone() for p in self.params])
+        self._restash()
         for p, a, m, d, t in zip(self.params, self.anchor, self.momentum, delta, taken, strict=True):
             d = d.to(device=a.device, dtype=a.dtype)
             m.mul_(mu).add_(d)

@@ -242,6 +242,10 @@ class StageRuntime(PartRuntime):
         self._measure(batch, time.perf_counter() - started, weight=2 / 3)
         return None if grad_inputs is None else grad_inputs.cpu(), loss, seq
 
+    def _awaits_backward(self) -> bool:
+        """Whether a forward on the current weights is cached for a backward to come (then a step stashes them)."""
+        return any(c.version == self.version for c in list(self._cache.values()))
+
     def _recall(self, uid: str, inputs: torch.Tensor, targets: torch.Tensor | None):
         """The forward's graph for a backward: cached, recomputed on the stashed weights it ran on, or anew;
         (inputs, outputs, aux loss, the parameters to differentiate)."""
@@ -253,9 +257,12 @@ class StageRuntime(PartRuntime):
             self.cache_hits += 1
             return cached.inputs, cached.outputs, cached.aux, self.params
         if same_inputs and self._stash is not None and cached.version == self._stash[0]:
+            stash = self._stash
+            if not any(c.version == stash[0] for c in self._cache.values()):
+                self._stash = None  # the last forward that ran on those weights: they go after this backward
             # the forward ran on the weights of the previous step: recompute with those (weight stashing),
             # so these gradients match the activations the later stages saw; they apply one step late
-            params = [p.detach().requires_grad_(True) for p in self._stash[1]]
+            params = [p.detach().requires_grad_(True) for p in stash[1]]
             x = inputs if self.model.is_first else inputs.detach().requires_grad_(True)
             named = dict(zip(self.param_names, params, strict=True))
             with torch.enable_grad():
