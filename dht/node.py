@@ -77,8 +77,7 @@ class SwarmDHT:
         client_mode: bool = False,
         watched: Sequence[str] = (),
     ):
-        """`client_mode`: a node others cannot dial (behind NAT): it asks the DHT, it is never asked. `watched`:
-        keys whose stores at this node set an event (`touched`)."""
+        """`client_mode`: a node others cannot dial (NAT): it asks, it is never asked. `watched`: see `touched`."""
         self.identity = identity
         self.request_timeout = request_timeout
         # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
@@ -86,10 +85,7 @@ class SwarmDHT:
         self.gate: Gate | None = None
         self.certificate: bytes | None = None  # DER of this peer's credential
         self.security = None  # the peer's peer.net.security.Security once admitted (TLS for its gRPC); opaque here
-        self._counts_lock = threading.Lock()
-        self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
-        # the same, by operation and kind of key (keys.kind_of): what a peer's DHT traffic is spent on
-        self.operations_by_kind: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._init_counts()
         # key -> an event its validator (in the DHT process) sets when a signed record under it arrives here
         self._touched = {key: multiprocessing.Event() for key in watched}
         self._watched = {DHTID.generate(source=key).to_bytes(): event for key, event in self._touched.items()}
@@ -130,6 +126,12 @@ class SwarmDHT:
                 f"no peer answered at {', '.join(initial_peers)} within {time.monotonic() - started:.0f} s; "
                 "check that the address is right and the peer is running"
             )
+
+    def _init_counts(self) -> None:
+        self._counts_lock = threading.Lock()
+        self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
+        # the same, by operation and kind of key (keys.kind_of): what a peer's DHT traffic is spent on
+        self.operations_by_kind: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def _has_neighbours(self) -> bool:
         return self.dht.run_coroutine(_count_neighbours) > 0
