@@ -214,6 +214,49 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
         assert not runtime_dir.exists(), f"{runtime_dir} left behind"
 
 
+def test_a_fork_no_look_saw_is_still_ended_with_what_it_started(tmp_path):
+    """The peer forks a helper and exits before its reaper's first look (hivemind's DHT process of a peer
+    stopped a second after it started, whose p2p daemon outlived it once on a clean clone). The helper named
+    itself in the runtime dir as it was forked: the reaper ends it and what it started all the same."""
+    program = (
+        "import ctypes, os, subprocess, sys, time\n"
+        "from peer.process.lifetime import start_reaper\n"
+        "start_reaper(period=60.0)\n"  # no look before the peer exits
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n"  # outlives the peer: no parent-death signal
+        "    sleeper = subprocess.Popen(['sleep', '120'])\n"
+        "    print(os.getpid(), sleeper.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+        "    os._exit(0)\n"
+        "sys.stdin.readline()\n"  # the test has read both pids: exit
+        "os._exit(0)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path), **{LOG_DIR_ENV: str(tmp_path)})
+    peer = subprocess.Popen(
+        [sys.executable, "-c", program],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    pids = set()
+    try:
+        pids = {int(p) for p in peer.stdout.readline().split()}
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        peer.stdin.write("\n")
+        peer.stdin.flush()
+        assert peer.wait(30) == 0
+        left = _all_gone(pids, GONE_WITHIN)
+        assert not left, f"left behind: {_names(left)}\n" + "\n".join(
+            f.read_text() for f in tmp_path.glob("reaper-*.log")
+        )
+    finally:
+        _kill_everything(peer, pids)
+
+
 def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     """peer.process.forkserver, which the fixtures start their peers with: each child runs its own command line,
     directory, environment and output, with its own exit code; when the template ends, a running

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import multiprocessing
 import os
 import signal
@@ -113,13 +114,16 @@ def _before_fork() -> None:
     _forking_from_main.value = threading.current_thread() is threading.main_thread()
 
 
-def _forked_child() -> None:
+def _forked_child(runtime_dir: str) -> None:
     """A process forked from the peer's main thread (hivemind's DHT, an averager) dies with the peer.
 
-    Not one forked from another thread: PR_SET_PDEATHSIG fires when the forking thread ends.
+    Not one forked from another thread: PR_SET_PDEATHSIG fires when the forking thread ends. Every forked
+    process names itself in the runtime dir (reaper.register): the reaper then ends its children
+    (hivemind's p2p daemon) even when the peer exits before a look saw the fork.
     """
     if getattr(_forking_from_main, "value", False):
         _set_parent_death_signal(signal.SIGKILL)
+    reaper.register(runtime_dir)
 
 
 def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
@@ -145,7 +149,7 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
         os.environ[REAPER_ENV] = f"{pid}:{runtime_dir}"
         _write_owner(Path(runtime_dir), peer, pid)
     # after the reaper's fork: the reaper itself must outlive us
-    os.register_at_fork(before=_before_fork, after_in_child=_forked_child)
+    os.register_at_fork(before=_before_fork, after_in_child=functools.partial(_forked_child, runtime_dir))
     os.environ.setdefault(USER_TMPDIR_ENV, tempfile.gettempdir())
     os.environ["TMPDIR"] = runtime_dir
     tempfile.tempdir = None  # read TMPDIR again

@@ -6,7 +6,9 @@ puts its p2p daemons' and clients' sockets there). When the peer exits, however 
 reaper sends SIGTERM to those still alive, SIGKILL after a grace, through pidfds (a pid that was
 reused meanwhile gets no signal), removes the sockets (those it saw, and those made during the
 peer's life that nobody listens on any more: a helper that died with the peer before a look saw
-it bind one) and the peer's runtime directory, and exits.
+it bind one) and the peer's runtime directory, and exits. Each process forked in the peer's tree
+names itself in the runtime dir (register), so that a fork no look saw (the peer exited first)
+is still followed to its children: hivemind's DHT process, dying with the peer, to its p2p daemon.
 
 It runs in a session of its own: a signal to the peer's process group (a terminal's Ctrl+C, a
 supervisor's `kill -9 -PGID`) does not end it before its work.
@@ -38,6 +40,8 @@ LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what i
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
 SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
 SOCKET_PROBE = 0.2  # s a probe's connect may take
+FORKS_FILE = "forks"  # in the runtime dir: "<pid> <start time>" of each process the peer's tree forked (register)
+FORKS_READ = 1 << 20  # bytes: the reaper reads this much of its end (the newest forks; 50,000 lines)
 RMTREE_TRIES = 20  # times the runtime dir is removed again while something still writes in it
 RMTREE_PAUSE = 0.1  # s between those tries
 
@@ -189,8 +193,26 @@ class Watch:
         if new or self.looks % SOCKET_LOOKS == 0:
             self.sockets.update(_bound_sockets([*([self.peer] if peer_alive else []), *self.live()]))
 
-    def leftovers(self) -> list[int]:
+    def registered(self, runtime_dir: str) -> None:
+        """Take as seen the forks that named themselves in the runtime dir (register), those still alive."""
+        try:
+            with open(os.path.join(runtime_dir, FORKS_FILE), "rb") as f:
+                skip = max(0, os.fstat(f.fileno()).st_size - FORKS_READ)  # the newest forks: the live ones
+                f.seek(skip, os.SEEK_SET)
+                lines = f.read().decode(errors="replace").splitlines()[1 if skip else 0 :]  # not a cut line
+                rows = [line.split() for line in lines]
+        except OSError:
+            return
+        for row in rows:
+            if len(row) == 2 and row[0].isdigit() and row[1].isdigit():
+                pid, born = int(row[0]), int(row[1])
+                if pid != self.me and (found := stat(pid)) is not None and found[2] == born:
+                    self.seen.setdefault(pid, born)
+
+    def leftovers(self, runtime_dir: str | None = None) -> list[int]:
         """After the peer: its descendants still alive, and hivemind daemons of its group orphaned unseen."""
+        if runtime_dir is not None:  # forks made since the last look (one that dies with the peer: its children)
+            self.registered(runtime_dir)
         self.look(peer_alive=False)  # children of those seen, born since the last look
         mine = set(self.live())
         for entry in os.listdir("/proc"):  # a daemon whose parent died in the last period, before a look
@@ -267,7 +289,7 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=_quiet
     stale: list[str] = []
     try:
         for _ in range(2):  # a process forked while we ended the others is caught the second time
-            leftovers = watch.leftovers()
+            leftovers = watch.leftovers(runtime_dir)
             log(f"leftovers {leftovers}")
             if leftovers:
                 _end(_handles(leftovers, watch), grace)
@@ -281,6 +303,21 @@ def reap(watch: Watch, runtime_dir: str, period: float, grace: float, log=_quiet
         remove_dir(runtime_dir, log)
         log(f"shared memory files removed: {remove_shared_memory([watch.peer, *watch.seen])}")
     log("done")
+
+
+def register(runtime_dir: str) -> None:
+    """In a process just forked in a peer's tree: name it (pid, start time) in the runtime dir's FORKS_FILE.
+
+    One short append (atomic); a failure is ignored: the reaper's looks and its scan for orphans remain."""
+    found = stat(os.getpid())
+    if found is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.join(runtime_dir, FORKS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()} {found[2]}\n".encode())
+        finally:
+            os.close(fd)
 
 
 def remove_dir(path: str, log=_quiet) -> None:
