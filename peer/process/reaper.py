@@ -32,10 +32,11 @@ SOCKET_DIR = "/tmp/hivemind-"  # where hivemind puts its unix sockets, whatever 
 # torch_shm_manager unlinks them when their users exit, but it dies with the peer's process group
 SHM_DIR = "/dev/shm"
 SOCKET_LOOKS = 4  # the sockets the peer's processes hold are noted every this many looks
-# looks that find no new descendant double the period between looks up to this many times the first; a
-# descendant it did not see is still ended: forks from the peer's main thread die with it (parent-death
-# signal), and hivemind's daemons of its process group are found by a scan after it (ORPHANS)
-REST_LOOK_FACTOR = 4
+# looks that find no new descendant double the period between looks up to this many times the first (16 s); a
+# descendant no look saw is still ended: every fork names itself in the runtime dir (register) and is followed
+# to its children after the peer, forks from the peer's main thread die with it (parent-death signal), and
+# hivemind's daemons of its process group are found by a scan after it (ORPHANS)
+REST_LOOK_FACTOR = 32
 LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what it did to reaper-<peer pid>.log there
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
 SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
@@ -270,7 +271,7 @@ def _follow(watch: Watch, period: float) -> None:
             known = len(watch.seen)
             watch.look()
             # nothing new: the looks grow apart up to REST_LOOK_FACTOR x period (a look reads every thread's
-            # children list: 0.003 of a core at 0.5 s); a new descendant makes them `period` apart again
+            # children list: 0.003 of a core at 0.5 s, 0.0006 at 2 s); a new descendant makes them `period` apart again
             wait = period if len(watch.seen) != known else min(2 * wait, REST_LOOK_FACTOR * period)
     finally:
         os.close(pidfd)
