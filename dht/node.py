@@ -76,8 +76,10 @@ class SwarmDHT:
         request_timeout: float = 5.0,
         client_mode: bool = False,
         watched: Sequence[str] = (),
+        arrivals: dict[str, Sequence[str]] | None = None,
     ):
-        """`client_mode`: a node others cannot dial (NAT): it asks, it is never asked. `watched`: see `touched`."""
+        """`client_mode`: a node others cannot dial (NAT): it asks, it is never asked. `watched`, `arrivals`: see
+        `touched`."""
         self.identity = identity
         self.request_timeout = request_timeout
         # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
@@ -86,16 +88,14 @@ class SwarmDHT:
         self.certificate: bytes | None = None  # DER of this peer's credential
         self.security = None  # the peer's peer.net.security.Security once admitted (TLS for its gRPC); opaque here
         self._init_counts()
-        # key -> an event its validator (in the DHT process) sets when a signed record under it arrives here
-        self._touched = {key: multiprocessing.Event() for key in watched}
-        self._watched = {DHTID.generate(source=key).to_bytes(): event for key, event in self._touched.items()}
+        validator = self._init_events(watched, arrivals or {})
         self._key_path = identity.write_libp2p_key()
         kwargs = dict(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
             identity_path=self._key_path,
             check_if_identity_free=False,  # hivemind's check reads RSA keys only; we lock the key file instead
-            record_validators=[SignedRecordValidator(self._watched)],
+            record_validators=[validator],
             start=False,
             await_ready=False,
             wait_timeout=request_timeout,
@@ -127,6 +127,18 @@ class SwarmDHT:
                 "check that the address is right and the peer is running"
             )
 
+    def _init_events(self, watched: Sequence[str], arrivals: dict[str, Sequence[str]]) -> SignedRecordValidator:
+        """The events the validator (in the DHT process, forked after this) sets: see `touched`; the validator."""
+        # key -> an event its validator sets when a signed record under it arrives here
+        self._touched = {key: multiprocessing.Event() for key in watched}
+        by_id = {DHTID.generate(source=key).to_bytes(): event for key, event in self._touched.items()}
+        # name -> one event for a group of keys, set when a record arrives under one from an owner new to that key
+        arrived = {}
+        for name, group in arrivals.items():
+            self._touched[name] = event = multiprocessing.Event()
+            arrived.update((DHTID.generate(source=key).to_bytes(), event) for key in group)
+        return SignedRecordValidator(by_id, arrived)
+
     def _init_counts(self) -> None:
         self._counts_lock = threading.Lock()
         self.operations = {"store": 0, "get": 0}  # DHT operations this peer made (stores and reads), since start
@@ -146,11 +158,6 @@ class SwarmDHT:
         key (the storer's own among them, a client's too): in a small swarm on every full node, in a larger one
         maybe on others only. TimeoutError after the request timeout if the DHT process does not answer."""
         return tuple(self._subkeys([key])[0])
-
-    def local_owners(self, keys_: Sequence[str]) -> tuple:
-        """Per key, the subkeys (signed: their owners) this node itself holds, in one call without the network:
-        who joined or vanished, not what changed in their records (see local_stamp)."""
-        return tuple(tuple(subkey for subkey, _ in held) for held in self._subkeys(keys_))
 
     def _subkeys(self, keys_: Sequence[str]) -> list:
         key_ids = [DHTID.generate(source=key).to_bytes() for key in keys_]
@@ -172,7 +179,9 @@ class SwarmDHT:
 
     def touched(self, key: str):
         """The event set when a validly signed record under `key` (one of `watched`) reaches this node: stored here
-        by any peer, or returned to one of this node's reads. Its waiter clears it; None for a key not watched."""
+        by any peer, or returned to one of this node's reads; for the name of a group of `arrivals`, when such a
+        record comes under one of its keys from an owner this node has not seen under it before (a peer joined).
+        Its waiter clears it; None for a key or group not watched."""
         return self._touched.get(key)
 
     def visible_maddrs(self) -> list[str]:
@@ -282,6 +291,19 @@ class SwarmDHT:
 
     async def aget(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:
         return await asyncio.wait_for(asyncio.to_thread(self.get, key, model, gated), self.request_timeout * 2)
+
+    def sealed(self, key: str, record: Record, ttl: float) -> tuple[float, bytes]:
+        """`record` sealed as `store` stores it under `key` for `ttl` s, without storing it: (expiration, envelope),
+        for a peer that hands its record to another directly (peer.server.replica_push); the reader checks it
+        with `opened`."""
+        expiration = get_dht_time() + ttl
+        return expiration, self._seal(key, expiration, record)[1]
+
+    def opened(self, key: str, owner: str, expiration: float, value: bytes, model: type[R]) -> R | None:
+        """The record `owner` sealed for `key` (`sealed`), checked as `get` checks what the DHT returns (signature,
+        expiry, credential, the roles that may publish it, its fields); None when it does not count."""
+        found = self._open_records(key, [(keys.signed_subkey(owner), value, expiration)], model, gated=True)
+        return found.get(owner)
 
     def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
         """Store an arbitrary value without signing it (for tests of what the validators refuse)."""

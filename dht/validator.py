@@ -7,6 +7,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from dht import envelope, keys
 
+MAX_OWNERS_SEEN = 4096  # owners remembered per watched key (a stranger's flood of keys only wakes the watcher)
+
 
 class SignedRecordValidator(RecordValidatorBase):
     """Rejects a record whose subkey names a peer (`swt:<peer id>`) unless that peer signed it.
@@ -16,10 +18,14 @@ class SignedRecordValidator(RecordValidatorBase):
     subkeys (hivemind's own matchmaking entries) pass through; Swarmtrain's readers ignore them.
     """
 
-    def __init__(self, watched: dict | None = None):
+    def __init__(self, watched: dict | None = None, arrivals: dict | None = None):
         # DHT key id -> a multiprocessing Event (made before the DHT process forks) set whenever a validly signed
         # record under that key arrives at this node: its owner hears of a store without polling (dht.node.touched)
         self.watched = watched or {}
+        # DHT key id -> an Event set when a validly signed record arrives under that key from an owner not seen under
+        # it before (a peer that joined): the coordinator looks at the swarm then, not on every refresh
+        self.arrivals = arrivals or {}
+        self._owners: dict[bytes, set[str]] = {}  # key id -> owners seen under it (bounded: MAX_OWNERS_SEEN)
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -38,7 +44,17 @@ class SignedRecordValidator(RecordValidatorBase):
         valid = envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value) is not None
         if valid and (event := self.watched.get(record.key)) is not None:
             event.set()
+        if valid and (event := self.arrivals.get(record.key)) is not None:
+            self._arrived(record.key, owner, event)
         return valid
+
+    def _arrived(self, key_id: bytes, owner: str, event) -> None:
+        seen = self._owners.setdefault(key_id, set())
+        if owner not in seen:
+            if len(seen) >= MAX_OWNERS_SEEN:
+                seen.clear()  # forgotten: a known owner may set the event once more
+            seen.add(owner)
+            event.set()
 
     @property
     def priority(self) -> int:

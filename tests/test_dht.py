@@ -107,6 +107,45 @@ def test_a_node_hears_of_a_signed_store_under_a_key_it_watches():
         a.shutdown()
 
 
+def test_a_node_hears_of_an_owner_new_to_a_group_of_keys_and_not_of_its_refreshes():
+    """SwarmDHT(arrivals=...): one event for a group of keys, set when a signed record arrives under one of them
+    from an owner the node has not seen under that key before (a peer joined: what wakes a resting coordinator);
+    the same owner's refreshes do not set it, another owner's first record does."""
+    stage0, stage1 = keys.servers_key("run", 0), keys.servers_key("run", 1)
+    a = SwarmDHT(Identity.generate(), host_maddrs=LOOPBACK, arrivals={"members": [stage0, stage1]})
+    b = c = None
+    try:
+        b = SwarmDHT(Identity.generate(), initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK)
+        c = SwarmDHT(Identity.generate(), initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK)
+        joined = a.touched("members")
+        assert a.touched(stage0) is None and not joined.is_set()
+
+        def held(key: str, owner: str, updated: float) -> None:  # until a holds it: its validator has seen it
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                record = a.local_get(key, ServerRecord).get(owner)
+                if record is not None and record.updated == updated:
+                    return
+                time.sleep(0.05)
+            raise AssertionError(f"{owner}'s record of {updated} did not reach the node")
+
+        assert b.store(stage0, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, updated=1.0), ttl=30)
+        assert joined.wait(10), "a new owner's record under a watched key did not set the event"
+        held(stage0, b.peer_id, 1.0)
+        joined.clear()
+        for updated in (2.0, 3.0):  # its refreshes
+            assert b.store(stage0, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, updated=updated), 30)
+            held(stage0, b.peer_id, updated)
+        assert not joined.is_set(), "a known owner's refresh set the event"
+        assert c.store(stage1, ServerRecord(stage=1, endpoint="127.0.0.1:2", throughput=1.0, updated=4.0), ttl=30)
+        assert joined.wait(10), "another owner's first record did not set the event"
+    finally:
+        for node in (c, b):
+            if node is not None:
+                node.shutdown()
+        a.shutdown()
+
+
 def test_records_from_a_node_without_validators_are_ignored(two_nodes):
     a, _ = two_nodes
     rogue = hivemind.DHT(initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK, start=True)

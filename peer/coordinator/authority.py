@@ -62,6 +62,7 @@ class Authority:
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
         self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
+        self._arrived = False  # a record came under the requests key since the last pass (SwarmDHT.touched)
 
     # ---- the coordinator's own credential ------------------------------------------------------
     def issue_own(self, security) -> tuple[str, str]:
@@ -170,10 +171,11 @@ class Authority:
             wait = period if busy or rest <= period else min(2 * wait, rest)
 
     def _pause(self, seconds: float, touched) -> bool:
-        """Wait `seconds`, or until `touched` is set; whether the authority was stopped."""
+        """Wait `seconds`, or until `touched` is set (then `_arrived`); whether the authority was stopped."""
         if touched is None:
             return self._stop.wait(seconds)
-        touched.wait(seconds)
+        if touched.wait(seconds):
+            self._arrived = True
         touched.clear()
         return self._stop.is_set()
 
@@ -182,10 +184,13 @@ class Authority:
         one by one (an invite is used once), the grants are stored a few at a time (a slow store holds no other).
 
         A pass reads the network only when the coordinator's own DHT node holds something new under the requests
-        key (dht.node.SwarmDHT.local_stamp: no network), or security.requests_read_period has passed since the last
-        read (a request stored on other nodes only, in a swarm larger than the DHT's replication). Whether the pass
+        key (a record arrived there, its validator says, and dht.node.SwarmDHT.local_stamp changed: no network), or
+        security.requests_read_period has passed since the last read (a request stored on other nodes only, in a swarm larger than the DHT's replication). Whether the pass
         saw anything new (the next pass comes sooner then)."""
         key = keys.credential_requests_key(self.spec.name)
+        arrived, self._arrived = self._arrived, False
+        if not arrived and time.monotonic() < self._requests_due and self.dht.touched(key) is not None:
+            return False  # nothing reached this node (its validator says so) and no read of the network is due
         try:
             stamp = self.dht.local_stamp(key)
         except Exception:  # the DHT process is busy: read the network as before

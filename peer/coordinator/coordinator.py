@@ -46,6 +46,9 @@ from peer.swarm.status import gather
 logger = logging.getLogger(__name__)
 
 
+MEMBERS = "members"  # the coordinator's DHT event: a peer joined (dht.node.SwarmDHT.touched)
+
+
 def dht_maddrs(cfg: PeerConfig) -> tuple[list[str], list[str]]:
     return list(cfg.network.dht_host_maddrs), list(cfg.network.dht_announce_maddrs)
 
@@ -184,8 +187,12 @@ def start_dht(
     """
     host_maddrs, announce_maddrs = dht_maddrs(cfg)
     net = cfg.network
-    # the authority hears of credential requests and spot-check reports as they reach this node
-    watched = {"watched": [keys.credential_requests_key(spec.name), keys.reports_key(spec.name)]}
+    # the authority hears of credential requests and spot-check reports as they reach this node, and the coordinator
+    # of a peer that joins (a record under a part's or the trainers' key from an owner new there: MEMBERS)
+    watched = {
+        "watched": [keys.credential_requests_key(spec.name), keys.reports_key(spec.name)],
+        "arrivals": {MEMBERS: member_keys(spec)},
+    }
     # remembered peers that no longer answer at all are left out at once, not waited for (rejoin_timeout)
     known = answering(remembered_peers(peers_file(cfg, identity, spec)), net.connect_timeout)
     if initial:  # (the CLI kept those that answer)
@@ -271,6 +278,17 @@ def run_coordinator(
             cfg.server.leave_timeout, f"the coordinator was still stopping after {cfg.server.leave_timeout:g} s"
         )
         run.close()
+
+
+def member_keys(spec: RunSpec) -> list[str]:
+    """The keys a peer's joining shows under: every stage's and expert's servers, and the trainers."""
+    parts = [keys.servers_key(spec.name, s) for s in range(spec.stages.num_stages)]
+    parts += [
+        keys.expert_key(spec.name, expert_uid(layer, e))
+        for layer in spec.moe_layers()
+        for e in range(spec.moe.num_experts)
+    ]
+    return [*parts, keys.trainers_key(spec.name)]
 
 
 def resting(look: dict) -> tuple | None:
@@ -407,30 +425,17 @@ class Coordinator(Custody):
             if woken:
                 tick = fast
 
-    def _members(self) -> tuple | None:
-        """Who holds a record under the parts' and trainers' keys, as this coordinator's own DHT node stores them
-        (no network; None if the DHT process did not answer)."""
-        spec = self.spec
-        watched = [keys.servers_key(spec.name, s) for s in range(spec.stages.num_stages)]
-        watched += [
-            keys.expert_key(spec.name, expert_uid(layer, e))
-            for layer in spec.moe_layers()
-            for e in range(spec.moe.num_experts)
-        ]
-        try:
-            return self.dht.local_owners([*watched, keys.trainers_key(spec.name)])
-        except Exception:  # the DHT process is busy: no event seen this time
-            return None
-
     def _rest(self, stop: threading.Event, tick: float, fast: float) -> bool | None:
-        """Wait `tick` s at rest, looking every `fast` s at who holds records in this node's own storage: True when
-        a peer joined or vanished meanwhile (look now), False after the whole tick, None when stopped."""
-        members, end = self._members(), time.monotonic() + tick
+        """Wait `tick` s at rest, and every `fast` s see whether a peer joined meanwhile (a record from an owner new
+        to a part's or the trainers' key reached this node: `MEMBERS`, set in the DHT process, no call there):
+        True then (look now), False after the whole tick, None when stopped. A peer that vanished is seen at the
+        next look."""
+        joined, end = self.dht.touched(MEMBERS), time.monotonic() + tick
         while (left := end - time.monotonic()) > 0:
             if stop.wait(min(fast, left)):
                 return None
-            now = self._members()
-            if members is not None and now is not None and now != members:
+            if joined is not None and joined.is_set():
+                joined.clear()
                 return True
         return False
 
