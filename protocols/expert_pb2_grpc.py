@@ -66,6 +66,11 @@ class ExpertStub:
                 request_serializer=protocols_dot_stage__pb2.RoundRequest.SerializeToString,
                 response_deserializer=protocols_dot_stage__pb2.RoundResponse.FromString,
                 _registered_method=True)
+        self.Progress = channel.unary_unary(
+                '/swarmtrain.Expert/Progress',
+                request_serializer=protocols_dot_stage__pb2.ProgressRequest.SerializeToString,
+                response_deserializer=protocols_dot_stage__pb2.ProgressResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_stream(
                 '/swarmtrain.Expert/GetState',
                 request_serializer=protocols_dot_stage__pb2.StateRequest.SerializeToString,
@@ -114,6 +119,12 @@ class ExpertServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -152,6 +163,11 @@ def add_ExpertServicer_to_server(servicer, server):
                     servicer.Round,
                     request_deserializer=protocols_dot_stage__pb2.RoundRequest.FromString,
                     response_serializer=protocols_dot_stage__pb2.RoundResponse.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=protocols_dot_stage__pb2.ProgressRequest.FromString,
+                    response_serializer=protocols_dot_stage__pb2.ProgressResponse.SerializeToString,
             ),
             'GetState': grpc.unary_stream_rpc_method_handler(
                     servicer.GetState,
@@ -321,6 +337,33 @@ class Expert:
             '/swarmtrain.Expert/Round',
             protocols_dot_stage__pb2.RoundRequest.SerializeToString,
             protocols_dot_stage__pb2.RoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.Expert/Progress',
+            protocols_dot_stage__pb2.ProgressRequest.SerializeToString,
+            protocols_dot_stage__pb2.ProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

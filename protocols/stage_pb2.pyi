@@ -161,6 +161,34 @@ class RoundResponse(_message.Message):
     epoch: int
     def __init__(self, joining: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class SignedRecord(_message.Message):
+    __slots__ = ("owner", "expiration", "envelope")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRATION_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    expiration: float
+    envelope: bytes
+    def __init__(self, owner: _Optional[str] = ..., expiration: _Optional[float] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class ProgressRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "expert", "record")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    expert: str
+    record: SignedRecord
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., expert: _Optional[str] = ..., record: _Optional[_Union[SignedRecord, _Mapping]] = ...) -> None: ...
+
+class ProgressResponse(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: SignedRecord
+    def __init__(self, record: _Optional[_Union[SignedRecord, _Mapping]] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("run_id", "stage", "shard", "num_shards", "epoch", "expert")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
-from helpers.calls import channel, info
+from helpers.calls import channel, info, test_credential
 
 from protocols import codec, stage_pb2, stage_pb2_grpc, tensor_pb2
 from protocols.failures import Reason, reason_of
@@ -156,3 +158,86 @@ def test_bad_averaging_calls_are_refused_with_a_reason_and_server_keeps_serving(
         code, message = _status(lambda: call(header(stage=0)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "stage 1, not stage 0" in message
     assert info(endpoint).stage == 1
+
+
+def _key_id(stage: int) -> bytes:
+    from hivemind.dht.routing import DHTID
+
+    from dht import keys
+
+    return DHTID.generate(source=keys.servers_key("badinput", stage)).to_bytes()
+
+
+def _subkey(owner: str) -> bytes:
+    import msgpack
+
+    from dht import keys
+
+    return msgpack.packb(keys.signed_subkey(owner), use_bin_type=True)
+
+
+def _signed(credential, stage: int, **fields) -> stage_pb2.SignedRecord:
+    """A ServerRecord of the test process (its own identity and credential), sealed for `stage`'s key as a replica
+    seals the record it pushes (peer.server.replica_push)."""
+    from dht import envelope
+    from dht.records import ServerRecord
+
+    owner = credential.identity.peer_id
+    record = ServerRecord(stage=stage, endpoint="127.0.0.1:9", throughput=1.0, updated=time.time(), **fields)
+    expiration = time.time() + 10
+    payload = record.model_dump_json().encode()
+    sealed = envelope.seal(
+        credential.identity, _key_id(stage), _subkey(owner), expiration, payload, credential.certificate
+    )
+    return stage_pb2.SignedRecord(owner=owner, expiration=expiration, envelope=sealed)
+
+
+def test_bad_progress_pushes_are_refused_and_a_believable_one_taken_no_further_than_a_dht_record(stage1, swarm):
+    """A replica's Progress push (peer.server.replica_push) on a live stage server: a record that is not the
+    caller's own, too large, not signed for this stage, or for another stage is refused with its reason; a
+    record that counts is answered with the server's own signed record, and its claimed step (far ahead of the
+    stage's two honest replicas) is believed no more than the same claim in the DHT: the server says so and
+    serves on at its own step."""
+    from dht import envelope
+    from dht.records import ServerRecord
+
+    _, endpoint = stage1
+    second = swarm.server("s1b", 1)  # a second honest replica: the claim is then one against two
+    swarm.endpoint(second)
+    credential = test_credential(endpoint)
+    with channel(endpoint, credential) as ch:
+        push = ch.unary_unary(
+            "/swarmtrain.Stage/Progress",
+            request_serializer=stage_pb2.ProgressRequest.SerializeToString,
+            response_deserializer=stage_pb2.ProgressResponse.FromString,
+        )
+
+        def call(record: stage_pb2.SignedRecord, stage: int = 1):
+            return push(stage_pb2.ProgressRequest(run_id="badinput", stage=stage, record=record), timeout=10)
+
+        good = _signed(credential, 1)
+        with pytest.raises(grpc.RpcError) as e:
+            call(stage_pb2.SignedRecord(owner="someone-else", envelope=good.envelope))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and reason_of(e.value) == Reason.NOT_ADMITTED
+        assert "its own record only" in e.value.details()
+        big = stage_pb2.SignedRecord(owner=good.owner, expiration=good.expiration, envelope=b"x" * 70000)
+        code, message = _status(lambda: call(big))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "network.max_pushed_record_bytes" in message
+        garbage = stage_pb2.SignedRecord(owner=good.owner, expiration=good.expiration, envelope=b"not an envelope")
+        code, message = _status(lambda: call(garbage))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid record of stage 1" in message
+        code, message = _status(lambda: call(_signed(credential, 0)))  # signed for stage 0's key
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid record of stage 1" in message
+        code, message = _status(lambda: call(good, stage=0))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "stage 1, not stage 0" in message
+
+        answer = call(_signed(credential, 1, epoch=10**9, step=10**9)).record
+    payload = envelope.open_envelope(
+        answer.owner, _key_id(1), _subkey(answer.owner), answer.expiration, answer.envelope
+    )
+    assert payload is not None, "the server's answer is not its own record, signed for stage 1"
+    assert ServerRecord.model_validate_json(payload).epoch == 0
+    server = next(p for p in swarm.peers if p.name == "s1")
+    server.wait_for(r"claims step 1000000000, which most replicas do not back", 30)
+    described = info(endpoint)
+    assert described.stage == 1 and described.epoch == 0 and described.state == "serving"

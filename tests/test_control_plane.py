@@ -1,6 +1,6 @@
 """The control plane at rest: a server that serves nobody reads its replicas' records and refreshes its own
 seldom, and at its fast periods again as soon as it is used (peer.server.replica: `_next_read_period`, `stir`;
-peer.net.cadence). Real processes; the
+peer.net.cadence); in use, replicas push their progress to each other (peer.server.replica_push). Real processes; the
 DHT operations each peer made come from its own metrics endpoint (`swarm_dht_{stores,gets}_total`)."""
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ SPEC = {
 QUIET = ["--set", "server.balance_period=120"]  # and the balance checks' reads as seldom
 
 
-def dht_operations(peer) -> tuple[float, float]:
-    """(stores, reads) the peer made so far, from its metrics."""
+def metric_values(peer) -> dict[str, float]:
+    """The peer's metrics now (unlabelled samples by name)."""
     address = peer.wait_for(r"Prometheus metrics at (http://\S+/metrics)", 60).group(1)
     text = urllib.request.urlopen(address, timeout=10).read().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def dht_operations(peer) -> tuple[float, float]:
+    """(stores, reads) the peer made so far, from its metrics."""
+    values = metric_values(peer)
     return values["swarm_dht_stores_total"], values["swarm_dht_gets_total"]
 
 
@@ -98,9 +103,15 @@ def test_a_resting_server_reads_and_announces_seldom_and_a_used_one_at_its_fast_
     while time.monotonic() - started < 8.0:  # a fixed window, measured: the rate is what is compared
         time.sleep(0.5)
     busy = [b - a for a, b in zip(first, dht_operations(servers[0]), strict=True)]
-    # 16 reads (progress period 0.5 s) and 4 or more stores (announce period 2 s, and each step) in 8 s, less a
-    # half for a busy machine: many times the one of each that a resting window of 16 s held
-    assert busy[1] >= 8 and busy[0] >= 2, f"in use: {busy[0]:.0f} stores and {busy[1]:.0f} reads in 8 s"
+    # in use the replicas push their progress to each other (peer.server.replica_push) and read the DHT's records
+    # once an announce period (2 s), and refresh their own as often and at each step: 4 or more of each in 8 s,
+    # less a half for a busy machine; many times the one of each that a resting window of 16 s held, and at most
+    # half the 16 reads the progress period (0.5 s) made before the pushes
+    assert busy[1] >= 2 and busy[0] >= 2, f"in use: {busy[0]:.0f} stores and {busy[1]:.0f} reads in 8 s"
+    assert busy[1] <= 8, f"in use: {busy[1]:.0f} reads in 8 s: the replicas read the DHT as if nothing were pushed"
+    for server in servers:  # both sides pushed and took the other's records, and they stepped together
+        values = metric_values(server)
+        assert values["swarm_progress_pushes_total"] > 0 and values["swarm_progress_pushes_taken_total"] > 0, values
 
 
 def test_a_record_refreshes_seldom_at_rest_and_never_claims_to_live_longer_than_a_resting_one():

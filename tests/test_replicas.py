@@ -147,10 +147,11 @@ def test_a_replica_also_asks_those_that_invited_it_while_its_own_invitations_wer
     assert "gone" not in replica._inviters and "late" in replica._inviters
 
 
-def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_at_once():
-    """Local (DiLoCo) mode: the others step on their own inner steps, so a replica's changing sample count waits for
-    the announce period (a stage's DHT traffic then falls to about one record per server and period); gradient
-    mode announces each new count at once (the replicas start a step on the sum of theirs)."""
+def test_a_replica_stores_only_a_change_of_step_round_or_state_at_once_and_pushes_its_counts():
+    """A replica stores its record in the DHT at once only when its step, round, state or incarnation change (the
+    rest waits for the announce period); its partners hear of each change of what they step on pushed
+    (peer.server.replica_push): in gradient mode every new sample count, in local (DiLoCo) mode, where the others
+    step on their own inner steps, only a change of step, round or state."""
     import asyncio
     import time
     from types import SimpleNamespace
@@ -160,7 +161,7 @@ def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_
     from peer.net.cadence import Cadence
     from peer.server.replica import Replica
 
-    stored = []
+    stored, pushed = [], []
 
     async def astore(key, record, ttl):
         stored.append((record.samples, record.state))
@@ -180,26 +181,35 @@ def test_in_local_mode_a_replica_announces_only_a_change_of_step_round_or_state_
             now=ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, state="serving", updated=time.time()),
         )
         r.record = lambda: r.now.model_copy()
+        r._urgent = Replica._urgent
         r._signature = lambda record: Replica._signature(r, record)
         r._moves = lambda record: Replica._moves(r, record)
+        r.push_progress = lambda record, force=False: pushed.append(r._signature(record))
         r.cadence, r._last_moves = Cadence(r.cfg.network), None
         return r
 
-    async def announce(r, changes: list[dict], force: bool = False) -> list:
+    async def announce(r, changes: list[dict], force: bool = False) -> tuple[list, list]:
         stored.clear()
+        pushed.clear()
         for change in changes:
             r.now = r.now.model_copy(update=change)
             await Replica.publish(r, force=force)
-        return list(stored)
+        return list(stored), sorted(set(pushed))
 
     async def scenario():
         local, gradients = replica(True), replica(False)
         counts = [{"samples": n} for n in (16, 32, 48)]
-        assert await announce(local, counts) == [(16, "serving")]  # the first; the others wait for the period
-        assert await announce(local, [{"state": "leaving"}]) == [(48, "leaving")]  # a change of state: at once
-        assert await announce(local, [{"samples": 64}], force=True) == [(64, "leaving")]
+        stores, pushes = await announce(local, counts)
+        assert stores == [(16, "serving")] and len(pushes) == 1  # the first; the others wait for the period
+        stores, pushes = await announce(local, [{"state": "leaving"}])  # a change of state: at once, both ways
+        assert stores == [(48, "leaving")] and len(pushes) == 1
+        assert (await announce(local, [{"samples": 64}], force=True))[0] == [(64, "leaving")]
         local._last_publish_time -= local.cfg.network.announce_period + 1  # a period later
-        assert await announce(local, [{"samples": 80}]) == [(80, "leaving")]
-        assert await announce(gradients, counts) == [(16, "serving"), (32, "serving"), (48, "serving")]
+        assert (await announce(local, [{"samples": 80}]))[0] == [(80, "leaving")]
+        stores, pushes = await announce(gradients, counts)
+        assert stores == [(16, "serving")], "a new count went to the DHT before the announce period"
+        assert len(pushes) == 3, "each new count is pushed to the partners"
+        stores, _ = await announce(gradients, [{"epoch": 1, "samples": 0}])  # a step: stored at once
+        assert stores == [(0, "serving")]
 
     asyncio.run(scenario())

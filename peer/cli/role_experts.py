@@ -20,6 +20,7 @@ from peer.server.expert_host import (
     expert_counts,
     parse_expert_choice,
 )
+from peer.server.replica_push import push_levels
 
 
 def run_experts(maddr: str, cfg: PeerConfig, identity: Identity, choice: str, coordinator: str | None = None) -> None:
@@ -92,5 +93,6 @@ def _host_levels(host) -> dict:
         "queue_depth": ("gauge", "Expert calls running or queued", host.inflight),
         "experts": ("gauge", "Experts hosted", len(runtimes)),
         "step": ("gauge", "Highest training step of the hosted experts", max(r.progress for r in runtimes)),
+        **push_levels(host.replicas.values()),
         **(host.uplink.levels() if host.uplink is not None else {}),
     }

@@ -37,6 +37,7 @@ def _server_levels(server) -> dict:
         "queue_depth": ("gauge", "Requests running or queued", server.inflight),
         "steps_averaged": ("counter", "Steps averaged with other replicas", server.steps_averaged),
         "steps_alone": ("counter", "Steps taken alone", server.steps_alone),
+        **server.push_levels(),
         **(server.uplink.levels() if server.uplink is not None else {}),
     }
 

@@ -33,6 +33,13 @@ class NetworkConfig:
     # at each look that finds nothing changed (no request, round, step or replica's progress), up to this; any
     # request or round invitation makes it progress_period again at once
     rest_read_period: float = 16.0
+    # a replica pushes its record to its partner replicas over gRPC as it changes (peer.server.replica_push): they
+    # learn its samples, step and round at once, and read the DHT's records only once an announce period (at rest,
+    # less often) unless a push to one of them fails
+    push_timeout: float = 2.0  # s for one push (a Progress call) to a partner
+    max_pushed_record_bytes: int = 65536  # largest signed record a pushed Progress call may carry
+    # the most partners a replica knows (from the DHT and from pushes); a push from one more is refused
+    max_partners: int = 64
 
 
 @dataclass

@@ -212,6 +212,14 @@ class StageClient:
         call = self._unary(endpoint, f"/{service}/Round", stage_pb2.RoundResponse, peer)
         return await call(request, timeout=timeout)
 
+    async def progress(
+        self, endpoint: str, request: stage_pb2.ProgressRequest, timeout: float, peer=None
+    ) -> stage_pb2.ProgressResponse:
+        """Push our record to a partner replica (`peer`); its own comes back (peer.server.replica_push)."""
+        service = EXPERT_SERVICE if request.expert else SERVICE
+        call = self._unary(endpoint, f"/{service}/Progress", stage_pb2.ProgressResponse, peer)
+        return await call(request, timeout=timeout)
+
     async def get_state(
         self,
         endpoint: str,

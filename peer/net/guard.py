@@ -33,6 +33,8 @@ ROLES_BY_METHOD = {
     "/swarmtrain.Expert/Backward": frozenset({"server", "trainer", "coordinator"}),
     "/swarmtrain.Stage/Round": frozenset({"server", "experts"}),
     "/swarmtrain.Expert/Round": frozenset({"server", "experts"}),
+    "/swarmtrain.Stage/Progress": frozenset({"server", "experts"}),
+    "/swarmtrain.Expert/Progress": frozenset({"server", "experts"}),
     "/swarmtrain.Averaging/Average": frozenset({"server", "experts"}),
     "/swarmtrain.Relay/Attach": frozenset({"server", "experts"}),
     "/swarmtrain.Relay/Tunnel": frozenset({"server", "experts"}),

@@ -41,6 +41,7 @@ from dht.identity import Identity, IdentityError, public_key_from_peer_id
 from dht.node import SwarmDHT
 from dht.records import CredentialGrant, CredentialRequest, RevocationList
 from peer.config import PeerConfig, RunSpec
+from protocols.failures import Reason, reason_of
 
 logger = logging.getLogger(__name__)
 UNKNOWN_PEER_NAME = "unknown-peer.swarmtrain"  # the TLS name pinned when a caller names no peer: no server passes
@@ -92,6 +93,9 @@ class Security:
         self.generation = 0  # bumped at each new certificate: channels made before are replaced
         self._revocations_due = 0.0  # monotonic: the revocation list is read from the network again after this
         self._revocations_stamp: tuple = ()  # what this node held of the list when its copy was last read
+        self._stamp_since = 0.0  # monotonic: when that changed last (the coordinator's store reached this node)
+        self._read_at = float("-inf")  # monotonic: the last read of the list from the network
+        self._recheck = threading.Event()  # set (with _stop, or by `recheck`): the maintaining thread looks now
         self.on_revoked: Callable[[], None] | None = None  # called once if this peer's own credential is revoked
         self.revoked = False
         self._lock = threading.Lock()
@@ -132,10 +136,22 @@ class Security:
 
     def stop(self) -> None:
         self._stop.set()
+        self._recheck.set()
+
+    def recheck(self) -> None:
+        """A peer refused this one's call as not admitted (revoked, it says): read the revocation list from the
+        network now, not at the next period (another peer's word is no proof: only the coordinator's list counts),
+        at most once a refresh period."""
+        self._revocations_due = min(self._revocations_due, self._read_at + self.spec.admission.refresh)
+        self._recheck.set()
 
     def _maintain(self) -> None:
         refresh = self.spec.admission.refresh
-        while not self._stop.wait(refresh):
+        while True:
+            self._recheck.wait(refresh)
+            self._recheck.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.refresh_revocations()
             except Exception as e:  # following revocations must not stop: read again next period
@@ -157,27 +173,46 @@ class Security:
                 logger.warning("could not renew this peer's credential yet: %s", e)
 
     def refresh_revocations(self) -> None:
-        """Follow the coordinator's revocation list: its copy on this peer's own DHT node when that node holds one
-        (no network), the network's every security.revocations_read_period, or at once when the node holds none."""
-        key = keys.revocations_key(self.spec.name)
+        """Follow the coordinator's revocation list: its copy on this peer's own DHT node while the coordinator keeps
+        storing it there (no network), the network's every security.revocations_read_period, and at each refresh
+        while the node holds none, or a copy the coordinator has not stored again within its period (the node is no
+        longer among the list's nearest: the copy may be stale)."""
+        key, now = keys.revocations_key(self.spec.name), time.monotonic()
         found = None
-        if time.monotonic() < self._revocations_due:
+        if now < self._revocations_due:
             stamp = self.dht.local_stamp(key)  # subkeys and expirations only: unchanged, the copy is what we follow
-            if stamp and stamp == self._revocations_stamp:
+            changed = stamp != self._revocations_stamp
+            if changed:
+                self._revocations_stamp, self._stamp_since = stamp, now
+            if stamp and not changed and now - self._stamp_since < self._restored_within():
                 return
-            found = self.dht.local_get(key, RevocationList).get(self.coordinator)
-            self._revocations_stamp = stamp if found is not None else ()
+            if stamp and changed:
+                found = self.dht.local_get(key, RevocationList).get(self.coordinator)
         if found is None:
+            self._read_at = time.monotonic()
             found = self.dht.get(key, RevocationList).get(self.coordinator)
             if found is None:
                 return
-            self._revocations_due = time.monotonic() + self.cfg.security.revocations_read_period
+            if now >= self._revocations_due:
+                self._revocations_due = time.monotonic() + self.cfg.security.revocations_read_period
         self.gate.revoked = frozenset(found.peers)
         if self.identity.peer_id in self.gate.revoked and not self.revoked:
             self.revoked = True
             logger.error("this peer's credential was revoked by the run's coordinator")
             if self.on_revoked is not None:
                 self.on_revoked()
+
+    def refused(self, error: BaseException) -> None:
+        """A call of this peer failed: if a peer refused it as not admitted, `recheck` the revocation list."""
+        if isinstance(error, grpc.RpcError) and reason_of(error) == Reason.NOT_ADMITTED:
+            self.recheck()
+
+    def _restored_within(self) -> float:
+        """How long a node among the revocation list's nearest goes without the coordinator storing it again there:
+        it stores the list at a third of its lifetime (peer.coordinator.authority), plus two refresh periods."""
+        refresh = self.spec.admission.refresh
+        ttl = max(self.cfg.security.revocations_ttl, 4 * refresh)
+        return max(refresh / 2, ttl / 3) + 2 * refresh
 
     # ---- TLS -------------------------------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials:

@@ -1,7 +1,8 @@
 """One replica of a part of the model (a stage, or one expert) and its step protocol with the other replicas.
 
-Step protocol. Each replica announces in the DHT its epoch (optimizer steps taken) and the samples
-it has accumulated since. When the replicas at one epoch together reach the run's target batch
+Step protocol. Each replica announces its epoch (optimizer steps taken) and the samples it has
+accumulated since: pushed to its partner replicas as they change (peer.server.replica_push), and in
+the DHT for everyone else. When the replicas at one epoch together reach the run's target batch
 size, the replica that notices first flags `averaging_epoch` in its record and starts a round; it
 also invites each serving partner directly (the `Round` call); the partners that answer
 "joining" form the group, so its size never rests on a stale record. A replica that knows no
@@ -52,6 +53,7 @@ from peer.net.refusal import Refused
 from peer.process.failpoints import Failpoints
 from peer.server.averaging import GradientAverager
 from peer.server.replica_handover import Handover
+from peer.server.replica_push import Pushing
 from peer.server.replica_round import Rounds
 from peer.server.replica_state import StateTransfer
 from peer.server.replica_step import Stepping
@@ -87,7 +89,7 @@ def _opened() -> asyncio.Event:
     return event
 
 
-class Replica(Stepping, Rounds, StateTransfer, Handover):
+class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
     """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
 
     def __init__(
@@ -116,7 +118,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._stepped = asyncio.Event()  # set when this replica finishes a step (synchronous mode's forwards wait)
         self._inner_queued = False  # local mode: an inner step is queued on the torch thread
         self.averaging_epoch = -1
-        self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT
+        self.peers: dict[str, ServerRecord] = {}  # other replicas of this part, from the DHT and their pushes
         self.started = time.time()
         self.endpoint = ""
         self._publish_lock = asyncio.Lock()
@@ -181,6 +183,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         self._woken = False  # stirred while resting: the next look reads at once
         self._stir_since_read = False  # stirred since the read under way began: the read period stays fast
         self._unknown_inviter = False  # invited by a replica not among `peers`: the round reads the records first
+        self._init_push()  # the partners hear of our progress pushed, not from the DHT (peer.server.replica_push)
 
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
@@ -296,7 +299,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         if time.time() > self.record_expires:
             await self.run_torch(self._drop_if_expired)  # before a new record makes trainers count anew
         record = self.record()
-        signature = self._signature(record)
+        self.push_progress(record.model_copy(), force)  # partners hear of any change at once (replica_push)
+        signature = self._urgent(record)
         stale = time.monotonic() - self._last_publish_time > self.cadence.period
         if not force and not stale and signature == self._last_published:
             return True
@@ -314,7 +318,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 logger.warning("could not announce in the DHT: %s", e)
                 return False
             if stored:
-                self._last_published, self._last_publish_time = signature, time.monotonic()
+                self._last_published, self._last_publish_time = self._urgent(record), time.monotonic()
                 self._last_moves = self._moves(record)
                 self.cadence.stored(record.ttl, changed)
                 self.record_expires = max(self.record_expires, record.updated + record.ttl)
@@ -332,14 +336,19 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
             record.relay,
         )
 
+    @staticmethod
+    def _urgent(record: ServerRecord) -> tuple:
+        """What of a record, changed, is stored in the DHT at once (its step, round, state, incarnation); the rest
+        waits for the announce period there: partners hear of it sooner, pushed (`_signature`)."""
+        return (record.epoch, record.averaging_epoch, record.state, record.incarnation)
+
     def _signature(self, record: ServerRecord) -> tuple:
-        """What of a record, changed, is announced at once; the rest waits for the announce period.
+        """What of a record, changed, is pushed to the partners at once (peer.server.replica_push).
 
         In local mode the replicas' sample counts time no step (each steps on its own inner steps, and
-        invites the others itself): only a change of step, round or state is urgent there, which keeps
-        an idle-looking stage's DHT traffic to about one record per announce period.
+        invites the others itself): only a change of step, round or state is urgent there.
         """
-        urgent = (record.epoch, record.averaging_epoch, record.state, record.incarnation)
+        urgent = self._urgent(record)
         if self.runtime.local:
             return urgent
         return (*urgent, record.samples, round(record.load), record.stepped_seq)
@@ -366,7 +375,13 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
         }
         self._seen = {pid: t for pid, t in self._seen.items() if t > horizon}
         self._first_seen = {pid: e for pid, e in self._first_seen.items() if pid in self._seen}
-        self.peers = {pid: r for pid, r in {**kept, **fresh}.items() if r.state != "left"}
+        # a record pushed since (peer.server.replica_push) is newer than the DHT's copy: it stays
+        newer = {
+            pid: self.peers[pid]
+            for pid, r in fresh.items()
+            if pid in self.peers and self.peers[pid].updated > r.updated
+        }
+        self.peers = {pid: r for pid, r in {**kept, **fresh, **newer}.items() if r.state != "left"}
 
     def stir(self) -> None:
         """Activity (a request, a round invitation): a resting replica reads its replicas' records at its fast
@@ -417,8 +432,10 @@ class Replica(Stepping, Rounds, StateTransfer, Handover):
                 self.paused = True  # stopped or starved: what the stage did meanwhile, it did not see
             if time.time() > self.record_expires:  # no torch job otherwise: the thread may be busy for long
                 await self.run_torch(self._drop_if_expired)
-            # local mode: nothing waits on the others' counts, so their records are read once an announce period
-            read_every = max(self._read_every, net.announce_period) if self.runtime.local else self._read_every
+            # the partners push their progress (peer.server.replica_push): the DHT is read once an announce period
+            # to find new ones, and every progress period again while a push to one of them fails
+            pushed = self.runtime.local or self._pushes_work()  # local mode: nothing waits on the others' counts
+            read_every = max(self._read_every, net.announce_period) if pushed else self._read_every
             if time.monotonic() - self._peers_read >= read_every - 0.05 or self._woken:
                 self._woken = self._stir_since_read = False
                 await self.refresh_peers()

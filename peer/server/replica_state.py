@@ -146,6 +146,8 @@ class StateTransfer:
                 return False
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
                 self.last_load_error = why(e)
+                if self.dht.security is not None:
+                    self.dht.security.refused(e)  # refused as not admitted: is this peer revoked? (its list says)
                 logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, why(e))
                 await asyncio.sleep(0.2 * (attempt + 1))
                 await self.refresh_peers()

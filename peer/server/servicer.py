@@ -271,6 +271,15 @@ class ServicerBase:
         replica.stir()
         return stage_pb2.RoundResponse(joining=joining, epoch=replica.runtime.epoch)
 
+    async def Progress(self, request: stage_pb2.ProgressRequest, context):
+        """A partner replica pushes its record (peer.server.replica_push); ours goes back."""
+        try:
+            replica = self._replica(request.run_id, request.stage, request.expert)
+            own = replica.take_pushed(request.record, CALLER.get())
+        except Refused as e:
+            await refuse(context, e.code, e.message, e.reason)
+        return stage_pb2.ProgressResponse(record=own)
+
     async def Average(self, frames, context):
         """A partner replica's all-reduce call (peer.server.allreduce), for the part its header names."""
         try:
@@ -438,6 +447,7 @@ def add_to_server(servicer: ServicerBase, server: grpc.aio.Server) -> None:
         "Backward": (servicer.Backward, *backward_types),
         "Info": (servicer.Info, stage_pb2.InfoRequest, stage_pb2.InfoResponse),
         "Round": (servicer.Round, stage_pb2.RoundRequest, stage_pb2.RoundResponse),
+        "Progress": (servicer.Progress, stage_pb2.ProgressRequest, stage_pb2.ProgressResponse),
     }
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(parsed(fn, req), response_serializer=resp.SerializeToString)

@@ -29,6 +29,7 @@ class TestCredential:
         nonce = os.urandom(16)
         proof = ownership_proof(self.identity, key.public_key(), nonce)
         cert = authority.issue(self.identity.peer_id, key.public_key(), roles, nonce, proof, 3600)
+        self.certificate = cert.public_bytes(serialization.Encoding.DER)  # what its signed records carry
         key_pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
@@ -62,11 +63,12 @@ def test_credential(endpoint: str) -> TestCredential | None:
     return TestCredential(workdir)
 
 
-def channel(endpoint: str):
-    """A gRPC channel of this test process to `endpoint` (a server started by the swarm fixture)."""
+def channel(endpoint: str, credential: TestCredential | None = None):
+    """A gRPC channel of this test process to `endpoint` (a server started by the swarm fixture), admitted with
+    `credential` or a new one."""
     import grpc
 
-    credential = test_credential(endpoint)
+    credential = credential or test_credential(endpoint)
     if credential is None:
         return grpc.insecure_channel(endpoint)
     options = [("grpc.ssl_target_name_override", credential.target_name(peer_at(endpoint)))]
