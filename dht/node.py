@@ -132,7 +132,8 @@ class SwarmDHT:
         # key -> an event its validator sets when a signed record under it arrives here
         self._touched = {key: multiprocessing.Event() for key in watched}
         by_id = {DHTID.generate(source=key).to_bytes(): event for key, event in self._touched.items()}
-        # name -> one event for a group of keys, set when a record arrives under one from an owner new to that key
+        # name -> one event for a group of keys, set when a record arrives under one from an owner new to that key (or
+        # in another state)
         arrived = {}
         for name, group in arrivals.items():
             self._touched[name] = event = multiprocessing.Event()
@@ -180,7 +181,8 @@ class SwarmDHT:
     def touched(self, key: str):
         """The event set when a validly signed record under `key` (one of `watched`) reaches this node: stored here
         by any peer, or returned to one of this node's reads; for the name of a group of `arrivals`, when such a
-        record comes under one of its keys from an owner this node has not seen under it before (a peer joined).
+        record comes under one of its keys from an owner this node has not seen under it before (a peer joined), or
+        with another `state` than that owner's last one there (a server leaving).
         Its waiter clears it; None for a key or group not watched."""
         return self._touched.get(key)
 

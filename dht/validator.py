@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
@@ -23,9 +25,11 @@ class SignedRecordValidator(RecordValidatorBase):
         # record under that key arrives at this node: its owner hears of a store without polling (dht.node.touched)
         self.watched = watched or {}
         # DHT key id -> an Event set when a validly signed record arrives under that key from an owner not seen under
-        # it before (a peer that joined): the coordinator looks at the swarm then, not on every refresh
+        # it before (a peer that joined), or one whose `state` changed (a server leaving): the coordinator looks at
+        # the swarm then, not on every refresh
         self.arrivals = arrivals or {}
-        self._owners: dict[bytes, set[str]] = {}  # key id -> owners seen under it (bounded: MAX_OWNERS_SEEN)
+        # key id -> owner -> the `state` its last record said (bounded: MAX_OWNERS_SEEN owners a key)
+        self._owners: dict[bytes, dict[str, object]] = {}
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -41,19 +45,24 @@ class SignedRecordValidator(RecordValidatorBase):
             return False
         if not isinstance(value, bytes):
             return False
-        valid = envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value) is not None
-        if valid and (event := self.watched.get(record.key)) is not None:
+        payload = envelope.open_envelope(owner, record.key, record.subkey, record.expiration_time, value)
+        if payload is not None and (event := self.watched.get(record.key)) is not None:
             event.set()
-        if valid and (event := self.arrivals.get(record.key)) is not None:
-            self._arrived(record.key, owner, event)
-        return valid
+        if payload is not None and (event := self.arrivals.get(record.key)) is not None:
+            self._arrived(record.key, owner, payload, event)
+        return payload is not None
 
-    def _arrived(self, key_id: bytes, owner: str, event) -> None:
-        seen = self._owners.setdefault(key_id, set())
-        if owner not in seen:
-            if len(seen) >= MAX_OWNERS_SEEN:
+    def _arrived(self, key_id: bytes, owner: str, payload: bytes, event) -> None:
+        """Set `event` when `owner` is new under the key, or its record's `state` changed (a server leaving)."""
+        try:
+            state = json.loads(payload).get("state")
+        except Exception:  # a signed payload that is not a JSON object: its readers refuse it, no event
+            return
+        seen = self._owners.setdefault(key_id, {})
+        if owner not in seen or seen[owner] != state:
+            if owner not in seen and len(seen) >= MAX_OWNERS_SEEN:
                 seen.clear()  # forgotten: a known owner may set the event once more
-            seen.add(owner)
+            seen[owner] = state
             event.set()
 
     @property

@@ -76,11 +76,11 @@ def test_a_resting_server_reads_and_announces_seldom_and_a_used_one_at_its_fast_
     swarm.coordinator(SPEC)
     servers = [swarm.server(f"s{i}", 0, QUIET) for i in range(2)]
     endpoints = [swarm.endpoint(server) for server in servers]
-    # at rest the read period doubles up to network.rest_read_period (16 s) and the record's refresh period up
-    # to network.rest_announce_period (16 s): a window of 16 s holds at most one of each (it held 8 stores and 32
+    # at rest the read period doubles up to network.rest_read_period (32 s) and the record's refresh period up
+    # to network.rest_announce_period (32 s): a window of 16 s holds at most one of each (it held 8 stores and 32
     # reads awake, at the announce and progress periods)
     settled(servers[0], 16.0, 120)
-    # one request wakes it: it reads at once, not at the end of the 16 s it was resting, and refreshes its
+    # one request wakes it: it reads at once, not at the end of the 32 s it was resting, and refreshes its
     # record at the announce period again (2 s)
     before, asked = dht_operations(servers[0]), time.monotonic()
     try:
@@ -129,11 +129,11 @@ def test_a_record_refreshes_seldom_at_rest_and_never_claims_to_live_longer_than_
         cadence.stored(ttl, changed=False, now=now)
         periods.append(cadence.period)
         now += cadence.period
-    assert periods == [4.0, 8.0, 16.0, 16.0, 16.0, 16.0]
-    held = now - 16.0 + longest_ttl(net)  # the last refresh's end
+    assert periods == [4.0, 8.0, 16.0, 32.0, 32.0, 32.0]
+    held = now - 32.0 + longest_ttl(net)  # the last refresh's end
     ttl = cadence.ttl(changed=True, now=now)
     assert now + ttl >= held, "a short lifetime after a long one would be refused by hivemind"
     cadence.stored(ttl, changed=True, now=now)
     assert cadence.period == net.announce_period
     assert lifetime(0.0, net) == net.record_ttl  # an older peer states none
-    assert lifetime(1e9, net) == longest_ttl(net) == 24.0
+    assert lifetime(1e9, net) == longest_ttl(net) == 40.0

@@ -109,8 +109,8 @@ def test_a_node_hears_of_a_signed_store_under_a_key_it_watches():
 
 def test_a_node_hears_of_an_owner_new_to_a_group_of_keys_and_not_of_its_refreshes():
     """SwarmDHT(arrivals=...): one event for a group of keys, set when a signed record arrives under one of them
-    from an owner the node has not seen under that key before (a peer joined: what wakes a resting coordinator);
-    the same owner's refreshes do not set it, another owner's first record does."""
+    from an owner the node has not seen under that key before (a peer joined: what wakes a resting coordinator) or
+    in another state (leaving); the same owner's refreshes do not set it, another owner's first record does."""
     stage0, stage1 = keys.servers_key("run", 0), keys.servers_key("run", 1)
     a = SwarmDHT(Identity.generate(), host_maddrs=LOOPBACK, arrivals={"members": [stage0, stage1]})
     b = c = None
@@ -137,6 +137,10 @@ def test_a_node_hears_of_an_owner_new_to_a_group_of_keys_and_not_of_its_refreshe
             assert b.store(stage0, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, updated=updated), 30)
             held(stage0, b.peer_id, updated)
         assert not joined.is_set(), "a known owner's refresh set the event"
+        leaving = ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, updated=3.5, state="leaving")
+        assert b.store(stage0, leaving, 30)
+        assert joined.wait(10), "a known owner's record in another state did not set the event"
+        joined.clear()
         assert c.store(stage1, ServerRecord(stage=1, endpoint="127.0.0.1:2", throughput=1.0, updated=4.0), ttl=30)
         assert joined.wait(10), "another owner's first record did not set the event"
     finally:

@@ -26,13 +26,13 @@ class NetworkConfig:
     # announce_period at each unchanged refresh up to this, and the record lives as much longer (peer.net.cadence);
     # a change or a request makes it announce_period again. A dead resting peer vanishes after
     # record_ttl + rest_announce_period - announce_period
-    rest_announce_period: float = 16.0
+    rest_announce_period: float = 32.0
     record_ttl: float = 10.0  # s a record lives unless refreshed; a dead peer vanishes after this
     progress_period: float = 0.5  # s between a server's looks at its stage's progress in the DHT
     # s between a resting server's reads of its replicas' records: the read period doubles from progress_period
     # at each look that finds nothing changed (no request, round, step or replica's progress), up to this; any
     # request or round invitation makes it progress_period again at once
-    rest_read_period: float = 16.0
+    rest_read_period: float = 32.0
     # a replica pushes its record to its partner replicas over gRPC as it changes (peer.server.replica_push): they
     # learn its samples, step and round at once, and read the DHT's records only once an announce period (at rest,
     # less often) unless a push to one of them fails
@@ -202,7 +202,7 @@ class CoordinatorConfig:
     # changing; doubling from dashboard.period to this), and between its reads of spot-check reports while
     # there are none; a change makes the looks dashboard.period apart again. The records it refreshes at each
     # look (books, archive, trained parts) live 3 x the longer of this and network.record_ttl
-    rest_period: float = 30.0
+    rest_period: float = 60.0
     checkpoint_dir: str = ""  # where the coordinator writes checkpoints; empty: none
     checkpoint_every_steps: int = 0  # a checkpoint whenever the run's step crosses a multiple of this; 0: not by steps
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time

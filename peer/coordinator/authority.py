@@ -252,6 +252,8 @@ class Authority:
                     say(f"Pardoned peer {peer}: it may take part again")
                 if new or gone:
                     self._published = 0.0
+        if self.dht.gate is not None and self.dht.gate.revoked != frozenset(self.revoked):
+            self.dht.gate.revoked = frozenset(self.revoked)  # the coordinator's own gate: its list, first hand
         ttl = max(self.cfg.security.revocations_ttl, 4 * self.admission.refresh)
         # unchanged, the list is stored again at a third of its lifetime (a change resets `_published`)
         if time.monotonic() - self._published >= max(self.admission.refresh / 2, ttl / 3):

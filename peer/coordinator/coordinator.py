@@ -147,9 +147,13 @@ def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: Swa
         return None
     authority = Authority(spec, cfg, identity, dht, invites_file(identity, spec), revoked_file(identity, spec))
     authority.follow_revocations()
-    security = Security(spec, cfg, identity, dht, identity.peer_id, ("coordinator",), issue=authority.issue_own)
+    # its own list: the authority sets the gate's from its file (no read of it from the DHT)
+    security = Security(
+        spec, cfg, identity, dht, identity.peer_id, ("coordinator",), authority.issue_own, follows_revocations=False
+    )
     security.obtain()
     dht.security = security
+    authority.follow_revocations()  # the gate now exists: it holds the list
     security.start()
     authority.start()
     how = {

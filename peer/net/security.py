@@ -78,8 +78,11 @@ class Security:
         coordinator: str,
         roles: tuple[str, ...],
         issue: Callable[[Security], tuple[str, str]] | None = None,
+        follows_revocations: bool = True,
     ):
+        """`follows_revocations` False: the list is the caller's own (the coordinator's authority sets the gate's)."""
         self.spec, self.cfg, self.identity, self.dht = spec, cfg, identity, dht
+        self.follows_revocations = follows_revocations
         self.coordinator, self.roles = coordinator, tuple(roles)
         self.key = ec.generate_private_key(ec.SECP256R1())  # this process's TLS key (never leaves it)
         self.key_pem = self.key.private_bytes(
@@ -128,7 +131,8 @@ class Security:
         """Read the revocation list now (before this peer loads state from anyone or serves), then renew at
         half-life and follow the list, on a thread of its own, until `stop`."""
         try:
-            self.refresh_revocations()
+            if self.follows_revocations:
+                self.refresh_revocations()
         except Exception as e:  # the DHT may be busy: read again within a refresh period
             logger.warning("could not read the revocation list yet: %s", e)
         self._thread = threading.Thread(target=self._maintain, name="security", daemon=True)
@@ -153,7 +157,8 @@ class Security:
             if self._stop.is_set():
                 return
             try:
-                self.refresh_revocations()
+                if self.follows_revocations:
+                    self.refresh_revocations()
             except Exception as e:  # following revocations must not stop: read again next period
                 logger.warning("could not read the revocation list: %s", e)
             if self.revoked:
