@@ -82,6 +82,7 @@ class SwarmDHT:
         `touched`."""
         self.identity = identity
         self.request_timeout = request_timeout
+        self.client_mode = client_mode
         # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
         # and records it reads count only from admitted peers (dht.gate)
         self.gate: Gate | None = None
@@ -224,7 +225,10 @@ class SwarmDHT:
         subkey, value = self._seal(key, expiration, record)
         # back at the first replica that stored it (the others are written in the background): a frozen
         # DHT node (a stopped peer) must not hold every announcement up for its request timeout
-        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False)
+        # a client's own storage is never read by others: its store is done once a full node holds the record
+        future = self.dht.store(
+            key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False, **self._remote()
+        )
         return bool(future.result(timeout=self.request_timeout * 2))
 
     def get(self, key: str, model: type[R], gated: bool = True) -> dict[str, R]:
@@ -307,10 +311,14 @@ class SwarmDHT:
         found = self._open_records(key, [(keys.signed_subkey(owner), value, expiration)], model, gated=True)
         return found.get(owner)
 
+    def _remote(self) -> dict:
+        """hivemind store options: a client node (never asked by others) does not count itself as a replica."""
+        return {"exclude_self": True} if self.client_mode else {}
+
     def store_raw(self, key: str, subkey: object, value: bytes, ttl: float) -> bool:
         """Store an arbitrary value without signing it (for tests of what the validators refuse)."""
         self._count("store", key)
-        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True, **self._remote())
         return bool(future.result(timeout=self.request_timeout * 2))
 
     def shutdown(self) -> None:

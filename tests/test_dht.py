@@ -150,6 +150,26 @@ def test_a_node_hears_of_an_owner_new_to_a_group_of_keys_and_not_of_its_refreshe
         a.shutdown()
 
 
+def test_a_client_nodes_store_is_done_once_a_full_node_holds_the_record():
+    """A trainer's DHT node is a hivemind client (asked by nobody): its store is done only once a full node holds
+    the record, never by its own storage, which nobody reads."""
+    key = keys.trainers_key("run")
+    full = SwarmDHT(Identity.generate(), host_maddrs=LOOPBACK)
+    client = None
+    try:
+        client = SwarmDHT(
+            Identity.generate(), initial_peers=full.visible_maddrs(), host_maddrs=LOOPBACK, client_mode=True
+        )
+        assert client.store(key, ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0), ttl=30)
+        assert client.peer_id in full.local_get(key, ServerRecord), "the store returned before a full node held it"
+        assert not client.local_get(key, ServerRecord), "a client kept the record in its own storage"
+        assert client.peer_id in client.get(key, ServerRecord)
+    finally:
+        if client is not None:
+            client.shutdown()
+        full.shutdown()
+
+
 def test_records_from_a_node_without_validators_are_ignored(two_nodes):
     a, _ = two_nodes
     rogue = hivemind.DHT(initial_peers=a.visible_maddrs(), host_maddrs=LOOPBACK, start=True)

@@ -39,7 +39,9 @@ def connect(
         net.dht_announce_maddrs,
         net.dht_startup_timeout,
         net.dht_request_timeout,
-        client_mode=cfg.relay.reachability == "private",  # nobody can dial it: it only asks the DHT
+        # a DHT client asks the DHT and is never asked: a peer nobody can dial, and a trainer (it serves nothing,
+        # so it neither stores nor checks anybody's records; the servers and the coordinator hold the DHT)
+        client_mode=cfg.relay.reachability == "private" or role == "trainer",
     )
     try:
         spec = fetch_spec(dht, coordinator, timeout=net.spec_timeout)
