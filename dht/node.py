@@ -80,9 +80,7 @@ class SwarmDHT:
     ):
         """`client_mode`: a node others cannot dial (NAT): it asks, it is never asked. `watched`, `arrivals`: see
         `touched`."""
-        self.identity = identity
-        self.request_timeout = request_timeout
-        self.client_mode = client_mode
+        self.identity, self.request_timeout, self.client_mode = identity, request_timeout, client_mode
         # set once this peer holds a credential (peer.net.security): records it stores carry the credential,
         # and records it reads count only from admitted peers (dht.gate)
         self.gate: Gate | None = None
