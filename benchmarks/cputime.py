@@ -72,6 +72,39 @@ def descendants_of(pid: int) -> list[int]:
     return out
 
 
+def process_times(root: int) -> dict[int, tuple[str, float]]:
+    """{pid: (kind, CPU seconds)} of `root` and its descendants; kind: peer (the root), p2pd, reaper (the root's
+    child that has none: peer.process.reaper, forked first), or dht (the rest: hivemind's DHT process, forked
+    from the peer)."""
+    out = {}
+    for pid in [root, *descendants_of(root)]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, _, tail = f.read().rpartition(")")
+        except OSError:
+            continue  # gone meanwhile
+        fields = tail.split()
+        name, parent = head.partition("(")[2], int(fields[1])
+        if pid == root:
+            kind = "peer"
+        elif name == "p2pd":
+            kind = "p2pd"
+        else:
+            kind = "reaper" if parent == root and not descendants_of(pid) else "dht"
+        out[pid] = (kind, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
+def kind_seconds(roots: dict[str, int]) -> dict[str, dict[str, float]]:
+    """{name: {kind: CPU seconds}} of each named process tree (process_times, summed by kind)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, root in roots.items():
+        kinds = out.setdefault(name, {})
+        for kind, seconds in process_times(root).values():
+            kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return out
+
+
 def train_together(swarms: dict, name: str, micro_batches: int, warmup: int, extra: list[str], timeout):
     """A trainer on each swarm at once, each for `micro_batches`: per swarm, (samples/s, CPU s per 1000 samples)
     over one window, from when every trainer is past its first `warmup` micro-batches to when one of them has

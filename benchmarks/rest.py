@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cputime import CLOCK_TICKS, descendants_of  # noqa: E402
+from benchmarks.cputime import process_times  # noqa: E402
 from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.cli.demo import SERVING, Processes, loopback_coordinator, loopback_join  # noqa: E402
 
@@ -40,29 +40,6 @@ METRICS = re.compile(r"Prometheus metrics at (http://\S+/metrics)\.")
 BARE = re.compile(r"Bare DHT node at (\S+)")
 DHT_OPS = re.compile(r'^swarm_dht_operations_total\{kind="([^"]+)",operation="(\w+)"\} (\S+)$', re.MULTILINE)
 START_TIMEOUT = 180.0  # s for the swarm to serve
-
-
-def process_times(root: int) -> dict[int, tuple[str, float]]:
-    """{pid: (kind, CPU seconds)} of `root` and its descendants; kind: peer (the root), p2pd, reaper (the root's
-    child that has none: peer.process.reaper, forked first), or dht (the rest: hivemind's DHT process, forked
-    from the peer)."""
-    out = {}
-    for pid in [root, *descendants_of(root)]:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                head, _, tail = f.read().rpartition(")")
-        except OSError:
-            continue  # gone meanwhile
-        fields = tail.split()
-        name, parent = head.partition("(")[2], int(fields[1])
-        if pid == root:
-            kind = "peer"
-        elif name == "p2pd":
-            kind = "p2pd"
-        else:
-            kind = "reaper" if parent == root and not descendants_of(pid) else "dht"
-        out[pid] = (kind, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-    return out
 
 
 def dht_operations(url: str) -> dict[str, float]:

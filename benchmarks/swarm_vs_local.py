@@ -3,7 +3,9 @@
 The swarm: a coordinator, one server per stage (one torch thread each) and one trainer, as separate
 processes on loopback, training the demo model with `peer join`. The local loop: the same model,
 optimizer and batch in one process with as many torch threads as the swarm's servers together.
-Both run in this one invocation; the last line is `ratio=... swarm_sps=... local_sps=...`.
+Both run in this one invocation; the last line is `ratio=... swarm_sps=... local_sps=...`, with where the
+swarm's CPU went over the timed window (`swarm_cores`; `control_share`: the processes that do no training
+work, hivemind's DHT processes, p2p daemons, reapers and the coordinator, over all; goal <= 0.05).
 
     python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3] [--quick]
 """
@@ -14,12 +16,14 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.cputime import count_lines, kind_seconds  # noqa: E402
 from benchmarks.report import Figures, add_quick, run  # noqa: E402
 from peer.cli.demo import DEMO_SPEC, SERVING, Processes, loopback_join, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
@@ -55,19 +59,55 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         trainer_args = ["--role", "trainer", "--seed", "0", "--max-inflight", str(inflight), "--log-file", "t.jsonl"]
         limit = ["--max-micro-batches", str((steps + 2) * per_step)]
         trainer = procs.start("t", loopback_join(maddr, "t", *trainer_args, *limit))
-        if trainer.wait(600) != 0:
+        skip = 2 * per_step  # the first steps include connection set-up
+        roots = {name: proc.pid for name, (proc, _) in procs.procs.items()}
+        cpu = cpu_over_window(trainer, workdir / "t.jsonl", skip, roots)
+        if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed:\n{procs.log('t')[-2000:]}")
         entries = [json.loads(line) for line in (workdir / "t.jsonl").read_text().splitlines()]
         batches = [e for e in entries if e["type"] == "micro_batch"]
-        skip = 2 * per_step  # the first steps include connection set-up
         timed = batches[skip:]
         seconds = timed[-1]["time"] - batches[skip - 1]["time"]
         return sum(e["samples"] for e in timed) / seconds, {
             "micro_batches": len(batches),
             "last_loss": batches[-1]["loss"],
+            **cpu,
         }
     finally:
         procs.stop()
+
+
+def cpu_over_window(trainer, log: Path, skip: int, roots: dict[str, int]) -> dict:
+    """Where the swarm's CPU goes while the trainer runs after its first `skip` micro-batches (until it exits), from
+    /proc: cores by peer and kind of process (cputime.process_times), and the control plane's share: every process
+    that does no training work (hivemind's DHT processes, the p2p daemons, the reapers, the whole coordinator), over
+    the swarm's CPU. The peers' own control work (progress loops, pushes, DHT calls) runs inside their main
+    processes and is counted with the training there."""
+    deadline = time.monotonic() + 600
+    while count_lines(log, b'"micro_batch"') < skip and trainer.poll() is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("benchmark: the trainer did not get under way")
+        time.sleep(0.2)
+    before, started = kind_seconds(roots), time.monotonic()
+    trainer.wait(600)
+    after, wall = kind_seconds(roots), time.monotonic() - started
+    cores = {
+        (name, kind): (seconds - before.get(name, {}).get(kind, 0.0)) / wall
+        for name, kinds in after.items()
+        for kind, seconds in kinds.items()
+    }
+    total = sum(cores.values())
+    control = sum(c for (name, kind), c in cores.items() if name == "coordinator" or kind != "peer")
+    print(
+        "cores over the timed window, by peer and process: "
+        + ", ".join(f"{n} {k} {c:.3f}" for (n, k), c in sorted(cores.items()))
+    )
+    return {
+        "swarm_cores": round(total, 3),
+        "control_cores": round(control, 4),
+        "control_share": round(control / total, 4) if total else float("nan"),
+        "trainer_cores": round(cores.get(("t", "peer"), 0.0), 3),
+    }
 
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
@@ -81,6 +121,7 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-", dir=args.workdir or None) as tmp:
         swarm, details = swarm_rate(spec, steps, args.inflight, Path(tmp))
     figures["swarm_sps"] = swarm
+    figures.update({k: details[k] for k in ("swarm_cores", "control_cores", "control_share", "trainer_cores")})
     local = local_rate(spec, steps, threads)
     figures["local_sps"] = local
     print(
