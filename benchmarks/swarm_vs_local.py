@@ -1,13 +1,17 @@
 """Swarm samples/s over loopback against the plain single-process loop, same machine, same total threads.
 
 The swarm: a coordinator, one server per stage (one torch thread each) and one trainer, as separate
-processes on loopback, training the demo model with `peer join`. The local loop: the same model,
-optimizer and batch in one process with as many torch threads as the swarm's servers together.
-Both run in this one invocation; the last line is `ratio=... swarm_sps=... local_sps=...`, with where the
-swarm's CPU went over the timed window (`swarm_cores`; `control_share`: the processes that do no training
-work, hivemind's DHT processes, p2p daemons, reapers and the coordinator, over all; goal <= 0.05).
+processes on loopback, training the demo model with `peer join`, twice: with the demo's spec (its
+`averaging.drain_limit` of 1 s: a step waits for the backwards of the forwards it ran, so every gradient counts
+in its own step, as in the plain loop, and the pipeline empties at every step), and with the run spec's default
+drain of 0 (the gradients of micro-batches in flight at a step count in the next one). The local loop: the same
+model, optimizer and batch in one process with as many torch threads as the swarm's servers together, before and
+after the swarms (it drifts between runs; their mean counts). All in this one invocation; the last line has
+`ratio` (demo spec) and `ratio_async` (no drain) over `local_sps`, and where each swarm's CPU went over its timed
+window (`swarm_cores`; `control_share`: the processes that do no training work, hivemind's DHT processes, p2p
+daemons, reapers and the coordinator, over all; goal <= 0.05).
 
-    python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3] [--quick]
+    python benchmarks/swarm_vs_local.py [--steps 30] [--inflight 3] [--target-batch N] [--quick]
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         trainer = procs.start("t", loopback_join(maddr, "t", *trainer_args, *limit))
         skip = 2 * per_step  # the first steps include connection set-up
         roots = {name: proc.pid for name, (proc, _) in procs.procs.items()}
-        cpu = cpu_over_window(trainer, workdir / "t.jsonl", skip, roots)
+        cpu = cpu_over_window(trainer, workdir / "t.jsonl", (skip, (steps + 2) * per_step), roots)
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed:\n{procs.log('t')[-2000:]}")
         entries = [json.loads(line) for line in (workdir / "t.jsonl").read_text().splitlines()]
@@ -77,20 +81,25 @@ def swarm_rate(spec: RunSpec, steps: int, inflight: int, workdir: Path) -> tuple
         procs.stop()
 
 
-def cpu_over_window(trainer, log: Path, skip: int, roots: dict[str, int]) -> dict:
-    """Where the swarm's CPU goes while the trainer runs after its first `skip` micro-batches (until it exits), from
+def cpu_over_window(trainer, log: Path, window: tuple[int, int], roots: dict[str, int]) -> dict:
+    """Where the swarm's CPU goes while the trainer logs its micro-batches `window` (first, last: its timed ones), from
     /proc: cores by peer and kind of process (cputime.process_times), and the control plane's share: every process
     that does no training work (hivemind's DHT processes, the p2p daemons, the reapers, the whole coordinator), over
     the swarm's CPU. The peers' own control work (progress loops, pushes, DHT calls) runs inside their main
     processes and is counted with the training there."""
-    deadline = time.monotonic() + 600
-    while count_lines(log, b'"micro_batch"') < skip and trainer.poll() is None:
-        if time.monotonic() > deadline:
-            raise RuntimeError("benchmark: the trainer did not get under way")
-        time.sleep(0.2)
+
+    def logged(count: int) -> None:
+        deadline = time.monotonic() + 600
+        while count_lines(log, b'"micro_batch"') < count and trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"benchmark: the trainer did not log {count} micro-batches")
+            time.sleep(0.05)
+
+    logged(window[0])
     before, started = kind_seconds(roots), time.monotonic()
-    trainer.wait(600)
+    logged(window[1])  # the last: read before the trainer's processes exit
     after, wall = kind_seconds(roots), time.monotonic() - started
+    trainer.wait(600)
     cores = {
         (name, kind): (seconds - before.get(name, {}).get(kind, 0.0)) / wall
         for name, kinds in after.items()
@@ -114,29 +123,48 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     steps = args.steps or (4 if args.quick else 30)
     spec = RunSpec.from_toml(DEMO_SPEC)
     spec.training.total_steps = 10_000  # the trainer stops on --max-micro-batches, not on the schedule
+    if args.target_batch:
+        spec.training.target_batch_size = args.target_batch
     threads = spec.stages.num_stages  # one per server
-    figures.update(threads=threads, steps=steps)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-", dir=args.workdir or None) as tmp:
-        swarm, details = swarm_rate(spec, steps, args.inflight, Path(tmp))
-    figures["swarm_sps"] = swarm
-    figures.update({k: details[k] for k in ("swarm_cores", "control_cores", "control_share", "trainer_cores")})
-    local = local_rate(spec, steps, threads)
-    figures["local_sps"] = local
+    figures.update(threads=threads, steps=steps, step_samples=spec.training.target_batch_size)
     print(
         f"model: {spec.model.num_layers} blocks x {spec.model.hidden_size}, {spec.stages.num_stages} stages, "
         f"micro-batch {spec.training.micro_batch_size}x{spec.training.seq_len}, step {spec.training.target_batch_size} samples"
     )
-    print(f"local loop, {threads} torch threads: {local:.1f} samples/s")
-    print(f"swarm, {threads} servers x 1 thread + trainer (inflight {args.inflight}): {swarm:.1f} samples/s {details}")
-    figures["ratio"] = swarm / local
+    before = local_rate(spec, steps, threads)  # before and after the swarms: the local loop drifts between runs
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    # the demo's spec (averaging.drain_limit 1 s: a step waits for the backwards of the forwards it ran, so every
+    # gradient counts in its own step, as in the plain loop), then the run spec's default (no wait: those in flight
+    # at a step count in the next one)
+    drained = spec.averaging.drain_limit
+    for name, drain in (("", drained), ("_async", 0.0)):
+        spec.averaging.drain_limit = drain
+        with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-", dir=args.workdir or None) as tmp:
+            swarm, details = swarm_rate(spec, steps, args.inflight, Path(tmp))
+        print(
+            f"swarm, drain_limit {drain:g} s, {threads} servers x 1 thread + trainer (inflight {args.inflight}): "
+            f"{swarm:.1f} samples/s {details}"
+        )
+        figures[f"swarm{name}_sps"] = swarm
+        for key in ("swarm_cores", "control_share"):
+            figures[f"{key}{name}"] = details[key]
+    spec.averaging.drain_limit = drained
+    after = local_rate(spec, steps, threads)
+    local = (before + after) / 2
+    print(f"local loop, {threads} torch threads: {before:.1f} then {after:.1f} samples/s")
+    figures.update(local_sps=local, local_spread=abs(after - before) / local)
+    figures["ratio"] = figures["swarm_sps"] / local
+    figures["ratio_async"] = figures["swarm_async_sps"] / local
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps timed on each side (default 30; quick 4)")
     parser.add_argument("--inflight", type=int, default=3, help="micro-batches the trainer keeps in the pipeline")
+    parser.add_argument(
+        "--target-batch", type=int, default=0, help="samples a step (default: the demo's, 48: 3 micro-batches)"
+    )
     parser.add_argument("--workdir", default="", help="where the swarm's temporary directory goes (default: TMPDIR)")
     add_quick(parser, "4 timed optimizer steps on each side instead of 30")
     run(parser, body)
