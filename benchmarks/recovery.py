@@ -24,14 +24,13 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.report import Figures, add_quick, add_workdir, run, workdir  # noqa: E402
 from peer.cli.demo import SERVING, Processes, loopback_join, read_log, spec_to_toml  # noqa: E402
 from peer.config import RunSpec  # noqa: E402
 
@@ -175,8 +174,8 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
     timing = QUICK if args.quick else Timing()
     args.churn = args.churn if args.churn is not None else (5.0 if args.quick else 40.0)
     args.baseline = args.baseline if args.baseline is not None else (5.0 if args.quick else 20.0)
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-recovery-") as tmp:
-        bench = Bench(Path(tmp))
+    with workdir(args.workdir, "swarmtrain-recovery-") as tmp:
+        bench = Bench(tmp)
         try:
             bench.start_swarm(spec())
             phases(bench, args, timing, figures)
@@ -189,6 +188,7 @@ def main() -> None:
     parser.add_argument("--churn", type=float, help="seconds of churn (a kill and a join every 10 s; default 40)")
     parser.add_argument("--baseline", type=float, help="seconds of the fault-free baseline (default 20)")
     add_quick(parser, "every phase once and short: 1 s windows, throughput settled 8-12 s after a fault, one churn")
+    add_workdir(parser)
     run(parser, body)
 
 

@@ -19,7 +19,7 @@ built the stage, over the weights' bytes: goal <= 1.5), peak RSS of each server 
 resume seconds, and samples/s of the swarm over the single process (goal >= 0.85; the swarm shares
 these cores among 6 servers, a trainer and a coordinator).
 
-    python benchmarks/scale.py [--steps 20] [--quick]
+    python benchmarks/scale.py [--steps 6] [--quick]
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ from peer.data.corpus import load_corpus  # noqa: E402
 from peer.model.llama import StageModel, count_parameters  # noqa: E402
 from peer.trainer.local import train_local  # noqa: E402
 
-# hidden, layers, heads, kv heads, vocab, seq, micro-batch, samples per step, steps timed
-FULL = {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "vocab": 32000, "seq": 64, "micro": 2, "batch": 4}
+# hidden, layers, heads, kv heads, vocab, seq, micro-batch, samples per step. A real run of a 125M model steps on
+# about half a million tokens (GPT-3 Small's batch); on these 2 cores one such step would take minutes, so the
+# full run steps on 32 samples of 64 tokens (2,048 tokens, the least issue 48 allows): 8 micro-batches of 4 a step,
+# enough to keep 3 stages busy, and 6 steps fit the 5 minutes a benchmark has
+FULL = {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "vocab": 32000, "seq": 64, "micro": 4, "batch": 32}
 QUICK = {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "vocab": 1024, "seq": 32, "micro": 2, "batch": 4}
 
 
@@ -211,7 +214,7 @@ def resume(procs: Processes, tmp: Path, figures: Figures) -> None:
 
 def body(args: argparse.Namespace, figures: Figures) -> None:
     size = QUICK if args.quick else FULL
-    steps = args.steps or (4 if args.quick else 20)
+    steps = args.steps or (4 if args.quick else 6)
     with workdir(args.workdir, "swarmtrain-scale-") as tmp:
         spec_dict = run_spec(model_directory(tmp / "model", size), size, steps)
         spec = resolve(RunSpec.from_dict(spec_dict))
@@ -228,7 +231,7 @@ def body(args: argparse.Namespace, figures: Figures) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=0, help="optimizer steps the swarm trains (default 20; quick 4)")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps the swarm trains (default 6; quick 4)")
     add_workdir(parser)
     add_quick(parser, "a 1M-parameter model of the same layout, 4 steps")
     run(parser, body)

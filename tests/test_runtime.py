@@ -128,8 +128,9 @@ def test_a_resync_keeps_what_the_donors_step_did_not_count():
 
 
 def test_a_state_sent_in_shards_is_one_step_even_if_the_donor_steps_meanwhile():
-    """A joiner asks for a big state in several shards of one step; the donor copies its state at the
-    first shard and serves the others from that copy, though it stepped in between."""
+    """A joiner asks for a big state in several shards of one step; the donor pins that step at the first
+    shard, copying only that shard, and serves the others of that step though it stepped in between: the step
+    first copied the shards still owed. A shard asked again after the step is not of that step any more."""
     spec = RunSpec.from_dict(
         {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
     )
@@ -139,17 +140,25 @@ def test_a_state_sent_in_shards_is_one_step_even_if_the_donor_steps_meanwhile():
     donor.backward("a", x, None, y)
     grads, samples = donor.take_gradients()
     donor.apply_step(grads, samples, donor.taken_seq)
-    before = {f"param/{n}": p.detach().clone() for n, p in zip(donor.param_names, donor.params, strict=True)}
+    before = {n: t.detach().clone() for n, t in donor.state_tensors().items()}  # weights and Adam's state
     first_meta, first = donor.snapshot(0, 3, epoch=1)
+    assert not donor._shared_snapshot["kept"], "the first shard's request copied more than its shard"
     donor.backward("b", x, None, y)  # the donor steps while the joiner fetches the other shards
     grads, samples = donor.take_gradients()
     donor.apply_step(grads, samples, donor.taken_seq)
+    owed = set(donor._shared_snapshot["kept"])
     parts = [first, donor.snapshot(1, 3, epoch=1)[1], donor.snapshot(2, 3, epoch=1)[1]]
     assert first_meta["epoch"] == 1 and donor.epoch == 2
+    assert owed == set(parts[1]) | set(parts[2]), "the step copied other than the shards still owed"
     merged = {k: t for part in parts for k, t in part.items()}
-    assert len(merged) == sum(len(p) for p in parts) == first_meta["tensor_count"]
-    assert all(torch.equal(merged[k], t) for k, t in before.items())  # the step-1 weights, not step 2's
+    assert len(merged) == sum(len(p) for p in parts) == first_meta["tensor_count"] == len(before)
+    assert all(torch.equal(merged[k], t) for k, t in before.items())  # the step-1 state, not step 2's
     assert donor.snapshot(0, 3, epoch=2)[0]["epoch"] == 2  # a later request gets the state as it is now
+    donor.snapshot(1, 3, epoch=2)
+    donor.backward("c", x, None, y)
+    grads, samples = donor.take_gradients()
+    donor.apply_step(grads, samples, donor.taken_seq)
+    assert donor.snapshot(1, 3, epoch=2)[0]["epoch"] == 3, "a shard sent before the step was sent again of step 2"
 
 
 def test_the_forwards_a_step_would_wait_for_are_those_on_its_weights_without_their_backward():

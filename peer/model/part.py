@@ -192,6 +192,7 @@ class PartRuntime(PartState):
         """The run's initial weights into a part built without them (`initialized` False); else nothing."""
         if self.initialized:
             return
+        self._keep_pinned()
         self.model.init_from_seed()
         for a, p in zip(self.anchor, self.params, strict=False):
             a.copy_(p)
@@ -217,11 +218,15 @@ class PartRuntime(PartState):
 
     # ---- optimizer step -------------------------------------------------------------------
     def take_gradients(self) -> tuple[list[torch.Tensor], int]:
-        """Hand over the accumulated per-sample mean gradients and their sample count, and reset."""
+        """Hand over the accumulated per-sample mean gradients and their sample count, and reset.
+
+        The accumulator itself is handed over, divided in place, and a new one takes its place: zero pages
+        that take no memory until backwards write them (peer.model.allocation), not a copy of the part."""
         samples = self.samples_accumulated
-        grads = [acc / max(samples, 1) for acc in self.accumulator]
-        for acc in self.accumulator:
-            acc.zero_()
+        grads = self.accumulator
+        for g in grads:
+            g.div_(max(samples, 1))
+        self.accumulator = [allocation.zeros_like(p) for p in self.params]
         self.samples_accumulated = 0
         self.taken_seq = self.seq
         return grads, samples
@@ -324,6 +329,7 @@ class PartRuntime(PartState):
     def _optimizer_step(self, grads: list[torch.Tensor], schedule_step: float, scale: float = 1.0) -> None:
         """Stash the weights, then one AdamW step with `grads` at the lr of `schedule_step` times `scale`; a new
         version."""
+        self._keep_pinned()  # shards of this step a joiner has still to get
         self._restash()
         limit = self.spec.training.max_grad_norm
         if limit > 0:  # every rank of a split part takes the same norm (a sum over the ranks), so they clip alike
@@ -362,6 +368,7 @@ class PartRuntime(PartState):
         taken, steps, samples = self._taken
         self._taken = None
         mu, lr = self.spec.averaging.outer_momentum, self.spec.averaging.outer_lr
+        self._keep_pinned()
         self._restash()
         for p, a, m, d, t in zip(self.params, self.anchor, self.momentum, delta, taken, strict=True):
             d = d.to(device=a.device, dtype=a.dtype)

@@ -83,24 +83,42 @@ class PartState:
         """Parameters and optimizer state (CPU copies) with metadata: what a joining replica loads.
 
         With `num_shards` > 1, only part `shard` of the tensors (see `state_shards`), so that several
-        donors, or one donor in several messages, each send a part. The first shard's request copies
-        the whole state once, and the other shards of that step (`epoch`) come from that copy even if
-        this replica steps meanwhile: a big state takes longer to send than a step takes. One such
-        copy is kept, until all its shards were asked for or another request replaces it.
-        """
+        donors, or one donor in several messages, each send a part. The first shard's request pins the
+        state of this step (`epoch`), and the other shards of that step come from it even if this replica
+        steps meanwhile (a big state takes longer to send than a step takes): each request copies only its
+        own shard, and a change of the state while shards are still due (a step, a load) first copies
+        those (`_keep_pinned`). One pin is kept, until all its shards were asked for or another request
+        replaces it."""
         num_shards = max(num_shards, 1)
-        shared = getattr(self, "_shared_snapshot", None)
-        if shared is not None and shared[0] == num_shards and epoch is not None and shared[1]["epoch"] == epoch:
-            _, metadata, everything, served = shared
-            served.add(shard)
-            if len(served) == num_shards:
-                self._shared_snapshot = None
-        else:
-            everything = {n: t.detach().cpu().clone().reshape(t.shape) for n, t in self.state_tensors().items()}
-            metadata = self.state_metadata(len(everything))
-            self._shared_snapshot = (num_shards, metadata, everything, {shard}) if num_shards > 1 else None
-        part = state_shards(everything, num_shards)[shard] if num_shards > 1 else set(everything)
-        return metadata, {n: t for n, t in everything.items() if n in part}
+        live = self.state_tensors()
+        pin = getattr(self, "_shared_snapshot", None)
+        if (
+            pin is None
+            or pin["shards"] != num_shards
+            or epoch is None
+            or pin["metadata"]["epoch"] != epoch
+            or (shard in pin["served"] and pin["changed"])  # sent already, and not kept since: the pin is over
+        ):
+            pin = {"shards": num_shards, "metadata": self.state_metadata(len(live)), "kept": {}, "served": set()}
+            pin["changed"] = False  # the split is the pinned state's (a first step adds the optimizer's tensors)
+            pin["parts"] = state_shards(live, num_shards) if num_shards > 1 else [set(live)]
+        part = pin["parts"][shard]
+        pin["served"].add(shard)
+        tensors = {n: pin["kept"][n] if n in pin["kept"] else _copy(live[n]) for n in part}
+        self._shared_snapshot = pin if num_shards > 1 and len(pin["served"]) < num_shards else None
+        return pin["metadata"], tensors
+
+    @torch.no_grad()
+    def _keep_pinned(self) -> None:
+        """Before the state changes (a step, a load): copy what a pinned snapshot still owes its joiners."""
+        pin = getattr(self, "_shared_snapshot", None)
+        if pin is None:
+            return
+        pin["changed"] = True
+        live = self.state_tensors()
+        for shard, names in enumerate(pin["parts"]):
+            if shard not in pin["served"]:
+                pin["kept"].update((n, _copy(live[n])) for n in names if n not in pin["kept"])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a state holds, by name: parameters, optimizer state, and in local mode anchor and momentum."""
@@ -212,6 +230,7 @@ class PartState:
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
+        self._keep_pinned()  # shards of the state before, still owed to a joiner
         if self.tp_degree == 1:  # a split part's ranks load shards: checked whole on rank 0 (peer.model.tp_runtime)
             self.check_fingerprint(metadata, tensors, source)
         for i, (name, p) in enumerate(zip(self.param_names, self.params, strict=True)):
@@ -309,3 +328,8 @@ def _same_step(own: Fingerprint | None, donor: Fingerprint) -> Fingerprint:
     """Our record of a step the donor made too (with real values), if it was the same step: one group's.
     A step we made apart (both alone, say) is not the one whose state we now hold: the donor's says."""
     return own if own is not None and sorted(own.members) == sorted(donor.members) else donor
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a state tensor (what a joiner is sent)."""
+    return t.detach().cpu().clone().reshape(t.shape)
