@@ -286,3 +286,19 @@ def test_streams_that_claim_the_largest_tensor_and_send_nothing_hold_no_memory_a
     assert said.startswith("INVALID_ARGUMENT") and "training.max_request_tokens" in said, said
     assert _rss_mb(first.proc.pid) - before < 150
     assert info(endpoint).state == "serving"
+    # its state split into 2^32 - 1 shards (a set each would be allocated for the split): refused by the bound,
+    # before any work, to an admitted server; a trainer may not ask for a part's state at all
+    answers = {}
+    for mode in ("shards", "shards-trainer"):
+        asker = swarm.start(
+            mode,
+            [str(ROOT / "tests" / "helpers" / "bomb.py"), mode, swarm.maddr, f"{mode}.pem", endpoint, "1"]
+            + [str(2**32 - 1), "0"],
+            python=True,
+        )
+        answers[mode] = asker.wait_for(r"BOMB said (.*)", 120).group(1)
+    assert answers["shards"].startswith("INVALID_ARGUMENT"), answers
+    assert "server.max_state_shards" in answers["shards"], answers
+    assert answers["shards-trainer"].startswith("PERMISSION_DENIED"), answers
+    assert _rss_mb(first.proc.pid) - before < 150
+    assert info(endpoint).state == "serving"

@@ -64,6 +64,9 @@ class ServerConfig:
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
+    # most shards a state request may split a part's state into (GetState's num_shards): a shard is at least
+    # a tensor, so more only sizes work (a split of 2^32 sets); a joiner asks for at most this many
+    max_state_shards: int = 1024
     state_retry_max: float = 10.0  # s: the longest pause between tries of a state download that failed
     # a replica takes the state of a step no more than this many steps past the one most replicas of its part
     # are at (peer.swarm.consensus): any admitted peer may claim any step, and one claim must not carry a stage

@@ -24,7 +24,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator import checkpoint
-from peer.model.part_state import state_shards
+from peer.model.part_state import shard_request_error, state_shards
 from peer.net.background import LoopThread
 from peer.net.refusal import refuse
 from peer.net.serving import announce_host, grpc_server, listen
@@ -113,10 +113,11 @@ class Archive:
                 f"the archive holds {name} at step {entry['epoch']}",
                 Reason.STALE_EPOCH,
             )
+        wrong = shard_request_error(request.shard, request.num_shards, self.cfg.server.max_state_shards)
+        if wrong:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, wrong, Reason.BAD_INPUT)
         metadata, tensors = await self._part(name)
         num_shards = max(request.num_shards, 1)
-        if request.shard >= num_shards:
-            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} does not exist")
         if num_shards > 1:
             wanted = state_shards(tensors, num_shards)[request.shard]
             tensors = {k: t for k, t in tensors.items() if k in wanted}

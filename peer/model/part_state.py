@@ -308,6 +308,16 @@ def inherited_steps(metadata: dict) -> dict[int, Fingerprint]:
     }
 
 
+def shard_request_error(shard: int, num_shards: int, bound: int) -> str:
+    """Why a state request for part `shard` of `num_shards` is refused ("" if it is not): num_shards sizes the
+    split's work, so it has a bound (server.max_state_shards)."""
+    if num_shards > bound:
+        return f"num_shards: {num_shards}, more than server.max_state_shards ({bound})"
+    if shard >= max(num_shards, 1):
+        return f"shard {shard} does not exist: num_shards is {max(num_shards, 1)}"
+    return ""
+
+
 def state_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[set[str]]:
     """Split tensor names into `num_shards` parts of similar bytes; every replica computes the same split."""
     return shards_by_bytes({n: t.numel() * t.element_size() for n, t in tensors.items()}, num_shards)

@@ -36,6 +36,9 @@ ROLES_BY_METHOD = {
     "/swarmtrain.Stage/Progress": frozenset({"server", "experts"}),
     "/swarmtrain.Expert/Progress": frozenset({"server", "experts"}),
     "/swarmtrain.Averaging/Average": frozenset({"server", "experts"}),
+    # a part's whole state: for joiners of the part and the coordinator's checkpoints, never a trainer's
+    "/swarmtrain.Stage/GetState": frozenset({"server", "experts", "coordinator"}),
+    "/swarmtrain.Expert/GetState": frozenset({"server", "experts", "coordinator"}),
     "/swarmtrain.Relay/Attach": frozenset({"server", "experts"}),
     "/swarmtrain.Relay/Tunnel": frozenset({"server", "experts"}),
 }

@@ -50,7 +50,7 @@ class StateTransfer:
             )
             epoch = info.epoch
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
-        n = max(len(same), self._state_shards())
+        n = min(max(len(same), self._state_shards()), self.cfg.server.max_state_shards)
         if self._partial_state is None or self._partial_state[:2] != (epoch, n):
             self._partial_state = (epoch, n, {})
         have: dict[int, tuple[dict, dict]] = self._partial_state[2]

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from peer.model.moe import ExpertsUnavailable
 from peer.model.part import BadGradient
+from peer.model.part_state import shard_request_error
 from peer.model.runtime import InputError, Late, RankDied
 from peer.net.guard import CALLER
 from peer.net.refusal import Refused, refuse
@@ -318,13 +319,10 @@ class ServicerBase:
             await refuse(context, e.code, e.message, e.reason)
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy: too many requests in flight")
+        wrong = shard_request_error(request.shard, request.num_shards, self.limits.max_state_shards)
+        if wrong:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, wrong, Reason.BAD_INPUT)
         num_shards = max(request.num_shards, 1)
-        if request.shard >= num_shards:
-            await refuse(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"shard {request.shard} does not exist: num_shards is {num_shards}",
-            )
         self.server.inflight += 1
         try:
             try:

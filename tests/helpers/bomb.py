@@ -4,7 +4,9 @@
 - `claim`: many ForwardStream calls whose header claims the largest tensor the server accepts, and
   none of its bytes sent;
 - `tokens`: one forward to stage 0 of as many real token ids as a message may carry (all stage 0's
-  activations for them would be built and cached).
+  activations for them would be built and cached);
+- `shards`: GetState of stage 0 split into 2^32 - 1 shards (the split alone would allocate that many sets),
+  as a server (a trainer may not ask for a state at all: `shards-trainer`).
 
 It prints each call's outcome:
 
@@ -71,12 +73,21 @@ async def tokens(client: StageClient, endpoint: str, peer: str, run: str, seq: i
     await client.close()
 
 
+async def shards(client: StageClient, endpoint: str, peer: str, run: str, num_shards: int) -> None:
+    try:
+        await client.get_state(endpoint, run, 0, 30.0, shard=0, num_shards=num_shards, peer=peer)
+        print("BOMB said OK", flush=True)
+    except grpc.aio.AioRpcError as e:
+        print(f"BOMB said {e.code().name}: {e.details()}", flush=True)
+    await client.close()
+
+
 def main(mode: str, maddr: str, identity_path: str, endpoint: str, calls: int, elements: int, hold: float) -> None:
     mp.set_start_method("fork", force=True)
     cfg = PeerConfig()
     cfg.network.host, cfg.network.dht_host_maddrs = "127.0.0.1", ["/ip4/127.0.0.1/tcp/0"]
     identity = Identity.load_or_create(identity_path)
-    dht, spec = connect(maddr, cfg, identity, "trainer")
+    dht, spec = connect(maddr, cfg, identity, "server" if mode == "shards" else "trainer")
     try:
         deadline = time.monotonic() + 30
         # the server's record, as a trainer reads it: its TLS name (its owner's) is what the channel then pins
@@ -93,6 +104,8 @@ def main(mode: str, maddr: str, identity_path: str, endpoint: str, calls: int, e
         client = StageClient.for_server(cfg.server, dht.security)
         if mode == "claim":
             asyncio.run(bomb(client, endpoint, peer, spec.name, calls, elements, hold))
+        elif mode.startswith("shards"):
+            asyncio.run(shards(client, endpoint, peer, spec.name, elements))
         else:
             asyncio.run(tokens(client, endpoint, peer, spec.name, spec.model.max_seq_len, elements))
     finally:
