@@ -41,6 +41,9 @@ class RunSpecRecord(Record):
     published: float = 0.0  # unix time of publication
 
 
+COORDINATOR_STATES = ("archive", "trained")  # ServerRecord states only the coordinator may publish
+
+
 class ServerRecord(Record):
     """A replica's announcement (a stage server, or one expert of an expert host): where, how fast, which step."""
 
@@ -78,6 +81,10 @@ class ServerRecord(Record):
     rounds_failed: int = 0  # averaging rounds that failed (their samples waited for the next one)
 
     def writers(self) -> frozenset[str]:
+        # a part's `archive` (a checkpoint offered) and `trained` (the step it reached) and the offer to take a
+        # last server's handover are the coordinator's word: a server's record saying so counts nowhere
+        if self.state in COORDINATOR_STATES or self.takes_handover:
+            return frozenset()
         return frozenset({"experts"}) if self.expert else frozenset({"server"})
 
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1

@@ -113,6 +113,37 @@ def test_a_peer_cannot_impersonate_take_a_stage_over_or_end_the_run_by_its_claim
 
 
 @pytest.mark.slow
+def test_records_only_the_coordinator_may_write_count_from_no_server(swarm):
+    """Two admitted servers forge the coordinator's own record kinds for stage 1, which nobody serves yet: one
+    says the stage was trained to step 10^6 (a first server would wait for a state nobody holds, for ever), the
+    other that a checkpoint of it at step 10^6 is served at a dead address (a joiner would try to load it, for
+    ever), both that the coordinator takes the last server's handover. Readers check such records by owner:
+    stage 1's first server starts from the seed as the run's first server does, and a trainer trains through it."""
+    swarm.coordinator(SPEC)
+    s0 = swarm.server("s0", 0)
+    forgers = [
+        swarm.start(
+            f"forger-{state}",
+            [str(HELPERS / "impostor.py"), swarm.maddr, f"{state}.pem", "1", "127.0.0.1:9", "600", "server"]
+            + [state, "1000000"],
+            python=True,
+        )
+        for state in ("trained", "archive")
+    ]
+    for forger in forgers:
+        forger.wait_for(r"IMPOSTOR up", 60)
+    s1 = swarm.server("s1", 1)
+    swarm.endpoint(s1)
+    swarm.endpoint(s0)
+    assert "was trained to step" not in s1.output(), s1.output()[-3000:]
+    assert "Loaded the state" not in s1.output(), s1.output()[-3000:]
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "24"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 24
+    assert all(forger.proc.poll() is None for forger in forgers)  # still forging all along
+
+
+@pytest.mark.slow
 def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped(swarm):
     """Item 6: an admitted replica of stage 0 sends gradients of 1e4 everywhere to every round, and steps the
     poisoned mean itself. The two honest replicas refuse each such mean (its norm is far above those they

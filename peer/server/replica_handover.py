@@ -27,9 +27,17 @@ class Handover:
     """A leaving Replica's hand-over of its part's state (Replica inherits it)."""
 
     def _held_elsewhere(self) -> bool:
-        """Whether another replica serves the part at this step or later, or the coordinator offers a copy of it."""
+        """Whether the coordinator offers a copy of the part at this step or later (an `archive` record, which
+        only the coordinator may publish: dht.records), or a replica that made this replica's last step with it
+        (a member of that step's group, so it holds what this one holds) serves at this step or later. Any other
+        replica's claim to be there is its word alone: a stranger's record must not send the last holder away."""
         epoch = self.runtime.epoch
-        return any(r.state in ("serving", "archive") and r.epoch >= epoch for r in self.peers.values())
+        if any(r.state == "archive" and r.epoch >= epoch for r in self.peers.values()):
+            return True
+        last = next((f for f in reversed(self.runtime.history) if f.epoch == epoch), None)
+        partners = set(last.members if last is not None else ()) - {self.dht.peer_id}
+        serving = [r for r in self.peers.values() if r.state == "serving" and r.epoch >= epoch and r.owner in partners]
+        return bool(self._credible(serving))
 
     async def hand_over(self) -> None:
         """Leaving: if this is the last holder of the part's current state, wait (up to server.handover_timeout)

@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from dht.records import ServerRecord
+from dht.records import COORDINATOR_STATES, ServerRecord
 from peer.model.fingerprint import first_difference, tolerance
 from peer.model.part_state import OutOfReach, StateError
 from peer.process.status_lines import say
@@ -268,13 +268,15 @@ class StateTransfer:
             await asyncio.sleep(self.cfg.server.state_retry_max / 5)
 
     async def _trained_step(self) -> int:
-        """The highest step this part's records say the run reached: the coordinator's `trained` record, or
-        servers that left or are leaving (0 when the DHT cannot say)."""
+        """The highest step the coordinator says this part reached: its `trained` or `archive` record (only the
+        coordinator may publish those, dht.records). A server's own `left` or `leaving` record is its claim about
+        itself and not believed here: one such record of step 10^9 made the first server of the part wait
+        forever (0 when the DHT cannot say)."""
         try:
             records = await self.dht.aget(self.part.key(self.run_id), ServerRecord)
         except Exception:  # the DHT may be busy: asked again on the next look
             return 0
-        past = [r.epoch for r in records.values() if self.part.matches(r) and r.state in ("trained", "left", "leaving")]
+        past = [r.epoch for r in records.values() if self.part.matches(r) and r.state in COORDINATOR_STATES]
         return max(past, default=0)
 
     async def _resync(self, ahead: list[ServerRecord]) -> None:

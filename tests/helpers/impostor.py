@@ -1,7 +1,9 @@
 """An admitted peer that announces another server's endpoint as its own (tests/test_attacks.py runs it).
 
-`impostor.py MADDR IDENTITY STAGE ENDPOINT SECONDS ROLE`: it is admitted with ROLE (`server`: it may announce
-servers; `trainer`: it may not, and its record must count nowhere).
+`impostor.py MADDR IDENTITY STAGE ENDPOINT SECONDS ROLE [STATE EPOCH]`: it is admitted with ROLE (`server`: it
+may announce servers; `trainer`: it may not, and its record must count nowhere). With STATE (`trained`, `archive`)
+and EPOCH, its record is one only the coordinator may write: that the stage was trained to EPOCH, or that a
+checkpoint of it at EPOCH is served at ENDPOINT, and that the coordinator takes the handover of its last server.
 
 It keeps storing a `ServerRecord` of its own for STAGE that names ENDPOINT (an honest server's), serving,
 at the stage's step and with a throughput far above anyone's, so trainers pick it first. A caller that
@@ -22,7 +24,9 @@ from peer.cli.join import connect
 from peer.config import PeerConfig
 
 
-def main(maddr: str, identity_path: str, stage: int, endpoint: str, seconds: float, role: str) -> None:
+def main(
+    maddr: str, identity_path: str, stage: int, endpoint: str, seconds: float, role: str, state: str, epoch: int
+) -> None:
     mp.set_start_method("fork", force=True)
     cfg = PeerConfig()
     cfg.network.host, cfg.network.dht_host_maddrs = "127.0.0.1", ["/ip4/127.0.0.1/tcp/0"]
@@ -34,9 +38,19 @@ def main(maddr: str, identity_path: str, stage: int, endpoint: str, seconds: flo
     try:
         while time.monotonic() < deadline:
             honest = [r for pid, r in dht.get(key, ServerRecord).items() if pid != identity.peer_id]
-            step = max((r.epoch for r in honest), default=0)
+            step = epoch if epoch >= 0 else max((r.epoch for r in honest), default=0)
             now = time.time()
-            fake = ServerRecord(stage=stage, endpoint=endpoint, throughput=1e6, epoch=step, updated=now, started=now)
+            fake = ServerRecord(
+                stage=stage,
+                endpoint=endpoint,
+                throughput=1e6,
+                epoch=step,
+                step=step,
+                state=state,
+                takes_handover=state != "serving",
+                updated=now,
+                started=now,
+            )
             dht.store(key, fake, ttl=10.0)
             time.sleep(0.5)
     finally:
@@ -45,4 +59,5 @@ def main(maddr: str, identity_path: str, stage: int, endpoint: str, seconds: flo
 
 if __name__ == "__main__":
     maddr, identity_path, stage, endpoint, seconds, role = sys.argv[1:7]
-    main(maddr, identity_path, int(stage), endpoint, float(seconds), role)
+    state, epoch = (sys.argv[7], int(sys.argv[8])) if len(sys.argv) > 8 else ("serving", -1)
+    main(maddr, identity_path, int(stage), endpoint, float(seconds), role, state, epoch)
