@@ -235,6 +235,16 @@ def test_remote_moe_matches_local_refuses_bad_input_and_trains(swarm):
                 await client.expert_backward(a, no_inputs, {}, timeout=10)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "send the inputs" in caught.value.details()
+            # a backward that claims 2^32 - 1 samples (it would steer the host's clip and outweigh every other
+            # caller's gradients in the step): bounded by the run's micro-batch
+            claims = expert_pb2.ExpertBackwardRequest(
+                run_id="moe", expert="1.0", uid="", samples=2**32 - 1, grad_outputs=_tensor(torch.randn(3, 64))
+            )
+            claims.inputs.CopyFrom(_tensor(torch.randn(3, 64)))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.expert_backward(a, claims, {}, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "training.micro_batch_size" in caught.value.details(), caught.value.details()
             response, returned = await call("1.0", torch.randn(5, 64))
             assert list(codec.decode(response.outputs, payload=returned.get("outputs")).shape) == [5, 64]
             assert (await client.info(a, timeout=10, expert="1.1")).state == "serving"

@@ -78,6 +78,12 @@ class ExpertServicer(ServicerBase, expert_pb2_grpc.ExpertServicer):
             )
         if request.samples < 1:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "samples: the caller's micro-batch size must be >= 1")
+        most = self.host.spec.training.micro_batch_size  # the run's: a caller's claim weighs no more (clip, step)
+        if request.samples > most:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"samples: {request.samples}, more than the run's training.micro_batch_size ({most})",
+            )
         result = await self.host.backward(request.expert, request.uid, inputs, grad_outputs, request.samples)
         if isinstance(result, MissingInputs):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(result), Reason.MISSING_INPUTS)
