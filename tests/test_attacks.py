@@ -144,6 +144,32 @@ def test_records_only_the_coordinator_may_write_count_from_no_server(swarm):
 
 
 @pytest.mark.slow
+def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
+    """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
+    (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The
+    joiner refuses it, naming the tensor, distrusts its donor for good, and waits for a state it can take
+    instead of serving; the run trains on through the rotten server meanwhile."""
+    ids = {name: _identity(swarm.workdir, name) for name in ("rotten", "s1", "n0")}
+    swarm.coordinator(SPEC)
+    rotten = swarm.start(
+        "rotten", [str(HELPERS / "rotten.py"), *loopback_join(swarm.maddr, "rotten", "--stage", "0")], python=True
+    )
+    s1 = swarm.server("s1", 1)
+    swarm.endpoint(rotten)
+    swarm.endpoint(s1)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    joiner = swarm.server("n0", 0)
+    refused = joiner.wait_for(r"refused the state of (\S+): (.*)", 120)
+    assert refused.group(1).rstrip(":") == ids["rotten"], refused.group(0)
+    assert "exp_avg_sq" in refused.group(2) and "negative" in refused.group(2), refused.group(0)
+    more = swarm.trainer("more", ["--seed", "1", "--max-micro-batches", "16"])
+    assert more.wait(120) == 0, more.output()[-3000:]
+    assert "Loaded the state" not in joiner.output() and "Serving stage 0 at" not in joiner.output()
+    assert joiner.proc.poll() is None, joiner.output()[-3000:]
+
+
+@pytest.mark.slow
 def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped(swarm):
     """Item 6: an admitted replica of stage 0 sends gradients of 1e4 everywhere to every round, and steps the
     poisoned mean itself. The two honest replicas refuse each such mean (its norm is far above those they

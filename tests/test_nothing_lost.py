@@ -559,6 +559,37 @@ def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused
     assert joiner.epoch == 1 and joiner.history[-1].values == donor.history[-1].values
 
 
+def test_a_state_whose_optimizer_state_or_step_no_adamw_step_leaves_is_refused_as_poisoned():
+    """Adam moments that are not finite, a negative second moment, a step count of 0, an epoch that is not a
+    step: each refused (Poisoned: its donor is not asked again), naming the tensor, and nothing loaded."""
+    from peer.config import RunSpec
+    from peer.model.part_state import Poisoned
+    from peer.model.runtime import StageRuntime
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    donor, joiner = StageRuntime(spec, 1), StageRuntime(spec, 1)
+    donor.apply_step([torch.full_like(p, 0.1) for p in donor.params], 4, 0, ["donor"], {})
+    metadata, tensors = donor.snapshot()
+    name = donor.param_names[2]
+    rotten = [
+        ({}, {f"optim/{name}/exp_avg": torch.full_like(tensors[f"optim/{name}/exp_avg"], float("nan"))}, "finite"),
+        ({}, {f"optim/{name}/exp_avg_sq": -tensors[f"optim/{name}/exp_avg_sq"] - 1}, "negative"),
+        ({}, {f"optim/{name}/step": tensors[f"optim/{name}/step"] * 0}, "at least one step"),
+        ({"epoch": 1e9}, {}, "not a step"),
+        ({"epoch": -1}, {}, "not a step"),
+    ]
+    for meta_change, tensor_change, words in rotten:
+        with pytest.raises(Poisoned) as caught:
+            joiner.load_state({**metadata, **meta_change}, {**tensors, **tensor_change}, "joiner")
+        assert words in str(caught.value), str(caught.value)
+        assert not meta_change and name in str(caught.value) or meta_change
+        assert joiner.epoch == 0 and not joiner.optimizer.state
+    joiner.load_state(metadata, tensors, "joiner")
+    assert joiner.epoch == 1
+
+
 def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsettled(tmp_path):
     from peer.trainer.journal import Entry, Journal
 

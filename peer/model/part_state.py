@@ -23,6 +23,11 @@ class OutOfReach(StateError):
     """A donor's weights are further from ours than the steps it claims to be ahead could have moved them."""
 
 
+class Poisoned(StateError):
+    """A state no honest replica holds: parameters or optimizer state not finite, a negative second moment, a
+    step count below one, another step than the one asked for. Its donor is not asked again."""
+
+
 @dataclass
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
@@ -160,6 +165,9 @@ class PartState:
         """
         if metadata.get("part") != self.name or metadata.get("spec") != self.spec.fingerprint():
             raise StateError(f"state is for {metadata.get('part')} of spec {metadata.get('spec')}, not {self.name}")
+        epoch = metadata.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise Poisoned(f"the state's epoch is {epoch!r}, not a step")
         stepped = metadata.get("samples_stepped", 0)
         if not isinstance(stepped, int) or isinstance(stepped, bool) or stepped < 0:
             # the schedule's position follows it (peer.model.optim.schedule_of): a negative count would give
@@ -172,12 +180,14 @@ class PartState:
                 if t is None or list(t.shape) != list(shape):
                     raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
                 if not all_finite(t):
-                    raise StateError(f"{kind} {name} in the state is not finite")
+                    raise Poisoned(f"{kind} {name} in the state is not finite")
             for slot in ("exp_avg", "exp_avg_sq", "step"):
                 t = tensors.get(f"optim/{name}/{slot}")
                 want = [] if slot == "step" else list(shape)
                 if t is not None and (t.numel() != 1 if slot == "step" else list(t.shape) != want):
                     raise StateError(f"optim/{name}/{slot} in the state has shape {list(t.shape)}, not {want}")
+                if t is not None:
+                    check_optimizer_slot(f"optim/{name}/{slot}", slot, t)
         return source
 
     def check_fingerprint(self, metadata: dict, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -306,6 +316,18 @@ def inherited_steps(metadata: dict) -> dict[int, Fingerprint]:
         )
         for epoch in sorted({*members, *coverage}, key=int)
     }
+
+
+def check_optimizer_slot(label: str, slot: str, t: torch.Tensor) -> None:
+    """Poisoned if AdamW state `slot` (exp_avg, exp_avg_sq, step) is not one an AdamW step leaves: finite, a second
+    moment never below 0 (its square root divides the update), a step count of at least 1 (bias correction
+    divides by 1 - beta^step)."""
+    if not all_finite(t):
+        raise Poisoned(f"{label} in the state is not finite")
+    if slot == "exp_avg_sq" and t.numel() and float(t.min()) < 0:
+        raise Poisoned(f"{label} in the state is negative ({float(t.min()):.3g}): it is a mean of squares")
+    if slot == "step" and float(t) < 1:
+        raise Poisoned(f"{label} in the state is {float(t):g}: an optimizer state counts at least one step")
 
 
 def shard_request_error(shard: int, num_shards: int, bound: int) -> str:

@@ -14,7 +14,7 @@ import grpc
 
 from dht.records import COORDINATOR_STATES, ServerRecord
 from peer.model.fingerprint import first_difference, tolerance
-from peer.model.part_state import OutOfReach, StateError
+from peer.model.part_state import OutOfReach, Poisoned, StateError
 from peer.process.status_lines import say
 from peer.swarm.consensus import credible_limit
 
@@ -69,6 +69,8 @@ class StateTransfer:
                     expert=self.part.expert,
                     peer=donor.owner,
                 )
+            if result[0].get("epoch") != epoch:  # the step asked for, or the donor's word on it is worth nothing
+                raise Poisoned(f"{donor.endpoint} sent the state of step {result[0].get('epoch')!r}, not of {epoch}")
             result[0]["from"] = donor.endpoint  # which donor sent it (this copy of the metadata only)
             have[shard] = result
             return result
@@ -137,7 +139,7 @@ class StateTransfer:
                     f"in {time.perf_counter() - started:.1f} s."
                 )
                 return True
-            except OutOfReach as e:  # a donor that claims a step its weights cannot be at: never again
+            except (OutOfReach, Poisoned) as e:  # a donor whose state no honest replica holds: never again
                 self.last_load_error = why(e)
                 lead = max(donors, key=lambda r: r.epoch)
                 if len(donors) > 1:  # which donor's shards it was is not known: the lead alone, once more
