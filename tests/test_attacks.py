@@ -144,6 +144,24 @@ def test_records_only_the_coordinator_may_write_count_from_no_server(swarm):
 
 
 @pytest.mark.slow
+def test_one_record_of_a_far_training_step_ends_no_trainer(swarm):
+    """One of stage 0's two replicas serves honestly but announces a training step of 10^9 (past
+    training.total_steps) beside its true epoch (tests/helpers/liar.py `far`): of two replicas, half. The run's
+    end needs more than half of a part's replicas (peer.swarm.consensus.backed), and a record's training step
+    no further than its epoch allows: the trainer does all its micro-batches, through both replicas."""
+    swarm.coordinator(SPEC)
+    s0, s1 = swarm.server("s0", 0), swarm.server("s1", 1)
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), "far", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    for server in (s0, s1, liar):
+        swarm.endpoint(server)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "100"])
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 100, trainer.output()[-3000:]
+
+
+@pytest.mark.slow
 def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
     """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
     (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The

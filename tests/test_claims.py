@@ -9,7 +9,7 @@ import torch
 from peer.config import RunSpec
 from peer.model.part_state import OutOfReach
 from peer.model.runtime import StageRuntime
-from peer.swarm.consensus import agreed, credible_limit
+from peer.swarm.consensus import agreed, backed, credible_limit
 
 
 def test_the_agreed_step_is_the_one_at_least_half_the_replicas_reached():
@@ -21,6 +21,14 @@ def test_the_agreed_step_is_the_one_at_least_half_the_replicas_reached():
     assert agreed([5, 5, 7, 1000]) == 7
     assert agreed([5, 5, 5, 1000, 1000]) == 5
     assert credible_limit([5, 5, 1000], 4) == 9
+
+
+def test_a_step_is_backed_when_more_than_half_the_replicas_reached_it():
+    assert backed([]) == 0
+    assert backed([7]) == 7
+    assert backed([5, 10**9]) == 5  # of two, one alone is half: its own word
+    assert backed([5, 6, 10**9]) == 6
+    assert backed([5, 5, 10**9, 10**9]) == 5
 
 
 def spec() -> RunSpec:

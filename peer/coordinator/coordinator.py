@@ -39,7 +39,7 @@ from peer.net.serving import http_host
 from peer.process.lifetime import exit_within
 from peer.process.status_lines import say
 from peer.swarm.books import Books
-from peer.swarm.consensus import agreed
+from peer.swarm.consensus import backed
 from peer.swarm.discovery import publish_spec
 from peer.swarm.status import gather
 
@@ -76,7 +76,7 @@ def swarm_summary(look: dict) -> dict:
         stages.append(
             {
                 "servers": len(serving),
-                "step": agreed(r.epoch for r in serving),  # what most replicas say (peer.swarm.consensus)
+                "step": backed(r.epoch for r in serving),  # what more than half say (peer.swarm.consensus)
                 "throughput": sum(r.throughput for r in serving),
             }
         )

@@ -23,6 +23,7 @@ from peer.coordinator.timeline import Timeline
 from peer.model.fingerprint import tolerance
 from peer.process.status_lines import say
 from peer.swarm.books import Books
+from peer.swarm.consensus import backed
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,17 @@ class Custody:
             live = [r for r in records.values() if r.state in ("serving", "leaving")]
             if not live or any(r.state == "serving" for r in live):
                 continue
-            epoch = max(r.epoch for r in live)
+            epoch = backed(r.epoch for r in live)  # not the furthest claim: that one would checkpoint at every look
             if epoch > offered.get(name, -1) and epoch > 0:
-                step = max((r.step for stage in look["stages"] for r in stage.values()), default=epoch)
+                # the step the checkpoint is named by: what more than half of each stage's replicas say, not the
+                # furthest claim (one record of step 10^9 named every later checkpoint and stopped the periodic ones)
+                step = max(
+                    (
+                        backed(r.epoch for r in stage.values() if r.state in ("serving", "leaving"))
+                        for stage in look["stages"]
+                    ),
+                    default=epoch,
+                )
                 if self._start_checkpoint(step):
                     say(f"The last server of {name} is leaving at step {epoch}: checkpointing its state now.")
                 return

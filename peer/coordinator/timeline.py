@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dht.records import ServerRecord, TrainerRecord
-from peer.swarm.consensus import agreed
+from peer.swarm.consensus import backed
 
 ACTIVE = ("joining", "serving")
 
@@ -246,7 +246,7 @@ class Timeline:
         for stage, records in enumerate(look["stages"]):
             serving = [r for r in records.values() if r.state == "serving" and not r.expert]
             totals[stage] = sum(r.throughput for r in serving)
-            step = max(step, agreed(r.epoch for r in serving))  # what most replicas say (peer.swarm.consensus)
+            step = max(step, backed(r.epoch for r in serving))  # what more than half say (peer.swarm.consensus)
         return Point(
             time=now,
             step=step,

@@ -18,7 +18,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import ExpertsConfig, NetworkConfig, TrainerConfig
 from peer.net.cadence import lifetime
-from peer.swarm.consensus import agreed
+from peer.swarm.consensus import agreed, backed
 
 STEP_READS = 3  # refreshes in a row that must all say the run reached its last step before a trainer stops
 SEEN_WINDOW = 10.0  # s a serving record read once still counts in what most replicas of its part say
@@ -51,8 +51,12 @@ class Router:
         cfg: TrainerConfig | ExpertsConfig,
         net: NetworkConfig,
         experts: list[str] | None = None,
+        inner_steps: int = 0,
     ):
+        """`inner_steps`: local averaging mode's inner steps per outer step (0: gradient mode, where a record's
+        training step is its epoch): what bounds the training step a record claims beside its epoch."""
         self.dht, self.run_id, self.cfg, self.net = dht, run_id, cfg, net
+        self.inner_steps = inner_steps
         if experts is None:
             self.slots = [(keys.servers_key(run_id, s), s, "") for s in range(num_stages)]
         else:
@@ -99,12 +103,18 @@ class Router:
                     self.leaving.discard(pid)
                 present.add(pid)
             self.servers[slot] = self._routable(records, self._counted(slot, records))
-            # the run's progress is what most replicas of a part say: one record cannot end every trainer
-            step = max(step, agreed(max(r.step, r.epoch) for r in self.servers[slot].values()))
+            # the run's progress is what more than half of a part's replicas say: one record cannot end every
+            # trainer, even of two replicas
+            step = max(step, backed(self._training_step(r) for r in self.servers[slot].values()))
         self.max_epoch = max(self.max_epoch, step)
         self.recent_steps.append(step)
         self.present, self.endpoints = present, endpoints
         self._forget_old()
+
+    def _training_step(self, r: ServerRecord) -> int:
+        """The training step a record claims, no further than its epoch allows: the epoch itself in gradient mode,
+        in local mode at most the inner steps of one more outer step."""
+        return min(max(r.step, r.epoch), (r.epoch + 1) * self.inner_steps) if self.inner_steps else r.epoch
 
     def reached(self, step: int) -> bool:
         """Whether the run is at `step` by the last STEP_READS refreshes in a row (peer.swarm.consensus)."""

@@ -61,7 +61,8 @@ class Trainer(Calls, Settling, Reporting):
     def __init__(self, spec: RunSpec, cfg: PeerConfig, dht: SwarmDHT, feed: Feed | None = None):
         self.spec, self.cfg, self.tcfg, self.dht = spec, cfg, cfg.trainer, dht
         self.num_stages = spec.stages.num_stages
-        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network)
+        inner = spec.averaging.inner_steps if spec.averaging.mode == "local" else 0
+        self.router = Router(dht, spec.name, self.num_stages, self.tcfg, cfg.network, inner_steps=inner)
         self.ledger = Ledger(
             on_empty=self._receipts_gone, on_stepped=lambda r: self.journal.stepped(r.request.uid, r.stage)
         )

@@ -1,9 +1,11 @@
 """An admitted peer that announces another server's endpoint as its own (tests/test_attacks.py runs it).
 
-`impostor.py MADDR IDENTITY STAGE ENDPOINT SECONDS ROLE [STATE EPOCH]`: it is admitted with ROLE (`server`: it
+`impostor.py MADDR IDENTITY STAGE ENDPOINT SECONDS ROLE [STATE EPOCH [STEP]]`: it is admitted with ROLE (`server`: it
 may announce servers; `trainer`: it may not, and its record must count nowhere). With STATE (`trained`, `archive`)
 and EPOCH, its record is one only the coordinator may write: that the stage was trained to EPOCH, or that a
 checkpoint of it at EPOCH is served at ENDPOINT, and that the coordinator takes the handover of its last server.
+EPOCH -1: the stage's own step, as above. STEP: the training step its record claims beside its epoch (in gradient
+mode the two are one: a record of a normal epoch and a step of 10^9 said the run had ended).
 
 It keeps storing a `ServerRecord` of its own for STAGE that names ENDPOINT (an honest server's), serving,
 at the stage's step and with a throughput far above anyone's, so trainers pick it first. A caller that
@@ -25,7 +27,15 @@ from peer.config import PeerConfig
 
 
 def main(
-    maddr: str, identity_path: str, stage: int, endpoint: str, seconds: float, role: str, state: str, epoch: int
+    maddr: str,
+    identity_path: str,
+    stage: int,
+    endpoint: str,
+    seconds: float,
+    role: str,
+    state: str,
+    epoch: int,
+    claimed_step: int,
 ) -> None:
     mp.set_start_method("fork", force=True)
     cfg = PeerConfig()
@@ -45,9 +55,9 @@ def main(
                 endpoint=endpoint,
                 throughput=1e6,
                 epoch=step,
-                step=step,
+                step=claimed_step if claimed_step >= 0 else step,
                 state=state,
-                takes_handover=state != "serving",
+                takes_handover=state in ("trained", "archive"),
                 updated=now,
                 started=now,
             )
@@ -60,4 +70,5 @@ def main(
 if __name__ == "__main__":
     maddr, identity_path, stage, endpoint, seconds, role = sys.argv[1:7]
     state, epoch = (sys.argv[7], int(sys.argv[8])) if len(sys.argv) > 8 else ("serving", -1)
-    main(maddr, identity_path, int(stage), endpoint, float(seconds), role, state, epoch)
+    claimed_step = int(sys.argv[9]) if len(sys.argv) > 9 else -1
+    main(maddr, identity_path, int(stage), endpoint, float(seconds), role, state, epoch, claimed_step)

@@ -7,7 +7,9 @@
 - `last`: as a last stage, every backward's loss is 1 higher and the gradients it sends back are tripled,
   what a broken or hostile last stage would do to every stage before it;
 - `stay`: it reads the revocation list like everyone, but does not stop when it finds itself there: it keeps
-  serving (and its relay attachment) for whoever still takes it.
+  serving (and its relay attachment) for whoever still takes it;
+- `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
+  that wants every trainer to think the run has ended would announce.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 from peer.cli.main import main
 from peer.net.security import Security
+from peer.server.replica import Replica
 from peer.server.servicer import StageServicer
 from peer.server.stage import StageServer
 
@@ -53,11 +56,24 @@ def staying():
     return ignore_own
 
 
+def far_step():
+    record = Replica.record
+
+    def far(self):
+        announced = record(self)
+        announced.step = 10**9
+        return announced
+
+    return far
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dodge":
         StageServicer._forward = dodging()
     elif sys.argv[1] == "stay":
         Security.refresh_revocations = staying()
+    elif sys.argv[1] == "far":
+        Replica.record = far_step()
     else:
         StageServer.backward = wrong_last()
     print(f"LIAR {sys.argv[1]}", flush=True)
