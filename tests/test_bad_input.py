@@ -89,6 +89,14 @@ def test_bad_requests_are_refused_and_server_keeps_serving(stage1):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "targets" in message
 
+    # a uid of 4,000 characters (uids are kept in the dedup and forward caches)
+    code, message = _status(
+        lambda: stub.Forward(
+            stage_pb2.ForwardRequest(run_id="badinput", stage=1, uid="u" * 4000, inputs=codec.encode(good)), timeout=10
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "server.max_uid_length" in message, message
+
     # streamed: a header announcing too large a tensor is refused before anything is allocated
     huge = tensor_pb2.Tensor(shape=[1000, 16, 32], dtype=tensor_pb2.FLOAT32)
     header = stage_pb2.ForwardRequest(run_id="badinput", stage=1, inputs=huge).SerializeToString()

@@ -61,6 +61,8 @@ class ServerConfig:
     perturb_outputs: float = 0.0  # drills and tests only: add Gaussian noise of this std to forward outputs
     activation_cache_size: int = 32  # forwards kept for their backward (the backward recomputes on a miss)
     dedup_history: int = 1024  # uids of backwards added, so that a caller's retry of one is not counted twice
+    # longest request uid accepted (a trainer's are about 30 characters): uids are kept in the caches above
+    max_uid_length: int = 128
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
     state_load_timeout: float = 60.0  # s to download a stage's state from a peer
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part

@@ -110,6 +110,14 @@ class ServicerBase:
     async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
         """Run `handler` within the limits: requests in flight, and bytes of request tensors held, in all and
         per caller, counted before a streamed request's tensors are read (`payloads` is then its Header)."""
+        uid = getattr(request, "uid", "")
+        if len(uid) > self.limits.max_uid_length:  # kept in the dedup and forward caches: bounded
+            await refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"uid: {len(uid)} characters, more than server.max_uid_length ({self.limits.max_uid_length})",
+                Reason.BAD_INPUT,
+            )
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await refuse(
                 context,
