@@ -162,6 +162,27 @@ def test_one_record_of_a_far_training_step_ends_no_trainer(swarm):
 
 
 @pytest.mark.slow
+def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swarm):
+    """One of stage 0's two replicas refuses every forward and backward as the caller's fault (INVALID_ARGUMENT,
+    tests/helpers/liar.py `blame`). A trainer believes that only when a second replica says it too: it bans the
+    liar like any server that failed, and does every micro-batch on the honest one."""
+    ids = {name: _identity(swarm.workdir, name) for name in ("liar",)}
+    swarm.coordinator(SPEC)
+    s0, s1 = swarm.server("s0", 0), swarm.server("s1", 1)
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), "blame", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    for server in (s0, s1, liar):
+        swarm.endpoint(server)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "40"])
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 40, trainer.output()[-3000:]
+    refused = [e for e in swarm.log("t") if e["type"] == "call" and "INVALID_ARGUMENT" in e.get("error", "")]
+    assert refused and all(e["peer"] == ids["liar"] for e in refused), refused[:3]
+    assert "refused our" not in trainer.output()
+
+
+@pytest.mark.slow
 def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
     """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
     (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The

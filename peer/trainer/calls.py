@@ -31,6 +31,11 @@ class MicroBatchFailed(RuntimeError):
     """A micro-batch could not pass a stage on any replica within the retries."""
 
 
+class CallerFault(RuntimeError):
+    """A server said our request was at fault (malformed, or our credential refused): its word, until a second
+    replica says the same."""
+
+
 class BadAnswer(RuntimeError):
     """A server answered with a tensor that cannot be right (wrong shape, NaN or Inf)."""
 
@@ -84,7 +89,7 @@ class Calls:
         Forwards give up after max_retries failures; backwards never do (a later stage has counted
         the micro-batch already), they wait for a replica instead.
         """
-        tried: set[str] = set()
+        tried, refusers = set(), set()  # servers tried this round; servers that put the fault on us
         attempts, pause = 0, 0.25
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
@@ -113,7 +118,17 @@ class Calls:
                 self.journal.sent(request.uid, stage, pid)
             started = time.monotonic()
             self._count_bytes("sent", sent)
-            answer, reason, blame = await self._attempt(stage, method, request, payloads, pid, record, timeout, kind)
+            try:
+                answer, reason, blame = await self._attempt(
+                    stage, method, request, payloads, pid, record, timeout, kind
+                )
+            except CallerFault as e:
+                # one server's word that the fault is ours: believed once a second replica says it too (or none
+                # other is known); until then that server is banned like any that failed
+                refusers.add(pid)
+                if len(refusers) >= 2 or len(self.router.servers[stage]) <= len(refusers):
+                    raise MicroBatchFailed(f"stage {stage} refused our {method}: {e}") from None
+                answer, reason, blame = None, str(e), True
             if answer is not None:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
@@ -138,7 +153,7 @@ class Calls:
             return (response, returned, pid), "", True
         except grpc.aio.AioRpcError as e:
             if e.code() in _CALLER_FAULTS:
-                raise MicroBatchFailed(f"stage {stage} refused our {method}: {e.code().name}: {e.details()}") from None
+                raise CallerFault(f"{e.code().name}: {e.details()}") from None
             reason, blame = reason_of(e), True
             if reason == Reason.LEAVING:
                 self.router.report_leaving(pid)

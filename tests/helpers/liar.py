@@ -8,6 +8,8 @@
   what a broken or hostile last stage would do to every stage before it;
 - `stay`: it reads the revocation list like everyone, but does not stop when it finds itself there: it keeps
   serving (and its relay attachment) for whoever still takes it;
+- `blame`: every forward and backward is refused as the caller's fault (INVALID_ARGUMENT), so that a trainer
+  that believed it would give its micro-batches up instead of banning this server;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
   that wants every trainer to think the run has ended would announce.
 """
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import sys
 
+import grpc
+
 from peer.cli.main import main
+from peer.net.refusal import Refused
 from peer.net.security import Security
 from peer.server.replica import Replica
 from peer.server.servicer import StageServicer
@@ -56,6 +61,13 @@ def staying():
     return ignore_own
 
 
+def blaming():
+    async def refuse_all(self, request, payloads, deadline):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: malformed (they are not)")
+
+    return refuse_all
+
+
 def far_step():
     record = Replica.record
 
@@ -72,6 +84,8 @@ if __name__ == "__main__":
         StageServicer._forward = dodging()
     elif sys.argv[1] == "stay":
         Security.refresh_revocations = staying()
+    elif sys.argv[1] == "blame":
+        StageServicer._forward = StageServicer._backward = blaming()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
     else:
