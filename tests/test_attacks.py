@@ -183,6 +183,42 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
 
 
 @pytest.mark.slow
+def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_no_stage(swarm):
+    """A third replica of stage 0 claims one step past the honest two, in its records and its answers (believable:
+    within server.max_resync_jump), and fails every GetState (tests/helpers/liar.py `freeze`). An honest replica
+    does not step while a believable one is ahead: it loads that state first. Each failed load bans the donor for
+    longer (server.donor_ban), and after server.donor_strikes failures in a row its claim no longer counts: the
+    honest replicas step on, and no accumulator is dropped for a load that never came."""
+    swarm.coordinator(SPEC)
+    honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
+    s1 = swarm.server("s1", 1)
+    endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
+    swarm.endpoint(s1)
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), "freeze", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    swarm.endpoint(liar)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    liar.wait_for(r"HOSTILE at (\d+)", 120)
+    started_at = min(info(e).epoch for e in endpoints.values())
+    deadline = time.monotonic() + 120
+    while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
+        steps = {name: info(e).epoch for name, e in endpoints.items()}
+        assert time.monotonic() < deadline, (started_at, steps, honest["s0a"].output()[-3000:])
+        assert trainer.proc.poll() is None, trainer.output()[-3000:]
+        time.sleep(0.5)
+    outputs = honest["s0a"].output() + honest["s0b"].output()
+    assert "its step no longer counts" in outputs, outputs[-3000:]
+    # an accumulator goes only with a state that loaded (from an honest replica that stepped on first), never for
+    # the liar's that never came
+    drops = len(re.findall(r"accumulated samples, of old weights, are dropped", outputs))
+    assert drops <= len(re.findall(r"Loaded the state of stage 0", outputs)), outputs[-3000:]
+    # asked again only after each ban: a handful of tries in all, not two a second
+    tries = len(re.findall(r"could not load the state", outputs))
+    assert 2 <= tries <= 16, tries
+
+
+@pytest.mark.slow
 def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
     """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
     (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The

@@ -73,6 +73,13 @@ class ServerConfig:
     # a replica takes the state of a step no more than this many steps past the one most replicas of its part
     # are at (peer.swarm.consensus): any admitted peer may claim any step, and one claim must not carry a stage
     max_resync_jump: int = 16
+    # s a replica waits before it asks a donor that failed to send the state again (doubling each failure in a row,
+    # up to max_donor_ban): a peer that claims a step ahead and never sends it is not asked twice a second
+    donor_ban: float = 2.0
+    max_donor_ban: float = 300.0
+    # failures in a row after which a donor no longer counts as ahead of this replica (its claim no longer stops
+    # it stepping) until it sends a state that loads: a claim never backed by a state freezes no stage
+    donor_strikes: int = 3
     # a replica behind its part takes a donor's state only if no parameter moved more than this many times the
     # peak learning rate per step between (an AdamW step moves an element by about lr at most, plus weight decay)
     max_update_per_step: float = 4.0

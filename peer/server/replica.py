@@ -136,6 +136,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         self.round_seq = 0  # additions the running round covers
         self.samples_averaging = 0  # samples taken out of the accumulator for the running round
         self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
+        # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
+        self._donor_strikes: dict[str, tuple[int, float]] = {}
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
         self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
         self.last_load_error = ""  # why the last state download failed
@@ -257,7 +259,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         serving = {
             pid: r
             for pid, r in self.peers.items()
-            if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0)
+            if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0) and not self._struck(pid)
         }
         credible = {id(r) for r in self._credible(list(serving.values()))}
         return {pid: r for pid, r in serving.items() if id(r) in credible}

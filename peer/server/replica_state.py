@@ -197,7 +197,10 @@ class StateTransfer:
         steps = [
             r.epoch
             for pid, r in self.peers.items()
-            if r.state == "serving" and pid not in self._distrusted and r.updated > self._unresponsive.get(pid, -1.0)
+            if r.state == "serving"
+            and pid not in self._distrusted
+            and not self._struck(pid)
+            and r.updated > self._unresponsive.get(pid, -1.0)
         ]
         if self.state == "serving" and not self.paused:
             steps.append(self.runtime.epoch)
@@ -282,8 +285,11 @@ class StateTransfer:
         return max(past, default=0)
 
     async def _resync(self, ahead: list[ServerRecord]) -> None:
-        """This replica fell behind (missed a round): take the state of those ahead of it, keeping its accumulator."""
-        ahead = self._credible(ahead)
+        """This replica fell behind (missed a round): take the state of those ahead of it. Its accumulator goes
+        only once a state loaded (more than a step behind, it holds gradients of old weights); a donor that
+        failed is asked again only after its ban (`_strike`)."""
+        now = time.monotonic()
+        ahead = [r for r in self._credible(ahead) if self._donor_strikes.get(r.owner, (0, 0.0))[1] <= now]
         if not ahead:
             return
         leader = max(ahead, key=lambda r: r.epoch)
@@ -296,19 +302,46 @@ class StateTransfer:
         )
         self.stepping = True
         try:
-            if leader.epoch - self.runtime.epoch > 1:
-                await self.run_torch(self._drop_stale, leader.epoch)
-            await self._load_from([r for r in ahead if r.epoch == leader.epoch], attempts=1)
+            before, donors = self.runtime.epoch, [r for r in ahead if r.epoch == leader.epoch]
+            if await self._load_from(donors, attempts=1):
+                for r in donors:
+                    self._donor_strikes.pop(r.owner, None)
+                if self.runtime.epoch - before > 1:
+                    await self.run_torch(self._drop_stale, before)
+            else:
+                self._strike(donors)
         finally:
             self.stepping = False
 
+    def _strike(self, donors: list[ServerRecord]) -> None:
+        """These donors failed to send a state that loads: asked again after server.donor_ban s, doubling with
+        each failure in a row; after server.donor_strikes in a row, their claim no longer counts (`_struck`)."""
+        server = self.cfg.server
+        for r in donors:
+            if r.owner in self._donor_strikes or len(self._donor_strikes) < 1024:
+                n = self._donor_strikes.get(r.owner, (0, 0.0))[0] + 1
+                ban = min(server.donor_ban * 2 ** min(n - 1, 16), server.max_donor_ban)
+                self._donor_strikes[r.owner] = (n, time.monotonic() + ban)
+                if n == server.donor_strikes:
+                    logger.warning(
+                        "%s: %s failed to send its state %d times in a row: its step no longer counts until one loads",
+                        self.label,
+                        r.owner or r.endpoint,
+                        n,
+                    )
+
+    def _struck(self, pid: str) -> bool:
+        """Whether peer `pid` failed to send its state server.donor_strikes times in a row (and none loaded since)."""
+        return self._donor_strikes.get(pid, (0, 0.0))[0] >= self.cfg.server.donor_strikes
+
     def _drop_stale(self, epoch: int) -> None:
-        """Torch thread: this replica is more than a step behind (its gradients are of weights the stage left
-        steps ago): its accumulator goes, under a new incarnation, and trainers replay what it held."""
+        """Torch thread: this replica was more than a step behind, at `epoch` (its gradients are of weights the
+        stage left steps ago): its accumulator goes, under a new incarnation, and trainers replay what it held."""
         dropped = self.runtime.drop_accumulator()
         logger.warning(
-            "%s: %d steps behind its stage; %d accumulated samples, of old weights, are dropped (trainers replay them)",
+            "%s: was %d steps behind its stage; %d accumulated samples, of old weights, are dropped (trainers replay "
+            "them)",
             self.label,
-            epoch - self.runtime.epoch,
+            self.runtime.epoch - epoch,
             dropped,
         )

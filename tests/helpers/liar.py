@@ -10,6 +10,9 @@
   serving (and its relay attachment) for whoever still takes it;
 - `blame`: every forward and backward is refused as the caller's fault (INVALID_ARGUMENT), so that a trainer
   that believed it would give its micro-batches up instead of banning this server;
+- `freeze`: it claims one step past the least advanced of its partners (tests/helpers/hostile.py), in its
+  records and answers, and fails every GetState: honest replicas see a believable replica ahead, which they
+  must load from before they step, and it never sends its state;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
   that wants every trainer to think the run has ended would announce.
 """
@@ -24,7 +27,7 @@ from peer.cli.main import main
 from peer.net.refusal import Refused
 from peer.net.security import Security
 from peer.server.replica import Replica
-from peer.server.servicer import StageServicer
+from peer.server.servicer import ServicerBase, StageServicer
 from peer.server.stage import StageServer
 
 
@@ -68,6 +71,14 @@ def blaming():
     return refuse_all
 
 
+def failing_state():
+    async def unavailable(self, request_bytes, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "busy, try again")
+        yield b""  # an async generator, as the real handler
+
+    return unavailable
+
+
 def far_step():
     record = Replica.record
 
@@ -86,6 +97,11 @@ if __name__ == "__main__":
         Security.refresh_revocations = staying()
     elif sys.argv[1] == "blame":
         StageServicer._forward = StageServicer._backward = blaming()
+    elif sys.argv[1] == "freeze":
+        from hostile import claiming
+
+        Replica.publish = claiming(1, 0.0)
+        ServicerBase.GetState = failing_state()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
     else:
