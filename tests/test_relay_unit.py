@@ -145,3 +145,35 @@ def test_a_relay_opens_only_the_ports_of_relay_ports_and_refuses_when_none_is_fr
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_one_stranger_s_idle_connections_leave_room_for_everyone_else():
+    """A stranger opens relay.max_connections (64) idle TCP connections through a relay to the peer it carries,
+    from one address (127.0.0.2): only relay.max_connections_per_host of them are taken, and a caller from
+    another address is still carried to the peer."""
+
+    async def main():
+        cfg = config(reachability="private", keepalive=0.5, max_connections=64, max_connections_per_host=16)
+        relays = {"relay": RelayService(cfg, RUN, "127.0.0.1")}
+        relay_server, _ = await serve(cfg, relays["relay"])
+        own, endpoint = await serve(cfg)
+        uplink = Uplink(cfg, RUN, FakeDHT("hidden", relays), endpoint)
+        announced = await uplink.start()
+        host, port = announced.rsplit(":", 1)
+        stranger = []
+        for _ in range(64):
+            stranger.append(await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0)))
+        carrier = relays["relay"].attached["hidden"]
+        for _ in range(100):  # the relay has seen them all (taken or closed)
+            if relays["relay"].refused + len(carrier.waiting) + len(carrier.carried) >= 64:
+                break
+            await asyncio.sleep(0.05)
+        assert relays["relay"].refused == 48, relays["relay"].refused
+        assert await check(announced) == health_pb2.HealthCheckResponse.SERVING  # from 127.0.0.1
+        for _, writer in stranger:
+            writer.close()
+        await uplink.close()
+        for server in (relay_server, own):
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -304,6 +304,9 @@ class RelayConfig:
     # for a firewall); empty: any free ones
     ports: str = ""
     max_connections: int = 64  # connections forwarded at once for one relayed peer; more are closed
+    # of those, the most from one address (a relay sees only TCP: who opens them is not known before the relayed
+    # peer's TLS): one stranger's idle connections leave room for everyone else's
+    max_connections_per_host: int = 16
     chunk_bytes: int = 256 * 1024  # most bytes one forwarded chunk carries
     keepalive: float = 2.0  # s between a relay's keepalive signals to each peer it carries
     dead_after: float = 6.0  # s without a signal before a relayed peer drops its relay and moves to another
@@ -348,7 +351,7 @@ class PeerConfig:
             raise ConfigError(f"parallel.tp: must be at least 1, got {self.parallel.tp}")
         if self.relay.reachability not in ("auto", "public", "private"):
             raise ConfigError(f"relay.reachability: must be auto, public or private, got {self.relay.reachability!r}")
-        for name in ("max_peers", "max_connections", "chunk_bytes", "candidates"):
+        for name in ("max_peers", "max_connections", "max_connections_per_host", "chunk_bytes", "candidates"):
             if getattr(self.relay, name) < 1:
                 raise ConfigError(f"relay.{name}: must be at least 1, got {getattr(self.relay, name)}")
         for name in ("keepalive", "dead_after", "probe_timeout", "connect_timeout"):

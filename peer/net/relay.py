@@ -184,6 +184,13 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             logger.info("closed a connection for %s: relay.max_connections reached", attachment.peer)
             writer.close()
             return
+        host = _host_of(writer)
+        open_ones = [w for _, w in attachment.waiting.values()] + list(attachment.carried)
+        if sum(1 for w in open_ones if _host_of(w) == host) >= relay.max_connections_per_host:
+            self.refused += 1
+            logger.info("closed a connection from %s for %s: relay.max_connections_per_host", host, attachment.peer)
+            writer.close()
+            return
         connection = next(self._ids)
         attachment.waiting[connection] = (reader, writer)
         attachment.signals.put_nowait(connection)
@@ -351,3 +358,9 @@ class RelayThread:
             with contextlib.suppress(Exception):
                 self._thread.call(stop())
         self._thread.stop()
+
+
+def _host_of(writer) -> str:
+    """The address a relayed connection came from ("" if not known)."""
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if peer else ""
