@@ -136,8 +136,6 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         self.round_seq = 0  # additions the running round covers
         self.samples_averaging = 0  # samples taken out of the accumulator for the running round
         self._unresponsive: dict[str, float] = {}  # peer -> its record's `updated` when it ignored an invitation
-        # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
-        self._donor_strikes: dict[str, tuple[int, float]] = {}
         self.record_expires = time.time() + cfg.network.record_ttl  # after this, trainers may take us for gone
         self.told_to_leave: Callable[[], bool] = lambda: False  # its owner's: stop trying to load a state
         self.last_load_error = ""  # why the last state download failed
@@ -193,6 +191,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         self._seen: dict[str, float] = {}  # peer -> when its record was last read (bounded by record_ttl)
         self._first_seen: dict[str, int] = {}  # peer -> this replica's step when it first read its record
         self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
+        # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
+        self._donor_strikes: dict[str, tuple[int, float]] = {}
         # this process was stopped (or starved) since its last load: its own step does not count in what most
         # replicas say until it loads the stage's state again, as a joiner would
         self.paused = False

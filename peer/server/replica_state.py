@@ -28,6 +28,15 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _of_step(result: tuple[dict, dict], donor: ServerRecord, epoch: int) -> tuple[dict, dict]:
+    """A shard `donor` sent, if it is of the step asked for (Poisoned if not: its word on it is worth nothing),
+    its metadata marked with where it came from (this copy only)."""
+    if result[0].get("epoch") != epoch:
+        raise Poisoned(f"{donor.endpoint} sent the state of step {result[0].get('epoch')!r}, not of {epoch}")
+    result[0]["from"] = donor.endpoint
+    return result
+
+
 class StateTransfer:
     """Loading a Replica's state from its peers (Replica inherits it)."""
 
@@ -69,10 +78,7 @@ class StateTransfer:
                     expert=self.part.expert,
                     peer=donor.owner,
                 )
-            if result[0].get("epoch") != epoch:  # the step asked for, or the donor's word on it is worth nothing
-                raise Poisoned(f"{donor.endpoint} sent the state of step {result[0].get('epoch')!r}, not of {epoch}")
-            result[0]["from"] = donor.endpoint  # which donor sent it (this copy of the metadata only)
-            have[shard] = result
+            have[shard] = _of_step(result, donor, epoch)
             return result
 
         # each donor sends every len(same)-th shard; a shard stays well under the largest message accepted

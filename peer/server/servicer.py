@@ -107,17 +107,21 @@ class ServicerBase:
         except codec.TensorDecodeError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}") from None
 
-    async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
-        """Run `handler` within the limits: requests in flight, and bytes of request tensors held, in all and
-        per caller, counted before a streamed request's tensors are read (`payloads` is then its Header)."""
+    async def _check_uid(self, request, context) -> None:
+        """A request's uid is kept in the dedup and forward caches: its length has a bound."""
         uid = getattr(request, "uid", "")
-        if len(uid) > self.limits.max_uid_length:  # kept in the dedup and forward caches: bounded
+        if len(uid) > self.limits.max_uid_length:
             await refuse(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"uid: {len(uid)} characters, more than server.max_uid_length ({self.limits.max_uid_length})",
                 Reason.BAD_INPUT,
             )
+
+    async def _guarded(self, handler, request, payloads, context: grpc.aio.ServicerContext):
+        """Run `handler` within the limits: requests in flight, and bytes of request tensors held, in all and
+        per caller, counted before a streamed request's tensors are read (`payloads` is then its Header)."""
+        await self._check_uid(request, context)
         if self.server.inflight >= self.limits.max_concurrent_requests:
             await refuse(
                 context,

@@ -89,8 +89,7 @@ class Calls:
         Forwards give up after max_retries failures; backwards never do (a later stage has counted
         the micro-batch already), they wait for a replica instead.
         """
-        tried, refusers = set(), set()  # servers tried this round; servers that put the fault on us
-        attempts, pause = 0, 0.25
+        tried, refusers, attempts, pause = set(), set(), 0, 0.25  # refusers: servers that put the fault on us
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
         sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
@@ -123,12 +122,7 @@ class Calls:
                     stage, method, request, payloads, pid, record, timeout, kind
                 )
             except CallerFault as e:
-                # one server's word that the fault is ours: believed once a second replica says it too (or none
-                # other is known); until then that server is banned like any that failed
-                refusers.add(pid)
-                if len(refusers) >= 2 or len(self.router.servers[stage]) <= len(refusers):
-                    raise MicroBatchFailed(f"stage {stage} refused our {method}: {e}") from None
-                answer, reason, blame = None, str(e), True
+                answer, reason, blame = None, self._refused_by(stage, method, pid, refusers, e), True
             if answer is not None:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
@@ -136,6 +130,14 @@ class Calls:
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    def _refused_by(self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault) -> str:
+        """Server `pid` put the fault of a call on us: one server's word, believed (MicroBatchFailed) once a second
+        replica says it too, or none other is known; until then that server is banned like any that failed."""
+        refusers.add(pid)
+        if len(refusers) >= 2 or len(self.router.servers[stage]) <= len(refusers):
+            raise MicroBatchFailed(f"stage {stage} refused our {method}: {fault}") from None
+        return str(fault)
 
     async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
         """One try on one server: ((response, payloads, pid), "", _) on success, else (None, reason, blame):
