@@ -214,6 +214,35 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
         assert not runtime_dir.exists(), f"{runtime_dir} left behind"
 
 
+def test_a_peer_killed_before_its_reaper_exists_leaves_a_dir_that_names_it_and_its_parent_s_reaper_sweeps(tmp_path):
+    """A runtime dir names its owner from the moment it has its name (it is made hidden, owned, then renamed): a
+    peer killed before it forked its reaper (the demo's peers as the demo dies) left an ownerless one, kept for 10
+    minutes. Now the reaper of the process that started it sweeps it as it ends: here a child killed between the
+    two, and its parent's exit."""
+    program = (
+        "import os, signal, subprocess, sys\n"
+        "from peer.process import lifetime\n"
+        "lifetime.start_reaper()\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os, signal\\n'\n"
+        "    'from peer.process import lifetime\\n'\n"
+        "    'print(lifetime._owned_runtime_dir(), flush=True)\\n'\n"
+        "    'os.kill(os.getpid(), signal.SIGKILL)'], capture_output=True, text=True,\n"
+        "    env=dict(os.environ, TMPDIR=os.environ[lifetime.USER_TMPDIR_ENV]))\n"
+        "print(child.stdout.strip(), flush=True)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    left = Path(out.stdout.strip().splitlines()[-1])
+    # beside the parent's runtime dir (as a demo's peers' are), not in it (which goes with the parent anyway)
+    assert left.name.startswith("swarmtrain-peer-") and not left.parent.name.startswith("swarmtrain-peer-"), out
+    deadline = time.monotonic() + GONE_WITHIN
+    while left.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left.exists(), f"{left} left behind"
+    assert not list(left.parent.glob(f".{left.name}")), "its hidden name left behind"
+
+
 def test_a_fork_no_look_saw_is_still_ended_with_what_it_started(tmp_path):
     """The peer forks a helper and exits before its reaper's first look (hivemind's DHT process of a peer
     stopped a second after it started, whose p2p daemon outlived it once on a clean clone). The helper named

@@ -137,13 +137,15 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
         runtime_dir = existing
     else:
         sweep_dead_runtime_dirs(_runtime_base())
-        tag = "".join(c for c in os.environ.get(RUNTIME_TAG_ENV, "") if c.isalnum())[:16]
-        runtime_dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX + (f"{tag}-" if tag else ""), dir=_runtime_base())
+        runtime_dir = _owned_runtime_dir()
         peer = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
                 reaper.run(peer, runtime_dir, period, grace)
+                # the runtime dirs of the peer's children that died before their own reapers could remove them
+                # (killed as they started, or their reapers ended with them): each names its dead owner
+                sweep_dead_runtime_dirs(_runtime_base())
             finally:
                 os._exit(0)
         os.environ[REAPER_ENV] = f"{pid}:{runtime_dir}"
@@ -154,6 +156,20 @@ def start_reaper(period: float = 0.5, grace: float = 1.5) -> Path:
     os.environ["TMPDIR"] = runtime_dir
     tempfile.tempdir = None  # read TMPDIR again
     return Path(runtime_dir)
+
+
+def _owned_runtime_dir() -> str:
+    """A new runtime dir that names this process as its owner from the moment it has its name: made hidden,
+    owned, then renamed (a peer killed between making it and forking its reaper left an ownerless dir, kept for
+    OWNERLESS_GRACE; a hidden one it may still leave is swept like the rest)."""
+    tag = "".join(c for c in os.environ.get(RUNTIME_TAG_ENV, "") if c.isalnum())[:16]
+    hidden = Path(
+        tempfile.mkdtemp(prefix=f".{RUNTIME_PREFIX}{tag}-" if tag else f".{RUNTIME_PREFIX}", dir=_runtime_base())
+    )
+    _write_owner(hidden, os.getpid(), 0)
+    runtime_dir = hidden.with_name(hidden.name[1:])
+    hidden.rename(runtime_dir)
+    return str(runtime_dir)
 
 
 def _write_owner(runtime_dir: Path, peer: int, reaper_pid: int) -> None:
@@ -184,7 +200,7 @@ def sweep_dead_runtime_dirs(base: str) -> list[Path]:
     a unit or container) the dir stays, with a copy of the peer's key in it: the next peer's start removes it.
     A dir that names no owner is removed once older than OWNERLESS_GRACE (one being made has none yet)."""
     removed = []
-    for path in Path(base).glob(RUNTIME_PREFIX + "*"):
+    for path in [*Path(base).glob(RUNTIME_PREFIX + "*"), *Path(base).glob(f".{RUNTIME_PREFIX}*")]:
         try:
             info = path.lstat()
         except OSError:
