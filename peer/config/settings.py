@@ -79,7 +79,7 @@ class ServerConfig:
     max_donor_ban: float = 300.0
     # failures in a row after which a donor no longer counts as ahead of this replica (its claim no longer stops
     # it stepping) until it sends a state that loads: a claim never backed by a state freezes no stage
-    donor_strikes: int = 3
+    donor_strikes: int = 4
     # a replica behind its part takes a donor's state only if no parameter moved more than this many times the
     # peak learning rate per step between (an AdamW step moves an element by about lr at most, plus weight decay)
     max_update_per_step: float = 4.0

@@ -23,7 +23,7 @@ from peer.coordinator.timeline import Timeline
 from peer.model.fingerprint import tolerance
 from peer.process.status_lines import say
 from peer.swarm.books import Books
-from peer.swarm.consensus import backed
+from peer.swarm.consensus import backed, credible_limit
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,11 @@ class Custody:
             live = [r for r in records.values() if r.state in ("serving", "leaving")]
             if not live or any(r.state == "serving" for r in live):
                 continue
-            epoch = backed(r.epoch for r in live)  # not the furthest claim: that one would checkpoint at every look
+            # the furthest step of its leaving holders that is credible (peer.swarm.consensus): not an honest
+            # leaving replica's step lost behind one a step short, nor a far claim checkpointed at every look
+            epochs = [r.epoch for r in live]
+            limit = credible_limit(epochs, self.cfg.server.max_resync_jump)
+            epoch = max(e for e in epochs if e <= limit)
             if epoch > offered.get(name, -1) and epoch > 0:
                 # the step the checkpoint is named by: what more than half of each stage's replicas say, not the
                 # furthest claim (one record of step 10^9 named every later checkpoint and stopped the periodic ones)

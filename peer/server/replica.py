@@ -193,6 +193,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
         # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
         self._donor_strikes: dict[str, tuple[int, float]] = {}
+        self._fed: dict[str, int] = {}  # peer -> the step of the last state it took from this replica (the newest 64)
         # this process was stopped (or starved) since its last load: its own step does not count in what most
         # replicas say until it loads the stage's state again, as a joiner would
         self.paused = False
@@ -259,7 +260,9 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
         serving = {
             pid: r
             for pid, r in self.peers.items()
-            if r.state == "serving" and r.updated > self._unresponsive.get(pid, -1.0) and not self._struck(pid)
+            if r.state == "serving"
+            and r.updated > self._unresponsive.get(pid, -1.0)
+            and not (r.epoch > self.runtime.epoch and self._struck(pid))  # ahead by a claim never backed
         }
         credible = {id(r) for r in self._credible(list(serving.values()))}
         return {pid: r for pid, r in serving.items() if id(r) in credible}

@@ -26,16 +26,26 @@ HANDOVER_LOOK = 1.0  # s between looks at the DHT (and announcements as 'leaving
 class Handover:
     """A leaving Replica's hand-over of its part's state (Replica inherits it)."""
 
+    def fed(self, peer: str, epoch: int) -> None:
+        """`peer` took (a shard of) this replica's state of step `epoch`: a joiner that holds it now."""
+        if peer:
+            self._fed.pop(peer, None)
+            self._fed[peer] = epoch
+            while len(self._fed) > 64:
+                self._fed.pop(next(iter(self._fed)))
+
     def _held_elsewhere(self) -> bool:
         """Whether the coordinator offers a copy of the part at this step or later (an `archive` record, which
         only the coordinator may publish: dht.records), or a replica that made this replica's last step with it
-        (a member of that step's group, so it holds what this one holds) serves at this step or later. Any other
-        replica's claim to be there is its word alone: a stranger's record must not send the last holder away."""
+        (a member of that step's group, so it holds what this one holds) or took this step's state from it
+        serves at this step or later. Any other replica's claim to be there is its word alone: a stranger's
+        record must not send the last holder away."""
         epoch = self.runtime.epoch
         if any(r.state == "archive" and r.epoch >= epoch for r in self.peers.values()):
             return True
         last = next((f for f in reversed(self.runtime.history) if f.epoch == epoch), None)
         partners = set(last.members if last is not None else ()) - {self.dht.peer_id}
+        partners |= {pid for pid, step in self._fed.items() if step == epoch}
         serving = [r for r in self.peers.values() if r.state == "serving" and r.epoch >= epoch and r.owner in partners]
         return bool(self._credible(serving))
 

@@ -203,10 +203,7 @@ class StateTransfer:
         steps = [
             r.epoch
             for pid, r in self.peers.items()
-            if r.state == "serving"
-            and pid not in self._distrusted
-            and not self._struck(pid)
-            and r.updated > self._unresponsive.get(pid, -1.0)
+            if r.state == "serving" and pid not in self._distrusted and r.updated > self._unresponsive.get(pid, -1.0)
         ]
         if self.state == "serving" and not self.paused:
             steps.append(self.runtime.epoch)
@@ -309,36 +306,48 @@ class StateTransfer:
         self.stepping = True
         try:
             before, donors = self.runtime.epoch, [r for r in ahead if r.epoch == leader.epoch]
-            if await self._load_from(donors, attempts=1):
+            # a load counts only if it brought the step claimed: one that answers with an older state than its
+            # record's (its own step copied from an honest replica) is a failure like a state that never came
+            if await self._load_from(donors, attempts=1) and self.runtime.epoch >= leader.epoch:
                 for r in donors:
                     self._donor_strikes.pop(r.owner, None)
                 if self.runtime.epoch - before > 1:
                     await self.run_torch(self._drop_stale, before)
             else:
-                self._strike(donors)
+                self._strike(leader)
         finally:
             self.stepping = False
 
-    def _strike(self, donors: list[ServerRecord]) -> None:
-        """These donors failed to send a state that loads: asked again after server.donor_ban s, doubling with
-        each failure in a row; after server.donor_strikes in a row, their claim no longer counts (`_struck`)."""
+    def _strike(self, r: ServerRecord) -> None:
+        """The donor that led a resync failed to send a state of its step that loads: asked again after
+        server.donor_ban s, doubling with each failure in a row; after server.donor_strikes in a row, its claim
+        to be ahead no longer counts (`_struck`). Forgotten once it is no longer ahead (`_forget_strikes`)."""
         server = self.cfg.server
-        for r in donors:
-            if r.owner in self._donor_strikes or len(self._donor_strikes) < 1024:
-                n = self._donor_strikes.get(r.owner, (0, 0.0))[0] + 1
-                ban = min(server.donor_ban * 2 ** min(n - 1, 16), server.max_donor_ban)
-                self._donor_strikes[r.owner] = (n, time.monotonic() + ban)
-                if n == server.donor_strikes:
-                    logger.warning(
-                        "%s: %s failed to send its state %d times in a row: its step no longer counts until one loads",
-                        self.label,
-                        r.owner or r.endpoint,
-                        n,
-                    )
+        if r.owner not in self._donor_strikes and len(self._donor_strikes) >= 1024:
+            return
+        n = self._donor_strikes.get(r.owner, (0, 0.0))[0] + 1
+        ban = min(server.donor_ban * 2 ** min(n - 1, 16), server.max_donor_ban)
+        self._donor_strikes[r.owner] = (n, time.monotonic() + ban)
+        if n == server.donor_strikes:
+            logger.warning(
+                "%s: %s failed to send its state %d times in a row: its step no longer counts until one loads",
+                self.label,
+                r.owner or r.endpoint,
+                n,
+            )
 
     def _struck(self, pid: str) -> bool:
         """Whether peer `pid` failed to send its state server.donor_strikes times in a row (and none loaded since)."""
         return self._donor_strikes.get(pid, (0, 0.0))[0] >= self.cfg.server.donor_strikes
+
+    def _forget_strikes(self) -> None:
+        """A struck donor that is no longer ahead of this replica (it fell back, left, or this one caught up)
+        starts anew: strikes are for a claim of a step that never came."""
+        epoch = self.runtime.epoch
+        for pid in list(self._donor_strikes):
+            r = self.peers.get(pid)
+            if r is None or r.state != "serving" or r.epoch <= epoch:
+                del self._donor_strikes[pid]
 
     def _drop_stale(self, epoch: int) -> None:
         """Torch thread: this replica was more than a step behind, at `epoch` (its gradients are of weights the

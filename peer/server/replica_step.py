@@ -25,6 +25,7 @@ class Stepping:
             self._maybe_inner_step()
         if self.stepping or self.state != "serving" or self.leaving or time.monotonic() < self._retry_after:
             return
+        self._forget_strikes()
         epoch = self.runtime.epoch
         serving = list(self._serving_peers().values())
         if any(r.epoch > epoch for r in serving):

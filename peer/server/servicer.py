@@ -351,6 +351,7 @@ class ServicerBase:
                 f"this replica is at step {metadata['epoch']}, not at the requested step {request.epoch}",
                 Reason.STALE_EPOCH,
             )
+        replica.fed(CALLER.get(), int(metadata["epoch"]))  # a joiner that holds this step now (a leaver's handover)
         response, payloads = stage_pb2.StateResponse(metadata_json=json.dumps(metadata, sort_keys=True)), {}
         for i, (name, tensor) in enumerate(tensors.items()):
             header, payloads[f"tensors.{i}.tensor"] = codec.encode_payload(tensor)

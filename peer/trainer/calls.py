@@ -122,7 +122,7 @@ class Calls:
                     stage, method, request, payloads, pid, record, timeout, kind
                 )
             except CallerFault as e:
-                answer, reason, blame = None, self._refused_by(stage, method, pid, refusers, e), True
+                answer, reason, blame = None, self._refused_by(stage, method, pid, refusers, e, insist), True
             if answer is not None:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
@@ -131,10 +131,13 @@ class Calls:
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
 
-    def _refused_by(self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault) -> str:
-        """Server `pid` put the fault of a call on us: one server's word, believed (MicroBatchFailed) once a second
-        replica says it too, or none other is known; until then that server is banned like any that failed."""
-        refusers.add(pid)
+    def _refused_by(
+        self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault, insist: str | None
+    ) -> str:
+        """Server `pid` put the fault of a call on us: one server's word, believed
+        (MicroBatchFailed) once a second replica says it too, or none other is known, or the call may go to this
+        server alone (`insist`); until then that server is banned like any that failed."""
+        refusers.update([pid, "insisted"] if insist is not None else [pid])  # insisted: it alone may take it
         if len(refusers) >= 2 or len(self.router.servers[stage]) <= len(refusers):
             raise MicroBatchFailed(f"stage {stage} refused our {method}: {fault}") from None
         return str(fault)
