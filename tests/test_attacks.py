@@ -144,22 +144,30 @@ def test_records_only_the_coordinator_may_write_count_from_no_server(swarm):
     assert all(forger.proc.poll() is None for forger in forgers)  # still forging all along
 
 
+def _trained_beside_a_liar(swarm, mode: str, micro_batches: int):
+    """A run whose stage 0 has an honest server and one of tests/helpers/liar.py's MODE, stage 1 an honest one;
+    a trainer is asserted to do all `micro_batches` through them; returns it."""
+    swarm.coordinator(SPEC)
+    s0, s1 = swarm.server("s0", 0), swarm.server("s1", 1)
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), mode, *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    for server in (s0, s1, liar):
+        swarm.endpoint(server)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", str(micro_batches)])
+    assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    done = len([e for e in swarm.log("t") if e["type"] == "micro_batch"])
+    assert done == micro_batches, trainer.output()[-3000:]
+    return trainer
+
+
 @pytest.mark.slow
 def test_one_record_of_a_far_training_step_ends_no_trainer(swarm):
     """One of stage 0's two replicas serves honestly but announces a training step of 10^9 (past
     training.total_steps) beside its true epoch (tests/helpers/liar.py `far`): of two replicas, half. The run's
     end needs more than half of a part's replicas (peer.swarm.consensus.backed), and a record's training step
     no further than its epoch allows: the trainer does all its micro-batches, through both replicas."""
-    swarm.coordinator(SPEC)
-    s0, s1 = swarm.server("s0", 0), swarm.server("s1", 1)
-    liar = swarm.start(
-        "liar", [str(HELPERS / "liar.py"), "far", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
-    )
-    for server in (s0, s1, liar):
-        swarm.endpoint(server)
-    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "100"])
-    assert trainer.wait(240) == 0, trainer.output()[-3000:]
-    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 100, trainer.output()[-3000:]
+    _trained_beside_a_liar(swarm, "far", 100)
 
 
 @pytest.mark.slow
@@ -168,16 +176,7 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
     tests/helpers/liar.py `blame`). A trainer believes that only when a second replica says it too: it bans the
     liar like any server that failed, and does every micro-batch on the honest one."""
     ids = {name: _identity(swarm.workdir, name) for name in ("liar",)}
-    swarm.coordinator(SPEC)
-    s0, s1 = swarm.server("s0", 0), swarm.server("s1", 1)
-    liar = swarm.start(
-        "liar", [str(HELPERS / "liar.py"), "blame", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
-    )
-    for server in (s0, s1, liar):
-        swarm.endpoint(server)
-    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "40"])
-    assert trainer.wait(240) == 0, trainer.output()[-3000:]
-    assert len([e for e in swarm.log("t") if e["type"] == "micro_batch"]) == 40, trainer.output()[-3000:]
+    trainer = _trained_beside_a_liar(swarm, "blame", 40)
     refused = [e for e in swarm.log("t") if e["type"] == "call" and "INVALID_ARGUMENT" in e.get("error", "")]
     assert refused and all(e["peer"] == ids["liar"] for e in refused), refused[:3]
     assert "refused our" not in trainer.output()
