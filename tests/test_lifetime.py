@@ -286,6 +286,45 @@ def test_a_fork_no_look_saw_is_still_ended_with_what_it_started(tmp_path):
         _kill_everything(peer, pids)
 
 
+def test_a_daemon_whose_forking_parent_died_first_is_ended_by_the_mark_in_its_environment(tmp_path):
+    """A fork of the peer starts a daemon named p2pd in a session of its own and dies before the peer: the daemon
+    is adopted by init, no look saw it, its forking parent is gone (its name in the runtime dir leads nowhere), and
+    its process group is not the peer's (a fresh-clone CI run left a p2p daemon whose DHT process was exiting as
+    the reaper looked). It carries the reaper's mark in the environment it was exec'd with: the reaper ends it."""
+    daemon = tmp_path / "p2pd"
+    daemon.symlink_to("/bin/sleep")
+    program = (
+        "import os, subprocess, sys\n"
+        "from peer.process.lifetime import start_reaper\n"
+        "start_reaper(period=60.0)\n"  # no look before the peer exits
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        f"    d = subprocess.Popen([{str(daemon)!r}, '120'], start_new_session=True)\n"
+        "    print(d.pid, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "sys.stdin.readline()\n"
+        "os._exit(0)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path), **{LOG_DIR_ENV: str(tmp_path)})
+    peer = subprocess.Popen(
+        [sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    pids = set()
+    try:
+        pids = {int(peer.stdout.readline())}
+        assert all(alive(p) for p in pids)
+        peer.stdin.write("\n")
+        peer.stdin.flush()
+        assert peer.wait(30) == 0
+        left = _all_gone(pids, GONE_WITHIN)
+        assert not left, f"left behind: {_names(left)}\n" + "\n".join(
+            f.read_text() for f in tmp_path.glob("reaper-*.log")
+        )
+    finally:
+        _kill_everything(peer, pids)
+
+
 def test_a_forked_peer_is_its_own_process_and_dies_with_its_template(tmp_path):
     """peer.process.forkserver, which the fixtures start their peers with: each child runs its own command line,
     directory, environment and output, with its own exit code; when the template ends, a running

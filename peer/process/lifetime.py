@@ -43,7 +43,7 @@ from pathlib import Path
 from peer.process import reaper
 
 PR_SET_PDEATHSIG = 1
-REAPER_ENV = "SWARMTRAIN_REAPER"  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
+REAPER_ENV = reaper.REAPER_ENV  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
 USER_TMPDIR_ENV = "SWARMTRAIN_USER_TMPDIR"  # the temporary directory before the runtime dir replaced it
 MAX_RUNTIME_BASE = 48  # chars: unix sockets made in the runtime dir (torch's) must fit in 108 bytes
 RUNTIME_PREFIX = "swarmtrain-peer-"  # a peer's runtime dir: RUNTIME_PREFIX + tag + random, in _runtime_base()

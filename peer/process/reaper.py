@@ -39,8 +39,13 @@ SOCKET_LOOKS = 4  # the sockets the peer's processes hold are noted every this m
 REST_LOOK_FACTOR = 32
 LOG_DIR_ENV = "SWARMTRAIN_REAPER_LOG_DIR"  # when set, each reaper writes what it did to reaper-<peer pid>.log there
 ORPHANS = ("p2pd",)  # what the peer's group may hold as an orphan we did not see yet: hivemind's daemons
+# set by the peer (peer.process.lifetime) to "<reaper pid>:<runtime dir>": every program its tree execs after that
+# carries it in its environment (hivemind's p2p daemon gets a copy of its DHT process's), and so names its reaper
+REAPER_ENV = "SWARMTRAIN_REAPER"
+ENVIRON_READ = 1 << 16  # bytes of a process's environment read when looking for the mark
 SOCKET_SETTLE = 1.0  # s: a socket file younger than this may be bound but not listening yet
 SOCKET_PROBE = 0.2  # s a probe's connect may take
+BOUND_RECHECK = 0.2  # s: a young socket still bound as the reaper ends is looked at again after this
 FORKS_FILE = "forks"  # in the runtime dir: "<pid> <start time>" of each process the peer's tree forked (register)
 FORKS_READ = 1 << 20  # bytes: the reaper reads this much of its end (the newest forks; 50,000 lines)
 RMTREE_TRIES = 20  # times the runtime dir is removed again while something still writes in it
@@ -78,6 +83,15 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _carries(pid: int, mark: bytes) -> bool:
+    """Whether the environment `pid` was exec'd with holds the line `mark` (not a forked child's later changes)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return mark in f.read(ENVIRON_READ).split(b"\0")
+    except OSError:
+        return False
 
 
 def _bound_sockets(pids: list[int], prefix: str = SOCKET_DIR) -> set[str]:
@@ -137,6 +151,9 @@ def stale_sockets(since: float, prefix: str = SOCKET_DIR) -> list[str]:
             if made >= since:
                 candidates[path] = made
     bound = set(_unix_sockets().values())
+    if bound & set(candidates):  # a process still exiting (past the point where /proc names it) may bind one yet
+        time.sleep(BOUND_RECHECK)
+        bound = set(_unix_sockets().values())
     candidates = {p: made for p, made in candidates.items() if p not in bound}
     if candidates:
         time.sleep(max(0.0, max(candidates.values()) + SOCKET_SETTLE - time.time()))
@@ -172,6 +189,8 @@ class Watch:
     # not its parent, whose other children (`peer join | tee`) are not the peer's
     adopters: set[int]
     seen: dict[int, int] = field(default_factory=dict)  # descendant pid -> start time
+    # REAPER_ENV=<reaper>:<runtime dir>: a program our peer's tree exec'd carries it, wherever it was orphaned to
+    mark: bytes = b""
     sockets: set[str] = field(default_factory=set)
     looks: int = 0
 
@@ -216,15 +235,29 @@ class Watch:
             self.registered(runtime_dir)
         self.look(peer_alive=False)  # children of those seen, born since the last look
         mine = set(self.live())
-        for entry in os.listdir("/proc"):  # a daemon whose parent died in the last period, before a look
-            if entry.isdigit() and (found := stat(int(entry))) is not None:
-                ppid, group, born = found
-                pid = int(entry)
-                if group == self.group and born >= self.born and ppid in self.adopters and _comm(pid) in ORPHANS:
-                    self.seen[pid] = born
-                    mine.add(pid)
+        for pid in self._orphans():
+            self.sockets.update(_sockets_of(pid))
+            mine.add(pid)
         mine.discard(self.me)
         return sorted(mine)
+
+    def _orphans(self) -> list[int]:
+        """Programs of the peer's tree no look saw: hivemind's daemons of its group adopted by an ancestor or
+        init, and whatever carries our mark in its environment, whoever adopted it (a daemon whose DHT process
+        was still exiting when we looked, one in a session of its own)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or (info := stat(int(entry))) is None or int(entry) in (self.me, self.peer):
+                continue
+            ppid, group, born = info
+            pid = int(entry)
+            if born < self.born:
+                continue
+            ours = group == self.group and ppid in self.adopters and _comm(pid) in ORPHANS
+            if ours or (self.mark and _carries(pid, self.mark)):
+                self.seen[pid] = born
+                found.append(pid)
+        return found
 
 
 def _handles(pids: list[int], watch: Watch) -> dict[int, int]:
@@ -368,7 +401,7 @@ def _log_to(peer: int):
     return log
 
 
-def watch_parent(peer: int) -> Watch | None:
+def watch_parent(peer: int, runtime_dir: str = "") -> Watch | None:
     """In the reaper: what it must know of the peer (its parent); None if the peer is already gone."""
     found = stat(peer)
     if found is None or os.getppid() != peer:
@@ -379,7 +412,9 @@ def watch_parent(peer: int) -> Watch | None:
         adopters.add(pid)
         pid = up[0]
     adopters.discard(parent)
-    return Watch(peer, os.getpid(), group, born, time.time() - 1.0, adopters)
+    watch = Watch(peer, os.getpid(), group, born, time.time() - 1.0, adopters)
+    watch.mark = f"{REAPER_ENV}={watch.me}:{runtime_dir}".encode()
+    return watch
 
 
 def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
@@ -393,7 +428,7 @@ def run(peer: int, runtime_dir: str, period: float, grace: float) -> None:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     log = _log_to(peer)
     try:
-        watch = watch_parent(peer)  # None: the peer died before we looked (SIGKILLed as it started)
+        watch = watch_parent(peer, runtime_dir)  # None: the peer died before we looked (SIGKILLed as it started)
         log(f"watching {peer}" if watch is not None else f"peer {peer} gone before the first look")
         if watch is not None:
             reap(watch, runtime_dir, period, grace, log)
