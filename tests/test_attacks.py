@@ -244,6 +244,42 @@ def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_ag
     assert joiner.proc.poll() is None, joiner.output()[-3000:]
 
 
+@pytest.mark.parametrize(
+    "rot",
+    [pytest.param("--weights", id="other-weights"), pytest.param("", id="rotten-optimizer", marks=pytest.mark.slow)],
+)
+def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for(swarm, rot):
+    """Stage 0 has two replicas; one gives, to whoever asks for its state, either other weights than it trains with
+    (with a fingerprint recomputed to match: a state that checks out on its own) or a rotten optimizer state
+    (tests/helpers/rotten.py), and announces far more throughput, so that the coordinator asks it first. Every
+    checkpoint's stage 0 is the honest replica's, whose parameters the other replica held at that step too; the
+    coordinator says why it took not the first one's."""
+    from peer.coordinator import checkpoint
+
+    ids = {name: _identity(swarm.workdir, name) for name in ("rotten", "s0b", "s1")}
+    root = swarm.workdir / "checkpoints"
+    every = ["--set", "coordinator.checkpoint_every_steps=2", "--set", "coordinator.checkpoint_every_minutes=0"]
+    swarm.coordinator(SPEC, extra=["--checkpoints", str(root), *every])
+    for name, stage in (("s0b", 0), ("s1", 1)):  # the honest replica first: the other loads its state from it
+        swarm.endpoint(swarm.server(name, stage))
+    args = [*([rot] if rot else []), *loopback_join(swarm.maddr, "rotten", "--stage", "0")]
+    rotten = swarm.start("rotten", [str(HELPERS / "rotten.py"), *args, "--set", "server.throughput=1e6"], python=True)
+    swarm.endpoint(rotten)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "24"])
+    assert trainer.wait(180) == 0, trainer.output()[-3000:]
+    deadline = time.monotonic() + 60
+    while not any(checkpoint.read_manifest(p)["step"] >= 4 for p in checkpoint.complete(root)):
+        assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
+        time.sleep(0.5)
+    refused = swarm.peers[0].wait_for(rf"the state of stage 0 from \S+ \({ids['rotten']}\) is not taken: (.*)", 30)
+    assert ("held the same parameters" if rot else "exp_avg_sq") in refused.group(1), refused.group(0)
+    for path in checkpoint.complete(root):
+        manifest = checkpoint.read_manifest(path)
+        assert manifest["parts"]["stage 0"]["peer"] == ids["s0b"], (path, manifest["parts"]["stage 0"])
+        _, tensors = checkpoint.load_part(path, manifest, "stage 0")
+        assert all(float(t.min()) >= 0 for n, t in tensors.items() if n.endswith("exp_avg_sq"))
+
+
 @pytest.mark.slow
 def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped(swarm):
     """Item 6: an admitted replica of stage 0 sends gradients of 1e4 everywhere to every round, and steps the

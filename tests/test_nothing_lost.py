@@ -590,6 +590,40 @@ def test_a_state_whose_optimizer_state_or_step_no_adamw_step_leaves_is_refused_a
     assert joiner.epoch == 1
 
 
+def test_the_coordinator_vets_a_pulled_state_before_a_checkpoint_keeps_it():
+    """peer.coordinator.vetting: a replica's real state passes, and gives the fingerprint its replica keeps for
+    the step; a step past the credible one, a tensor the part has no place for, non-finite parameters, a rotten
+    optimizer slot, parameters other than the fingerprint given with them: each refused, naming what."""
+    from peer.config import RunSpec
+    from peer.coordinator.vetting import seconds, vet
+    from peer.model.part_state import Poisoned, StateError
+    from peer.model.runtime import StageRuntime
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    donor = StageRuntime(spec, 1)
+    donor.apply_step([torch.full_like(p, 0.1) for p in donor.params], 4, 0, ["donor"], {})
+    metadata, tensors = donor.snapshot()
+    values = vet(spec, 1, "", metadata, tensors, 1, 1e-4)
+    assert values == donor.history[-1].values and not seconds(donor.history, 1, values, 1e-4)
+    assert "differ at parameter 0" in seconds(donor.history, 1, [v + 1 for v in values], 1e-4)
+    name = donor.param_names[0]
+    moved = {**tensors, f"param/{name}": tensors[f"param/{name}"] + 1e-2}
+    bad = [
+        (metadata, tensors, 0, StateError, "past the part's credible step 0"),
+        (metadata, {**tensors, "param/extra": torch.zeros(2)}, 1, StateError, "'param/extra'"),
+        (metadata, {**tensors, f"param/{name}": tensors[f"param/{name}"] * float("inf")}, 1, Poisoned, "not finite"),
+        (metadata, {**tensors, f"optim/{name}/step": tensors[f"optim/{name}/step"] * 0}, 1, Poisoned, "one step"),
+        (metadata, moved, 1, StateError, "do not match the fingerprint"),
+        ({**metadata, "epoch": "1"}, tensors, 1, Poisoned, "not a step"),
+    ]
+    for meta, state, limit, kind, words in bad:
+        with pytest.raises(kind) as caught:
+            vet(spec, 1, "", meta, state, limit, 1e-4)
+        assert words in str(caught.value), str(caught.value)
+
+
 def test_a_trainers_journal_gives_a_start_after_a_kill_what_the_last_left_unsettled(tmp_path):
     from peer.trainer.journal import Entry, Journal
 

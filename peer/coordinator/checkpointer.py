@@ -3,7 +3,9 @@
 Every `coordinator.checkpoint_every_steps` steps of the run (the highest step announced by a
 stage) or `coordinator.checkpoint_every_minutes`, the coordinator reads the DHT, picks for each
 stage and each expert the serving replica furthest ahead, and downloads its state over the same
-`GetState` call joiners use, each with a deadline. A checkpoint is written only when every part
+`GetState` call joiners use, each with a deadline. What it gets is checked before it is kept
+(peer.coordinator.vetting: sound, at a credible step, its parameters held by a second replica at that
+step); a refused donor's part is asked of the next. A checkpoint is written only when every part
 answered; the parts may be a step or so apart (each stage steps on its own), which the manifest
 records per part. Training never waits for any of this.
 """
@@ -19,8 +21,10 @@ from dht import keys
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
-from peer.coordinator import checkpoint
+from peer.coordinator import checkpoint, vetting
+from peer.model.fingerprint import tolerance
 from peer.model.moe import expert_uid
+from peer.model.part_state import StateError
 from peer.model.pretrained import state_shards_needed
 from peer.net.client import StageClient
 from peer.swarm.consensus import credible_limit
@@ -86,8 +90,39 @@ class Checkpointer:
                 logger.warning("checkpoint: %s did not give its state: %s", record.endpoint, e)
                 continue
             name = f"expert {expert}" if expert else f"stage {stage}"
+            others = [(p, r) for p, r in holders if p != pid]
+            why = await self._unsound(client, stage, expert, metadata, tensors, limit, others)
+            if why:
+                logger.warning(
+                    "checkpoint: the state of %s from %s (%s) is not taken: %s", name, record.endpoint, pid, why
+                )
+                continue
             return checkpoint.Part(name, metadata, tensors, peer=pid)
         return None
+
+    async def _unsound(self, client, stage: int, expert: str, metadata, tensors, limit: int, others) -> str:
+        """Why a replica's state of a part must not go into a checkpoint ("" if it may): it is not a sound state
+        at a credible step (peer.coordinator.vetting), or, the part having other replicas, none of them held
+        the same parameters at that step."""
+        tol = tolerance(self.spec.compression.averaging)
+        try:
+            values = await asyncio.to_thread(vetting.vet, self.spec, stage, expert, metadata, tensors, limit, tol)
+        except StateError as e:
+            return str(e)
+        if not others:
+            return ""  # the part's one replica: nobody to compare with
+        epoch, said = int(metadata["epoch"]), []
+        for pid, record in others:
+            try:
+                info = await client.info(record.endpoint, self.ccfg.checkpoint_timeout, expert=expert, peer=pid)
+            except Exception as e:  # gone, or busy: another may second it
+                said.append(f"{pid[-8:]}: no answer ({type(e).__name__})")
+                continue
+            why = vetting.seconds(info.history, epoch, values, tol)
+            if not why:
+                return ""
+            said.append(f"{pid[-8:]}: {why}")
+        return f"no other replica held the same parameters at step {epoch} ({'; '.join(said)})"
 
     async def _whole_state(
         self, client: StageClient, endpoint: str, stage: int, expert: str, peer: str

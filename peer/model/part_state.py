@@ -14,6 +14,8 @@ import torch
 from peer.model.fingerprint import first_difference
 from peer.model.numerics import all_finite
 
+OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, as a state names it
+
 
 class StateError(ValueError):
     """A downloaded state that does not fit this part."""
@@ -181,7 +183,7 @@ class PartState:
                     raise StateError(f"state lacks {kind} {name} of shape {list(shape)}")
                 if not all_finite(t):
                     raise Poisoned(f"{kind} {name} in the state is not finite")
-            for slot in ("exp_avg", "exp_avg_sq", "step"):
+            for slot in OPTIMIZER_SLOTS:
                 t = tensors.get(f"optim/{name}/{slot}")
                 want = [] if slot == "step" else list(shape)
                 if t is not None and (t.numel() != 1 if slot == "step" else list(t.shape) != want):

@@ -1,9 +1,13 @@
 """A stage server whose state is one no honest replica holds (tests/test_attacks.py runs it).
 
-`python rotten.py peer-arguments...` runs `peer ARGS` with one change: every state it gives (GetState) has its
-Adam second moments negated (negative, where an AdamW step only ever leaves means of squares) and its optimizer
-step counts at 0. A replica that loaded it would divide by a step of zero and take square roots of negative
-numbers at its next step: NaN weights for good. Its parameters, fingerprint and records are honest.
+`python rotten.py [--weights] peer-arguments...` runs `peer ARGS` with one change: every state it gives
+(GetState) has its Adam second moments negated (negative, where an AdamW step only ever leaves means of squares)
+and its optimizer step counts at 0. A replica that loaded it would divide by a step of zero and take square roots
+of negative numbers at its next step: NaN weights for good. Its parameters, fingerprint and records are honest.
+
+With `--weights`, the state it gives is sound but of other weights: every parameter moved by 1e-2, and the
+fingerprint it gives with them recomputed to match (a state that checks out on its own). Its records, its
+answers and the state it trains with stay honest: only a second replica's word at the same step tells.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from peer.cli.main import main
-from peer.model.part_state import PartState
+from peer.model.part_state import PartState, tensor_fingerprint
 
 
 def rotting():
@@ -29,6 +33,24 @@ def rotting():
     return rotten
 
 
+def other_weights():
+    snapshot = PartState.snapshot
+
+    def moved(self, *args, **kwargs):
+        metadata, tensors = snapshot(self, *args, **kwargs)
+        values = []
+        for name in self.param_names:
+            if f"param/{name}" in tensors:
+                tensors[f"param/{name}"] = tensors[f"param/{name}"] + 1e-2
+                values += tensor_fingerprint(tensors[f"param/{name}"])
+        if len(values) == len(metadata.get("fingerprint") or []):  # a whole state (one shard): its own fingerprint
+            metadata["fingerprint"] = values
+        return metadata, tensors
+
+    return moved
+
+
 if __name__ == "__main__":
-    PartState.snapshot = rotting()
-    sys.exit(main(sys.argv[1:]))
+    weights = sys.argv[1] == "--weights"
+    PartState.snapshot = other_weights() if weights else rotting()
+    sys.exit(main(sys.argv[2 if weights else 1 :]))
