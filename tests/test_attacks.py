@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers.calls import info
+from helpers.calls import info, settled_infos
 from helpers.specs import SMALL
 from helpers.swarm import PEER, ROOT
 
@@ -280,6 +280,29 @@ def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for
         assert all(float(t.min()) >= 0 for n, t in tensors.items() if n.endswith("exp_avg_sq"))
 
 
+def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swarm):
+    """Stage 0 has three replicas; the third (tests/helpers/rotten.py --weights) gives joiners other weights than it
+    trains with, with a fingerprint recomputed to match, and announces the most throughput, so that a joiner taking
+    its state from one donor takes it from that one. The joiner asks the two others whether they held those
+    parameters at that step; they did not: it refuses the state, distrusts its donor, and loads the honest one."""
+    ids = {name: _identity(swarm.workdir, name) for name in ("rotten", "s0a", "s0b", "s1", "n0")}
+    swarm.coordinator(SPEC)
+    endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    args = ["--weights", *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
+    endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    settled_infos([endpoints[name] for name in ("s0a", "s0b", "rotten")])  # one step: the fastest leads a transfer
+    joiner = swarm.server("n0", 0, ["--set", "server.state_donors=1"])
+    refused = joiner.wait_for(r"refused the state of (\S+): (.*)", 120)
+    assert refused.group(1).rstrip(":") == ids["rotten"], refused.group(0)
+    assert "other replicas held other parameters" in refused.group(2), refused.group(0)
+    joiner.wait_for(r"Loaded the state of stage 0 \(step (\d+)\)", 60)
+    mine, theirs = info(swarm.endpoint(joiner)), info(endpoints["s0a"])
+    assert mine.epoch == theirs.epoch, (mine.epoch, theirs.epoch)  # nobody trains now: both hold that step
+    assert list(mine.history[-1].values) == pytest.approx(list(theirs.history[-1].values), rel=1e-6)
+
+
 @pytest.mark.slow
 def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped(swarm):
     """Item 6: an admitted replica of stage 0 sends gradients of 1e4 everywhere to every round, and steps the
@@ -425,6 +448,30 @@ def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainer
         assert swarm.peers[0].output().count(f"Revoked peer {ids['wrong']}") == 1
         time.sleep(0.2)
     trainer.signal(signal.SIGTERM)
+
+
+def test_two_keys_that_claim_work_and_report_an_honest_server_do_not_get_it_revoked(swarm):
+    """Two keys admitted as trainers (free in open admission) announce 10,000 samples done each and report an
+    honest last-stage server, as the coordinator needs (admission.revoke_after_reports = 2). The coordinator
+    probes it and two other replicas of its stage with one request at one step (peer.coordinator.referee): its
+    answer agrees, so it is not revoked, and it keeps serving a trainer."""
+    ids = {name: _identity(swarm.workdir, name) for name in ("s0", "s1a", "s1b", "s1c", "r1", "r2")}
+    swarm.coordinator({**SPEC, "admission": {"mode": "open", "revoke_after_reports": 2, "refresh": 2.0}})
+    for name, stage in (("s0", 0), ("s1a", 1), ("s1b", 1), ("s1c", 1)):
+        swarm.endpoint(swarm.server(name, stage))
+    reporters = [
+        swarm.start(
+            name, [str(HELPERS / "reporter.py"), swarm.maddr, f"{name}.pem", ids["s1a"], "600", "10000"], python=True
+        )
+        for name in ("r1", "r2")
+    ]
+    for reporter in reporters:
+        reporter.wait_for(r"REPORTER up", 60)
+    judged = swarm.peers[0].wait_for(rf"2 trainer\(s\) reported {ids['s1a']}; not revoked: (.*)", 120)
+    assert "agrees with its partners" in judged.group(1), judged.group(0)
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    assert f"Revoked peer {ids['s1a']}" not in swarm.peers[0].output()
 
 
 @pytest.mark.slow

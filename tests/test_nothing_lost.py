@@ -607,7 +607,7 @@ def test_the_coordinator_vets_a_pulled_state_before_a_checkpoint_keeps_it():
     metadata, tensors = donor.snapshot()
     values = vet(spec, 1, "", metadata, tensors, 1, 1e-4)
     assert values == donor.history[-1].values and not seconds(donor.history, 1, values, 1e-4)
-    assert "differ at parameter 0" in seconds(donor.history, 1, [v + 1 for v in values], 1e-4)
+    assert "differ" in seconds(donor.history, 1, [v + 1 for v in values], 1e-4)
     name = donor.param_names[0]
     moved = {**tensors, f"param/{name}": tensors[f"param/{name}"] + 1e-2}
     bad = [

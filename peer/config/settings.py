@@ -80,6 +80,9 @@ class ServerConfig:
     # failures in a row after which a donor no longer counts as ahead of this replica (its claim no longer stops
     # it stepping) until it sends a state that loads: a claim never backed by a state freezes no stage
     donor_strikes: int = 4
+    # other replicas asked, before a state loads, whether they held its parameters at its step (Info): when more
+    # of them held others than held these, the state is refused (0: nobody is asked)
+    second_opinions: int = 4
     # a replica behind its part takes a donor's state only if no parameter moved more than this many times the
     # peak learning rate per step between (an AdamW step moves an element by about lr at most, plus weight decay)
     max_update_per_step: float = 4.0
@@ -289,6 +292,13 @@ class SecurityConfig:
     # s between the coordinator's DHT reads of credential requests at rest: after a read that finds none waiting,
     # the read period doubles from requests_read_period up to this; a request seen makes it short again
     requests_rest_read_period: float = 20.0
+    # before it revokes a reported server, the coordinator probes it and two other replicas of its stage
+    # (peer.coordinator.referee): s each probe call may take; tries while they answer at different steps, and s
+    # between those tries; s before a server it could not judge, or found right, is probed again
+    probe_timeout: float = 10.0
+    probe_tries: int = 3
+    probe_wait: float = 0.5
+    probe_again: float = 60.0
 
 
 @dataclass

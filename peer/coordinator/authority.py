@@ -6,7 +6,8 @@ own key. Invite codes and revocations live in files beside the coordinator's ide
 (RUN.invites.json, RUN.revoked.json), written by `peer coordinator invite` / `revoke` and re-read
 by the running coordinator (every `security.reports_period` s), which publishes the revocation list every
 half `admission.refresh` (at most as often as it looks).
-Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`).
+Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`); the coordinator
+revokes it only once its own probe finds its answers wrong (peer.coordinator.referee).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dht.node import SwarmDHT
 from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport, TrainerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator.admission_files import PEER_ROLES, locked_update, read_json, revoke
+from peer.coordinator.referee import Referee
 from peer.process.status_lines import say
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class Authority:
         self._revoked_mtime = -1.0
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
+        self.referee = Referee(spec, cfg, dht)  # probes a reported server before it is revoked
+        self._probed: dict[str, float] = {}  # reported peer -> when (monotonic) it may be probed again
         self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
         self._arrived = False  # a record came under the requests key since the last pass (SwarmDHT.touched)
 
@@ -292,9 +296,24 @@ class Authority:
                     reporters.setdefault(peer, set()).add(trainer)
         for peer, who in reporters.items():
             if len(who) >= needed and peer not in self.revoked and peer != self.identity.peer_id:
-                reason = f"spot checks of {len(who)} trainer(s) found its answers wrong"
-                revoke(self.revoked_path, peer, reason)
+                self._judge(peer, len(who))
         self.follow_revocations()
+
+    def _judge(self, peer: str, reporters: int) -> None:
+        """Revoke a server that enough trainers reported only if the coordinator's own probe finds it wrong
+        (peer.coordinator.referee: a report is a trainer's word); one it could not judge, or found right, is
+        probed again after security.probe_again s."""
+        if time.monotonic() < self._probed.get(peer, 0.0):
+            return
+        wrong, why = self.referee.verdict(peer)
+        if wrong:
+            revoke(self.revoked_path, peer, f"spot checks of {reporters} trainer(s) found its answers wrong, and {why}")
+            self._probed.pop(peer, None)
+            return
+        if len(self._probed) >= ANSWERED_KEPT:
+            self._probed.clear()
+        self._probed[peer] = time.monotonic() + self.cfg.security.probe_again
+        logger.warning("authority: %d trainer(s) reported %s; not revoked: %s", reporters, peer, why)
 
 
 def _pem(cert) -> str:

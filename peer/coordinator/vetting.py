@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from peer.config import RunSpec
-from peer.model.fingerprint import first_difference
+from peer.model.fingerprint import first_difference, held_at
 from peer.model.moe import make_expert, parse_expert_uid
 from peer.model.numerics import all_finite
 from peer.model.part_state import OPTIMIZER_SLOTS, Poisoned, StateError, check_optimizer_slot, tensor_fingerprint
@@ -25,11 +25,10 @@ from peer.model.pretrained import expected_shapes
 def seconds(history, epoch: int, values: list[float], tolerance: float) -> str:
     """Why a replica's recent steps (an Info answer's `history`) do not hold `epoch` with these parameters ("" if
     they do)."""
-    steps = [f for f in history if f.epoch == epoch and f.values]
-    if not steps:
-        return f"its recent steps {[f.epoch for f in history][-4:]} hold no fingerprint of step {epoch}"
-    index = first_difference(list(steps[-1].values), values, tolerance)
-    return "" if index is None else f"its parameters at step {epoch} differ at parameter {index}"
+    held = held_at(history, epoch, values, tolerance)
+    if held is None:
+        return f"its recent steps {[f.epoch for f in history][-4:]} do not include step {epoch}"
+    return "" if held else f"its parameters at step {epoch} differ"
 
 
 def part_shapes(spec: RunSpec, stage: int, expert: str) -> dict[str, list[int]]:

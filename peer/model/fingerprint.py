@@ -44,6 +44,16 @@ def first_difference(a: list[float], b: list[float], tolerance: float = TOLERANC
     return None
 
 
+def held_at(history, epoch: int, values: list[float], tolerance: float = TOLERANCE) -> bool | None:
+    """Whether a replica's recent steps (an Info answer's `history`: items with `epoch` and `values`) hold `epoch`
+    with these parameters: True, False (other parameters, or none said), None (that step is not among them)."""
+    steps = [f for f in history if f.epoch == epoch]
+    if not steps:
+        return None
+    said = list(steps[-1].values)
+    return bool(said) and bool(values) and first_difference(said, values, tolerance) is None
+
+
 def short(values: list[float]) -> str:
     """A fingerprint in a few characters, for messages: its total sum of squares."""
     return f"{sum(values[1::2]):.6g}" if values else "unknown"

@@ -13,10 +13,10 @@ import time
 import grpc
 
 from dht.records import COORDINATOR_STATES, ServerRecord
-from peer.model.fingerprint import first_difference, tolerance
+from peer.model.fingerprint import first_difference, held_at, tolerance
 from peer.model.part_state import OutOfReach, Poisoned, StateError
 from peer.process.status_lines import say
-from peer.swarm.consensus import credible_limit
+from peer.swarm.consensus import backed, credible_limit
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ def _of_step(result: tuple[dict, dict], donor: ServerRecord, epoch: int) -> tupl
     return result
 
 
+def _lead_order(r: ServerRecord) -> tuple[int, float]:
+    """The donor that leads a state's transfer: the furthest step, then the fastest."""
+    return r.epoch, r.throughput
+
+
 class StateTransfer:
     """Loading a Replica's state from its peers (Replica inherits it)."""
 
@@ -48,7 +53,7 @@ class StateTransfer:
         those still missing, when the donors are still at the same step (a big state over a slow link
         would otherwise never finish)."""
         timeout = self.cfg.server.state_load_timeout
-        lead = max(donors, key=lambda r: r.epoch)
+        lead = max(donors, key=_lead_order)
         if (
             lead.state == "archive"
         ):  # a resumed run's checkpoint (peer.coordinator.archive): one copy, at its record's step
@@ -95,6 +100,7 @@ class StateTransfer:
         await self._agree(have, same[0], part)
         self._partial_state = None
         metadata, tensors = dict(have[0][0]), {}
+        metadata["donors"] = sorted({r.owner for r in same})  # this copy only: whose word the state is
         for i in range(n):
             tensors.update(have[i][1])
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
@@ -134,6 +140,7 @@ class StateTransfer:
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 self._check_steps(metadata)
+                await self._second_opinion(metadata, donors)
                 reach = self.cfg.server.max_update_per_step
                 await self.run_torch(self.runtime.check_reach, metadata, tensors, reach, self._apart(donors))
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
@@ -147,7 +154,7 @@ class StateTransfer:
                 return True
             except (OutOfReach, Poisoned) as e:  # a donor whose state no honest replica holds: never again
                 self.last_load_error = why(e)
-                lead = max(donors, key=lambda r: r.epoch)
+                lead = max(donors, key=_lead_order)
                 if len(donors) > 1:  # which donor's shards it was is not known: the lead alone, once more
                     return await self._load_from([lead], attempts=1)
                 self._distrust([lead], str(e))
@@ -165,11 +172,41 @@ class StateTransfer:
                     return False
         return False
 
+    async def _second_opinion(self, metadata: dict, donors: list[ServerRecord]) -> None:
+        """StateError unless the parameters a state brings (the fingerprint given with it, which the load checks
+        against them) are those the part's other replicas held at that step, by their recent steps (Info): refused
+        when more of them held other parameters than held these, the donor counted with these (of two replicas,
+        either one's word stands; of three, two outvote a liar). Replicas that have not reached that step, or
+        cannot say, count for neither."""
+        epoch, owners = int(metadata["epoch"]), set(metadata.get("donors") or [r.owner for r in donors])
+        if any(r.state == "archive" for r in donors):
+            return  # the coordinator's checkpoint, vetted as it was written (peer.coordinator.vetting)
+        others = [r for r in self._credible([r for r in self.peers.values() if r.state == "serving"])]
+        others = [r for r in others if r.owner not in owners and r.epoch >= epoch][: self.cfg.server.second_opinions]
+        if not others:
+            return
+        values, tol = [float(x) for x in metadata.get("fingerprint") or []], tolerance(self.spec.compression.averaging)
+
+        async def held(r: ServerRecord) -> bool | None:
+            timeout = self.cfg.network.dht_request_timeout
+            try:
+                info = await self.client.info(r.endpoint, timeout=timeout, expert=self.part.expert, peer=r.owner)
+            except Exception:  # gone or busy: no word
+                return None
+            return held_at(info.history, epoch, values, tol)
+
+        said = await asyncio.gather(*(held(r) for r in others))
+        agree, differ = said.count(True) + 1, said.count(False)
+        if differ > agree:  # two or more against the donor's word: not a replica that just went apart
+            raise Poisoned(f"{differ} of the part's other replicas held other parameters at step {epoch}")
+
     def _donors(self) -> list[ServerRecord]:
-        """Serving replicas (none that claims a step most of them do not back); when there is none, the resumed
-        run's checkpoint (an `archive` record)."""
+        """Serving replicas at or below the step more than half of them are at (peer.swarm.consensus.backed: a step
+        one replica alone claims ahead of the others is its own word, and a joiner has no state of its own to bound
+        what it would load); when there is none, the resumed run's checkpoint (an `archive` record)."""
         serving = self._credible([r for r in self.peers.values() if r.state == "serving"])
-        return serving or [r for r in self.peers.values() if r.state == "archive"]
+        step = backed(r.epoch for r in serving)
+        return [r for r in serving if r.epoch <= step] or [r for r in self.peers.values() if r.state == "archive"]
 
     def _apart(self, donors: list[ServerRecord]) -> int:
         """This replica's steps since it last stepped in one group with any of `donors` (its history says), or, if

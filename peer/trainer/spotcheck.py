@@ -26,26 +26,14 @@ import torch
 
 from dht import keys
 from dht.records import SpotCheckReport
-from protocols import codec, stage_pb2, tensor_pb2
+from peer.swarm.answers import CODEC_ERROR, agree, answer_of
+from protocols import codec, stage_pb2
 
 logger = logging.getLogger(__name__)
-# the largest error of each activation codec, as a fraction of a tensor's largest magnitude (one side)
-CODEC_ERROR = {tensor_pb2.NONE: 0.0, tensor_pb2.FP16: 2**-11, tensor_pb2.BF16: 2**-8, tensor_pb2.INT8: 1 / 254}
 MAX_RUNNING = 2  # spot checks under way at once; more are skipped (they must never slow training down)
 SAME_STEP_TRIES = 3  # a compare asks both replicas again this many times while they answer at different steps
 SAME_STEP_WAIT = 0.5  # s between those tries
 MAX_DODGES = 3  # compares a replica dodged (always a step ahead) before this trainer stops routing to it
-
-
-def agree(a: torch.Tensor | list, b: torch.Tensor | list, tolerance: float) -> bool:
-    """Whether two answers agree: each tensor (a forward's outputs; a last stage's loss, then its gradients)
-    within `tolerance` of its largest magnitude."""
-    if isinstance(a, list) or isinstance(b, list):
-        return len(a) == len(b) and all(agree(x, y, tolerance) for x, y in zip(a, b, strict=True))
-    if a.shape != b.shape:
-        return False
-    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6) if a.numel() else 1e-6
-    return a.numel() == 0 or (a - b).abs().max().item() <= tolerance * scale
 
 
 class SpotChecker:
@@ -101,13 +89,7 @@ class SpotChecker:
 
     def _answer(self, response, returned: dict) -> torch.Tensor | list[torch.Tensor]:
         """What is compared: a forward's outputs; a last stage's loss and the gradients it sends back."""
-        limit = self.trainer.cfg.server.max_tensor_elements
-        if isinstance(response, stage_pb2.BackwardResponse):
-            if not response.HasField("grad_inputs"):  # a one-stage run: the loss alone
-                return [torch.tensor([response.loss])]
-            grads = codec.decode(response.grad_inputs, limit, returned.get("grad_inputs"))
-            return [torch.tensor([response.loss]), grads.float()]
-        return codec.decode(response.outputs, limit, returned.get("outputs"))
+        return answer_of(response, returned, self.trainer.cfg.server.max_tensor_elements)
 
     def _others(self, stage: int, exclude: set[str]) -> list[str]:
         """Replicas of `stage` to ask: serving, not banned, not in `exclude`."""
