@@ -183,23 +183,26 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
 
 
 @pytest.mark.slow
-def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_no_stage(swarm):
+@pytest.mark.parametrize("mode", ["freeze", "ahead"])
+def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_no_stage(swarm, mode):
     """A third replica of stage 0 claims one step past the honest two, in its records and its answers (believable:
     within server.max_resync_jump), and fails every GetState (tests/helpers/liar.py `freeze`). An honest replica
     does not step while a believable one is ahead: it loads that state first. Each failed load bans the donor for
     longer (server.donor_ban), and after server.donor_strikes failures in a row its claim no longer counts: the
-    honest replicas step on, and no accumulator is dropped for a load that never came."""
+    honest replicas step on, and no accumulator is dropped for a load that never came. `ahead`: the claim is made
+    only in its answers to Round invitations (its record stays level: strikes are not forgotten for that), each of
+    which aborted the round and started a resync; a partner banned or struck as a donor is not believed there."""
     swarm.coordinator(SPEC)
     honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
     s1 = swarm.server("s1", 1)
     endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
     swarm.endpoint(s1)
     liar = swarm.start(
-        "liar", [str(HELPERS / "liar.py"), "freeze", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+        "liar", [str(HELPERS / "liar.py"), mode, *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
     )
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])
-    liar.wait_for(r"HOSTILE at (\d+)", 120)
+    liar.wait_for(r"HOSTILE at (\d+)" if mode == "freeze" else r"LIAR ahead", 120)
     started_at = min(info(e).epoch for e in endpoints.values())
     deadline = time.monotonic() + 120
     while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
@@ -216,6 +219,7 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     # asked again only after each ban: a handful of tries in all, not two a second
     tries = len(re.findall(r"could not load the state", outputs))
     assert 2 <= tries <= 16, tries
+    assert "Loaded the state of stage 0" not in outputs or mode == "freeze"  # nothing of a step it never held
 
 
 @pytest.mark.slow
@@ -401,11 +405,13 @@ def test_a_flood_of_credential_requests_delays_neither_joins_nor_revocations(swa
 
 
 @pytest.mark.slow
-def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainers_report(swarm):
+@pytest.mark.parametrize("dodge", ["dodge", "lag"])
+def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainers_report(swarm, dodge):
     """Item 8: spot checks look like work (a training forward under a fresh uid, a dry backward) and cover the last
     stage, whose loss and gradients are compared: a last stage that sends wrong gradients is caught by the trainer,
-    reported, and revoked. A stage-0 server that answers every forward as if a step later (so that the old checks,
-    which compared only answers of one step, never compared it) and wrongly is asked again while the steps differ:
+    reported, and revoked. A stage-0 server that answers every forward as if a step later, or earlier (so that the
+    old checks, which compared only answers of one step, never compared it; a step earlier passed the later ones,
+    which counted only a step ahead as a dodge) and wrongly is asked again while the steps differ:
     it is caught wrong, or dodges three times in a row and is dropped; either way the trainer stops using it.
     A key admitted as a trainer that has trained nothing reports an honest server: it is not counted. And the
     run's owner pardons the revoked server: the list drops it, and its old reports do not bring it back."""
@@ -416,7 +422,7 @@ def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainer
     for peer in honest.values():
         swarm.endpoint(peer)
     liars = {
-        "dodger": ("dodge", 0, ["--set", "server.perturb_outputs=0.5"]),
+        "dodger": (dodge, 0, ["--set", "server.perturb_outputs=0.5"]),
         "wrong": ("last", 1, []),
     }
     started = {}
@@ -432,7 +438,7 @@ def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainer
     trainer = swarm.trainer("t", ["--seed", "0", "--set", "trainer.spot_check=0.3"])
     swarm.peers[0].wait_for(rf"Revoked peer {ids['wrong']}: spot checks", 240)
     dodger = (
-        rf"{ids['dodger']}\) answered wrong|{ids['dodger']} answered a later step than its partner 3 times in a row"
+        rf"{ids['dodger']}\) answered wrong|{ids['dodger']} answered at another step than its partner 3 times in a row"
     )
     trainer.wait_for(dodger, 240)
     caught = [e for e in swarm.log("t") if e["type"] == "spot_check"]

@@ -323,3 +323,32 @@ def test_local_mode_sends_what_the_codec_rounded_off_in_the_next_round(local_pai
     missed = math.sqrt(sum(float(((t - 4 * d) ** 2).sum()) for t, d in zip(applied, delta, strict=True)))
     unfed = math.sqrt(float(((4 * codec.roundtrip(flat) - 4 * flat) ** 2).sum()))
     assert missed < 0.5 * unfed, (missed, unfed)
+
+
+def test_a_mean_that_is_not_finite_is_refused_whatever_came_before():
+    """A member that owns a slice of every round can return NaN (or Inf) for it: the group's norm is then NaN,
+    which compares False with any bound, so the plausibility check refuses a norm that is not finite first,
+    before 4 means were taken (no reference yet) as after; a finite mean within the bound is taken."""
+    import collections
+    from types import SimpleNamespace
+
+    from peer.config.run import AveragingConfig
+    from peer.server.averaging import GradientAverager
+
+    def judge() -> SimpleNamespace:
+        return SimpleNamespace(
+            cfg=AveragingConfig(),
+            accepted_norms=collections.deque(maxlen=16),
+            refused_in_a_row=0,
+            refused_groups=collections.OrderedDict(),
+        )
+
+    own = [torch.ones(4)]
+    for poison in (float("nan"), float("inf")):
+        fresh, settled = judge(), judge()
+        settled.accepted_norms.extend([2.0] * 4)
+        for averager, samples in ((fresh, 0), (fresh, 8), (settled, 8)):
+            mean = [torch.tensor([1.0, poison, 1.0, 1.0])]
+            assert not GradientAverager._plausible(averager, mean, own, samples, 3, ["a", "b"])
+            assert averager.refused_groups[4] == ["a", "b"]
+    assert GradientAverager._plausible(judge(), [torch.ones(4)], own, 8, 3, ["a", "b"])

@@ -560,8 +560,9 @@ def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused
 
 
 def test_a_state_whose_optimizer_state_or_step_no_adamw_step_leaves_is_refused_as_poisoned():
-    """Adam moments that are not finite, a negative second moment, a step count of 0, an epoch that is not a
-    step: each refused (Poisoned: its donor is not asked again), naming the tensor, and nothing loaded."""
+    """Adam moments that are not finite, a negative second moment, a step count of 0, first moments larger than
+    the second allow (peer.model.part_state.moment_bound), an epoch that is not a step: each refused (Poisoned: its
+    donor is not asked again), naming the tensor, and nothing loaded."""
     from peer.config import RunSpec
     from peer.model.part_state import Poisoned
     from peer.model.runtime import StageRuntime
@@ -577,8 +578,12 @@ def test_a_state_whose_optimizer_state_or_step_no_adamw_step_leaves_is_refused_a
         ({}, {f"optim/{name}/exp_avg": torch.full_like(tensors[f"optim/{name}/exp_avg"], float("nan"))}, "finite"),
         ({}, {f"optim/{name}/exp_avg_sq": -tensors[f"optim/{name}/exp_avg_sq"] - 1}, "negative"),
         ({}, {f"optim/{name}/step": tensors[f"optim/{name}/step"] * 0}, "at least one step"),
+        # first moments no gradients leave beside those second moments: one step would move the weights ~|m|/eps x lr
+        ({}, {f"optim/{name}/exp_avg": tensors[f"optim/{name}/exp_avg_sq"].sqrt() * 2 + 1e-3}, "larger than"),
         ({"epoch": 1e9}, {}, "not a step"),
         ({"epoch": -1}, {}, "not a step"),
+        # read before anything loads: a malformed step record left the weights loaded and the step unchanged
+        ({"step_coverage": {"1": {"x": 7}}}, {}, "step records are malformed"),
     ]
     for meta_change, tensor_change, words in rotten:
         with pytest.raises(Poisoned) as caught:
@@ -615,6 +620,7 @@ def test_the_coordinator_vets_a_pulled_state_before_a_checkpoint_keeps_it():
         (metadata, {**tensors, "param/extra": torch.zeros(2)}, 1, StateError, "'param/extra'"),
         (metadata, {**tensors, f"param/{name}": tensors[f"param/{name}"] * float("inf")}, 1, Poisoned, "not finite"),
         (metadata, {**tensors, f"optim/{name}/step": tensors[f"optim/{name}/step"] * 0}, 1, Poisoned, "one step"),
+        (metadata, {**tensors, f"optim/{name}/exp_avg": tensors[f"optim/{name}/exp_avg"] + 1}, 1, Poisoned, "larger"),
         (metadata, moved, 1, StateError, "do not match the fingerprint"),
         ({**metadata, "epoch": "1"}, tensors, 1, Poisoned, "not a step"),
     ]
@@ -778,3 +784,39 @@ def test_a_gone_servers_receipts_wait_while_a_survivor_is_silent_and_settle_by_a
     assert verdict(ANY_STEP) is None and verdict(ANY_STEP, c=None) is None  # nobody answers: wait
     assert verdict(9, b=survivor(8, step(8, 3))) is None  # b has not finished the round of step 9 yet
     assert verdict(9, b=survivor(10, step(9, None), step(10, 6))) == 6  # the round left it out; a later step not
+
+
+def test_claims_about_this_replica_s_own_additions_and_steps_are_held_to_what_it_knows():
+    """A donor's step may say it counted this replica's additions up to 2^63: its stepped_seq goes no further than
+    the additions it made (else trainers' receipts would be confirmed for backwards no step holds). A state of a
+    step behind this replica's own is refused (a resync that would take it back). A server of a stage without
+    experts that says its experts did not answer is blamed like any that failed."""
+    from types import SimpleNamespace
+
+    from peer.config import RunSpec
+    from peer.model.part_state import StateError
+    from peer.model.runtime import StageRuntime
+    from peer.server.replica_state import StateTransfer
+    from peer.trainer.calls import Calls
+
+    spec = RunSpec.from_dict(
+        {"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2}, "stages": {"num_stages": 2}}
+    )
+    runtime = StageRuntime(spec, 1)
+    runtime.seq = 3
+    runtime.drop_covered(runtime.incarnation, 2**63)
+    assert runtime.stepped_seq == 3
+    runtime.epoch = 5
+    replica = SimpleNamespace(runtime=runtime)
+    with pytest.raises(StateError, match="behind this replica's 5"):
+        StateTransfer._not_behind(replica, {"epoch": 4})
+    StateTransfer._not_behind(replica, {"epoch": 5})
+    moe = RunSpec.from_dict(
+        {
+            "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2},
+            "stages": {"num_stages": 2},
+            "moe": {"num_experts": 4, "layers": [1]},
+        }
+    )
+    assert not Calls._holds_experts(SimpleNamespace(spec=spec), 1)
+    assert [Calls._holds_experts(SimpleNamespace(spec=moe), s) for s in (0, 1)] == [False, True]

@@ -291,7 +291,8 @@ class Authority:
             if done.get(trainer, 0) < self.admission.min_reporter_samples:
                 continue  # a key that has not trained (a throwaway) reports nothing
             for peer in report.wrong:
-                caught = report.caught.get(peer, report.updated)
+                # the reporter's word on when: never later than now (a time in the future outlived pardons and ttl)
+                caught = min(report.caught.get(peer, report.updated), time.time())
                 if caught >= max(oldest, float(pardoned.get(peer, 0.0))):
                     reporters.setdefault(peer, set()).add(trainer)
         for peer, who in reporters.items():

@@ -92,6 +92,8 @@ class Checkpointer:
             name = f"expert {expert}" if expert else f"stage {stage}"
             others = [(p, r) for p, r in holders if p != pid]
             why = await self._unsound(client, stage, expert, metadata, tensors, limit, others)
+            if not why and metadata["epoch"] < record.epoch:  # an older step that others still remember: a revert
+                why = f"it gave the state of step {metadata['epoch']}, behind its record's {record.epoch}"
             if why:
                 logger.warning(
                     "checkpoint: the state of %s from %s (%s) is not taken: %s", name, record.endpoint, pid, why

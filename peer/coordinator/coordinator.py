@@ -162,6 +162,12 @@ def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: Swa
         "invite": "peers with an invite code (peer coordinator invite)",
     }[spec.admission.mode]
     say(f"Admission: {spec.admission.mode} ({how}); every peer needs a credential from this coordinator.")
+    if spec.admission.mode == "open":
+        say(
+            "Open admission: any stranger who joins is admitted, and one hostile peer can still stall or skew some "
+            "steps (docs/security.md, what is not defended); for a run strangers may join, use admission.mode = "
+            "invite."
+        )
     return authority
 
 

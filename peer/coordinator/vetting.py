@@ -18,7 +18,14 @@ from peer.config import RunSpec
 from peer.model.fingerprint import first_difference, held_at
 from peer.model.moe import make_expert, parse_expert_uid
 from peer.model.numerics import all_finite
-from peer.model.part_state import OPTIMIZER_SLOTS, Poisoned, StateError, check_optimizer_slot, tensor_fingerprint
+from peer.model.part_state import (
+    OPTIMIZER_SLOTS,
+    Poisoned,
+    StateError,
+    check_moments,
+    check_optimizer_slot,
+    tensor_fingerprint,
+)
 from peer.model.pretrained import expected_shapes
 
 
@@ -60,6 +67,10 @@ def vet(spec: RunSpec, stage: int, expert: str, metadata: dict, tensors: dict, l
     values = []
     for name, shape in shapes.items():
         _check_parameter(tensors, name, shape, spec.local_updates)
+        if (m := tensors.get(f"optim/{name}/exp_avg")) is not None and (
+            v := tensors.get(f"optim/{name}/exp_avg_sq")
+        ) is not None:
+            check_moments(f"optim/{name}", m, v, spec.training.betas)
         values += tensor_fingerprint(tensors[f"{source}/{name}"])
     given = [float(x) for x in metadata.get("fingerprint") or []]
     if given and first_difference(given, values, tolerance) is not None:

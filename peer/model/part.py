@@ -282,7 +282,9 @@ class PartRuntime(PartState):
                 acc.sub_(g.to(acc.device))
             self.samples_accumulated -= r.samples
         self.restored = [r for r in self.restored if r.seq > seq]
-        self.stepped_seq = max(self.stepped_seq, seq)
+        # a donor's word on what its step counted of ours: no further than what we added (a claim of 2^63 would
+        # have our receipts confirmed for backwards no step holds)
+        self.stepped_seq = max(self.stepped_seq, min(seq, self.seq))
         return sum(r.samples for r in dropped)
 
     def apply_step(

@@ -7,6 +7,7 @@ optimizer, history and accumulator, and run on the owner's torch thread like the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -190,6 +191,10 @@ class PartState:
                     raise StateError(f"optim/{name}/{slot} in the state has shape {list(t.shape)}, not {want}")
                 if t is not None:
                     check_optimizer_slot(f"optim/{name}/{slot}", slot, t)
+            if (m := tensors.get(f"optim/{name}/exp_avg")) is not None and (
+                v := tensors.get(f"optim/{name}/exp_avg_sq")
+            ) is not None:
+                check_moments(f"optim/{name}", m, v, self.spec.training.betas)
         return source
 
     def check_fingerprint(self, metadata: dict, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -242,6 +247,11 @@ class PartState:
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
         """Take a donor's state (keeping the accumulator); `me` is this replica's peer id."""
         source = self.check_state(metadata, tensors, [list(p.shape) for p in self.params])
+        try:  # the metadata read before anything changes: a malformed part of it must not leave a half-loaded state
+            steps = inherited_steps(metadata)
+            last_samples = int(metadata.get("last_step_samples", 0))
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
+            raise Poisoned(f"the state's step records are malformed ({type(e).__name__}: {e})") from None
         self._keep_pinned()  # shards of the state before, still owed to a joiner
         if self.tp_degree == 1:  # a split part's ranks load shards: checked whole on rank 0 (peer.model.tp_runtime)
             self.check_fingerprint(metadata, tensors, source)
@@ -258,7 +268,6 @@ class PartState:
             if state:
                 self.optimizer.state[p] = state
         self.initialized = True
-        steps = inherited_steps(metadata)
         if self.restored and self.restored[0].epoch < int(metadata["epoch"]):
             # the donor's step after a round that failed here may have had us in its group: the round
             # succeeded on its side, with the part of our accumulator it covered; that part is accounted
@@ -269,7 +278,7 @@ class PartState:
         self.inner_steps = self.inner_samples = 0  # local mode: at the anchor, no inner step of ours on it yet
         self._taken = None
         if self.epoch > 0:  # the parameters after this step are now the donor's
-            self._inherit_history(steps, int(metadata.get("last_step_samples", 0)))
+            self._inherit_history(steps, last_samples)
         self._checked_values = None
         self._stash = None
         self.version += 1
@@ -330,6 +339,29 @@ def check_optimizer_slot(label: str, slot: str, t: torch.Tensor) -> None:
         raise Poisoned(f"{label} in the state is negative ({float(t.min()):.3g}): it is a mean of squares")
     if slot == "step" and float(t) < 1:
         raise Poisoned(f"{label} in the state is {float(t):g}: an optimizer state counts at least one step")
+
+
+def moment_bound(betas) -> float:
+    """The most |exp_avg| can be per unit of sqrt(exp_avg_sq) after any gradients (0: no bound, beta1^2 >= beta2).
+
+    m = (1 - b1) sum b1^k g_k and v = (1 - b2) sum b2^k g_k^2; by Cauchy-Schwarz, m^2 <= (1 - b1)^2 / ((1 - b2)
+    (1 - b1^2 / b2)) v. With the default betas (0.9, 0.95), 1.17: a state whose first moments exceed it would
+    move the weights further in one step than any gradients could."""
+    b1, b2 = float(betas[0]), float(betas[1])
+    if b2 <= 0 or b1 * b1 >= b2:
+        return 0.0
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+
+
+def check_moments(label: str, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, betas) -> None:
+    """Poisoned if a parameter's first moments are larger than its second moments allow (moment_bound, with 5 %
+    of slack for rounding, and 1e-12 where the second moments underflowed): no gradients leave such a state."""
+    bound = moment_bound(betas)
+    if not bound or exp_avg.shape != exp_avg_sq.shape or not exp_avg.numel():
+        return
+    excess = (exp_avg.abs() - (1.05 * bound * exp_avg_sq.clamp(min=0).sqrt() + 1e-12)).max()
+    if float(excess) > 0:
+        raise Poisoned(f"{label}/exp_avg in the state is larger than its exp_avg_sq allows (by {float(excess):.3g})")
 
 
 def shard_request_error(shard: int, num_shards: int, bound: int) -> str:

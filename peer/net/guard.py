@@ -108,7 +108,10 @@ class Guard(grpc.aio.ServerInterceptor):
         try:
             yield
         finally:
-            CALLER.reset(token)
+            # a streaming handler closed from another task (its caller went away) ends in another context, where
+            # the token cannot be reset; that context is the closing task's own and ends with it
+            with contextlib.suppress(ValueError):
+                CALLER.reset(token)
             self.release(peer)
 
     async def intercept_service(self, continuation, handler_call_details):

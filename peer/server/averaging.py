@@ -146,7 +146,8 @@ class GradientAverager:
             reference = sorted(self.accepted_norms)[len(self.accepted_norms) // 2]
         else:
             reference = _norm(own) if samples > 0 else 0.0
-        if ratio > 0 and reference > 0 and norm > ratio * reference:
+        # a mean that is not finite is no honest group's (NaN compares False with everything: checked first)
+        if not math.isfinite(norm) or (ratio > 0 and reference > 0 and norm > ratio * reference):
             self.refused_in_a_row += 1
             self.refused_groups[epoch + 1] = members
             while len(self.refused_groups) > 64:
@@ -157,7 +158,7 @@ class GradientAverager:
                 epoch,
                 ", ".join(members),
                 norm,
-                norm / reference,
+                norm / reference if reference > 0 else math.inf,
                 reference,
             )
             return False

@@ -40,6 +40,15 @@ class Rounds:
             await self.refresh_peers()
         partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
         answers, took = await self._answers(partners, epoch, timeout)
+        # a partner that answers ahead of us but failed to send that step's state (banned as a donor now, or struck)
+        # is not believed: neither a reason to abort the round nor a member of it
+        now = time.monotonic()
+        answers = {
+            pid: a
+            for pid, a in answers.items()
+            if isinstance(a, BaseException)
+            or not (a.epoch > epoch and (self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now))
+        }
         joiners = _joiners(answers)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         # hung or gone: not waited for again

@@ -54,15 +54,7 @@ class StateTransfer:
         would otherwise never finish)."""
         timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=_lead_order)
-        if (
-            lead.state == "archive"
-        ):  # a resumed run's checkpoint (peer.coordinator.archive): one copy, at its record's step
-            epoch = lead.epoch
-        else:
-            info = await self.client.info(
-                lead.endpoint, timeout=self.cfg.network.dht_request_timeout, expert=self.part.expert, peer=lead.owner
-            )
-            epoch = info.epoch
+        epoch = await self._lead_step(lead)
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = min(max(len(same), self._state_shards()), self.cfg.server.max_state_shards)
         if self._partial_state is None or self._partial_state[:2] != (epoch, n):
@@ -100,12 +92,28 @@ class StateTransfer:
         await self._agree(have, same[0], part)
         self._partial_state = None
         metadata, tensors = dict(have[0][0]), {}
-        metadata["donors"] = sorted({r.owner for r in same})  # this copy only: whose word the state is
+        # this copy only: whose word the state is (the lead's: co-donors' shards that disagreed came from it again,
+        # so a co-donor is asked for its own opinion like any other replica)
+        metadata["donors"] = [same[0].owner]
         for i in range(n):
             tensors.update(have[i][1])
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
+
+    async def _lead_step(self, lead: ServerRecord) -> int:
+        """The step a transfer is pinned to: the lead's own answer (Info), held to the part's credible step and to
+        the step the lead claimed (no replica's step goes back); an archive's, its record's."""
+        if lead.state == "archive":  # a resumed run's checkpoint (peer.coordinator.archive): one copy, at its step
+            return lead.epoch
+        timeout = self.cfg.network.dht_request_timeout
+        info = await self.client.info(lead.endpoint, timeout=timeout, expert=self.part.expert, peer=lead.owner)
+        epoch = info.epoch
+        if epoch > self._step_limit():  # its answer, not its record: the record was what was held to the limit
+            raise Poisoned(f"{lead.endpoint} says it is at step {epoch}, past the part's credible step")
+        if epoch < lead.epoch:
+            raise StateError(f"{lead.endpoint} says it is at step {epoch}, behind the step {lead.epoch} it claimed")
+        return epoch
 
     async def _agree(self, have: dict[int, tuple[dict, dict]], lead: ServerRecord, part) -> None:
         """Shards whose donor's parameters differ from the lead's at the same step (by the fingerprints the
@@ -140,6 +148,7 @@ class StateTransfer:
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 self._check_steps(metadata)
+                self._not_behind(metadata)
                 await self._second_opinion(metadata, donors)
                 reach = self.cfg.server.max_update_per_step
                 await self.run_torch(self.runtime.check_reach, metadata, tensors, reach, self._apart(donors))
@@ -171,6 +180,13 @@ class StateTransfer:
                 if not donors:
                     return False
         return False
+
+    def _not_behind(self, metadata: dict) -> None:
+        """StateError if a state would take this replica back: a donor that claimed to be ahead and sends an older
+        state (its record's step copied from an honest replica) is a failed resync, not a load."""
+        epoch = metadata.get("epoch")
+        if self.runtime.initialized and isinstance(epoch, int) and epoch < self.runtime.epoch:
+            raise StateError(f"its state is of step {epoch}, behind this replica's {self.runtime.epoch}")
 
     async def _second_opinion(self, metadata: dict, donors: list[ServerRecord]) -> None:
         """StateError unless the parameters a state brings (the fingerprint given with it, which the load checks
@@ -358,7 +374,8 @@ class StateTransfer:
     def _strike(self, r: ServerRecord) -> None:
         """The donor that led a resync failed to send a state of its step that loads: asked again after
         server.donor_ban s, doubling with each failure in a row; after server.donor_strikes in a row, its claim
-        to be ahead no longer counts (`_struck`). Forgotten once it is no longer ahead (`_forget_strikes`)."""
+        to be ahead no longer counts (`_struck`), in its record or in its answers (`_round`). Forgotten once it is
+        gone, or after a while without a new strike (`_forget_strikes`)."""
         server = self.cfg.server
         if r.owner not in self._donor_strikes and len(self._donor_strikes) >= 1024:
             return
@@ -378,12 +395,14 @@ class StateTransfer:
         return self._donor_strikes.get(pid, (0, 0.0))[0] >= self.cfg.server.donor_strikes
 
     def _forget_strikes(self) -> None:
-        """A struck donor that is no longer ahead of this replica (it fell back, left, or this one caught up)
-        starts anew: strikes are for a claim of a step that never came."""
-        epoch = self.runtime.epoch
+        """A struck donor starts anew once it is gone (no serving record), or once it was not struck again for
+        server.max_donor_ban s after its last ban ended. Not merely because its record is no longer ahead: a
+        peer can keep its record level and claim to be ahead in its Round answers only (each answer aborted the
+        round and started a resync that failed, and its strikes went at the next look)."""
+        now = time.monotonic()
         for pid in list(self._donor_strikes):
-            r = self.peers.get(pid)
-            if r is None or r.state != "serving" or r.epoch <= epoch:
+            r, (_, ban_until) = self.peers.get(pid), self._donor_strikes[pid]
+            if r is None or r.state != "serving" or now > ban_until + self.cfg.server.max_donor_ban:
                 del self._donor_strikes[pid]
 
     def _drop_stale(self, epoch: int) -> None:

@@ -103,9 +103,11 @@ class Router:
                     self.leaving.discard(pid)
                 present.add(pid)
             self.servers[slot] = self._routable(records, self._counted(slot, records))
-            # the run's progress is what more than half of a part's replicas say: one record cannot end every
-            # trainer, even of two replicas
-            step = max(step, backed(self._training_step(r) for r in self.servers[slot].values()))
+            # the run's progress is what more than half of a part's serving replicas say (all of them, not only
+            # those routed to: of two, the one claiming 10^9 would be the only routable one): one record cannot
+            # end every trainer, even of two replicas
+            serving = [r for pid, r in records.items() if r.state == "serving" and pid not in self.distrusted]
+            step = max(step, backed(self._training_step(r) for r in serving))
         self.max_epoch = max(self.max_epoch, step)
         self.recent_steps.append(step)
         self.present, self.endpoints = present, endpoints

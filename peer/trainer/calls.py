@@ -142,6 +142,12 @@ class Calls:
             raise MicroBatchFailed(f"stage {stage} refused our {method}: {fault}") from None
         return str(fault)
 
+    def _holds_experts(self, stage: int) -> bool:
+        """Whether `stage` has mixture-of-experts layers (only there may a server say its experts did not answer: a
+        server of another stage that says so is believed no more than any that failed)."""
+        blocks = self.spec.stage_blocks(stage)
+        return any(layer in blocks for layer in self.spec.moe_layers())
+
     async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
         """One try on one server: ((response, payloads, pid), "", _) on success, else (None, reason, blame):
         blame is False when the failure is not the server's own (its MoE layer's experts did not answer)."""
@@ -162,7 +168,7 @@ class Calls:
             reason, blame = reason_of(e), True
             if reason == Reason.LEAVING:
                 self.router.report_leaving(pid)
-            elif reason == Reason.EXPERTS_UNAVAILABLE:
+            elif reason == Reason.EXPERTS_UNAVAILABLE and self._holds_experts(stage):
                 blame = False  # every replica of the stage would fail alike: wait for the experts instead
             elif reason is None and await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
                 self.router.report_dead(pid)

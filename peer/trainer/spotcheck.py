@@ -27,13 +27,14 @@ import torch
 from dht import keys
 from dht.records import SpotCheckReport
 from peer.swarm.answers import CODEC_ERROR, agree, answer_of
+from peer.swarm.consensus import agreed
 from protocols import codec, stage_pb2
 
 logger = logging.getLogger(__name__)
 MAX_RUNNING = 2  # spot checks under way at once; more are skipped (they must never slow training down)
 SAME_STEP_TRIES = 3  # a compare asks both replicas again this many times while they answer at different steps
 SAME_STEP_WAIT = 0.5  # s between those tries
-MAX_DODGES = 3  # compares a replica dodged (always a step ahead) before this trainer stops routing to it
+MAX_DODGES = 3  # compares a replica dodged (always at another step) before this trainer stops routing to it
 
 
 class SpotChecker:
@@ -46,7 +47,7 @@ class SpotChecker:
         self.running: set[asyncio.Task] = set()
         self.checks = self.skipped = self.disagreements = 0
         self.wrong: dict[str, int] = {}  # peer id -> checks it was the minority of (it is banned)
-        self.dodges: dict[str, int] = {}  # peer id -> compares it dodged by answering a later step
+        self.dodges: dict[str, int] = {}  # peer id -> compares it dodged by answering at another step
         self.caught_at: dict[str, int] = {}  # peer id -> the micro-batch whose check caught it
         self.caught_time: dict[str, float] = {}  # peer id -> when (unix time): reports expire, a pardon clears them
 
@@ -103,24 +104,25 @@ class SpotChecker:
 
     async def _at_one_step(self, stage: int, pid: str, second_pid: str, request, payloads, first, epoch: int):
         """(the suspect's answer, the second's, their step), asking both again while they answer at different
-        steps (one just stepped), up to SAME_STEP_TRIES times; None if they never meet. A suspect ahead of the
-        second every time dodges the compare (an honest one is met within a progress period): counted."""
-        ahead = True  # ahead at every try
+        steps (one just stepped), up to SAME_STEP_TRIES times; None if they never meet. A suspect at another step
+        than its partner every time, its partner at the step most replicas are at, dodges the compare, whether it labels
+        its answers a step ahead or behind (an honest one is met within a progress period): counted."""
+        apart = True  # at every try
         for _ in range(SAME_STEP_TRIES):
             second = await self._ask(stage, second_pid, request, payloads)
             if second is None:
                 return None
             if second[1] == epoch:
                 return first, second[0], epoch
-            # ahead of a partner that is itself at its stage's newest step (not one catching up)
-            newest = max((r.epoch for r in self.trainer.router.servers[stage].values()), default=0)
-            ahead = ahead and epoch > second[1] >= newest
+            # apart from a partner that is itself at the step most of the stage's replicas are at: not one catching
+            # up, nor a hostile partner answering at some other step to have an honest suspect counted as dodging
+            apart = apart and second[1] == agreed(r.epoch for r in self.trainer.router.servers[stage].values())
             await asyncio.sleep(SAME_STEP_WAIT)
             again = await self._ask(stage, pid, request, payloads)
             if again is None:
                 return None
-            (first, epoch), ahead = again, ahead and again[1] > second[1]
-        if ahead:
+            (first, epoch), apart = again, apart and again[1] != second[1]
+        if apart:
             self._dodged(stage, pid)
         self.skipped += 1
         return None
@@ -128,7 +130,7 @@ class SpotChecker:
     def _dodged(self, stage: int, pid: str) -> None:
         self.dodges[pid] = self.dodges.get(pid, 0) + 1
         logger.warning(
-            "spot check of stage %d: %s answered a later step than its partner %d times in a row (%d so far)",
+            "spot check of stage %d: %s answered at another step than its partner %d times in a row (%d so far)",
             stage,
             pid,
             SAME_STEP_TRIES,

@@ -3,7 +3,7 @@
 `python liar.py MODE peer-arguments...` runs `peer ARGS` with one change:
 - `dodge`: every Forward answer claims the step after the one it computed at, so a spot check that compares
   only answers at one step never compares it (run it with `--set server.perturb_outputs=...` to make its
-  outputs wrong as well);
+  outputs wrong as well); `lag`: the same, claiming the step before;
 - `last`: as a last stage, every backward's loss is 1 higher and the gradients it sends back are tripled,
   what a broken or hostile last stage would do to every stage before it;
 - `stay`: it reads the revocation list like everyone, but does not stop when it finds itself there: it keeps
@@ -14,7 +14,10 @@
   records and answers, and fails every GetState: honest replicas see a believable replica ahead, which they
   must load from before they step, and it never sends its state;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
-  that wants every trainer to think the run has ended would announce.
+  that wants every trainer to think the run has ended would announce;
+- `ahead`: its records, its state and its answers are honest, except every Round invitation, which it declines
+  saying it is a step ahead (its state of that step never comes: it has none), so that an inviter that
+  believed the answer would abort every round.
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ from peer.net.security import Security
 from peer.server.replica import Replica
 from peer.server.servicer import ServicerBase, StageServicer
 from peer.server.stage import StageServer
+from protocols import stage_pb2
 
 
-def dodging():
+def dodging(by: int = 1):
     forward = StageServicer._forward
 
-    async def ahead(self, request, payloads, deadline):
+    async def elsewhere(self, request, payloads, deadline):
         response, out = await forward(self, request, payloads, deadline)
-        response.epoch += 1
+        response.epoch = max(response.epoch + by, 0)
         return response, out
 
-    return ahead
+    return elsewhere
 
 
 def wrong_last():
@@ -79,6 +83,14 @@ def failing_state():
     return unavailable
 
 
+def ahead_in_rounds():
+    async def ahead(self, request, context):
+        replica = self._replica(request.run_id, request.stage, request.expert)
+        return stage_pb2.RoundResponse(joining=False, epoch=replica.runtime.epoch + 1)
+
+    return ahead
+
+
 def far_step():
     record = Replica.record
 
@@ -91,8 +103,8 @@ def far_step():
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "dodge":
-        StageServicer._forward = dodging()
+    if sys.argv[1] in ("dodge", "lag"):
+        StageServicer._forward = dodging(1 if sys.argv[1] == "dodge" else -1)
     elif sys.argv[1] == "stay":
         Security.refresh_revocations = staying()
     elif sys.argv[1] == "blame":
@@ -104,6 +116,8 @@ if __name__ == "__main__":
         ServicerBase.GetState = failing_state()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
+    elif sys.argv[1] == "ahead":
+        ServicerBase.Round = ahead_in_rounds()
     else:
         StageServer.backward = wrong_last()
     print(f"LIAR {sys.argv[1]}", flush=True)

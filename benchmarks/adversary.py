@@ -1,0 +1,234 @@
+"""One admitted attacker at a time against a training swarm, beside the same swarm honest, in one run.
+
+Two swarms on loopback, each a coordinator (checkpointing), three replicas of stage 0, one server of stage 1 and
+a trainer of `--micro-batches` (the same seed on both: the same data in the same order). On the attacked swarm,
+the third replica of stage 0 is a hostile one, replaced by the next attack once the last was stopped; then a
+hostile trainer key. The attackers are the programs of tests/helpers (each performs the attack against live
+peers):
+
+- far: a replica claiming 1000 steps past its partners (hostile.py); stopped when an honest replica says the
+  claim is not believed;
+- takeover: one claiming 2 steps with noised weights (hostile.py); stopped at an honest "refused the state";
+- poison: one sending gradients of 1e4 to every averaging round (poisoner.py); stopped at "refused the mean";
+- freeze: one claiming the next step and failing every state request (liar.py freeze); stopped when an honest
+  replica no longer counts its step;
+- blame: one answering every call as the caller's fault (liar.py blame); stopped when the trainer bans it;
+- weights: one whose state requests get other weights with a matching fingerprint (rotten.py --weights);
+  stopped when the coordinator refuses that state for a checkpoint;
+- report: two trainer keys that claim 10,000 samples done and report an honest replica (reporter.py); stopped
+  when the coordinator's probe clears it;
+- bomb: a trainer key opening 16 streams that each claim a 64 MiB tensor and send nothing (bomb.py); stopped
+  when every call was refused or cut off.
+
+Each attack has `--attack-timeout` s. Then both trainers finish, each validates on the same held-out set, and:
+`val_ratio` (attacked / honest final validation loss; goal <= 1.05), `books` (whether the attacked coordinator's
+books balance, `peer status`), `steps_monotonic` (no honest replica's step ever went down, from its log),
+`honest_revoked` (honest peers the attacked coordinator revoked; goal 0), `stopped` (attacks stopped / tried)
+and `<attack>_s` (seconds from the attack's first act to its stop; "none": not stopped in time).
+
+    python benchmarks/adversary.py [--micro-batches 400] [--attack-timeout 45] [--keep] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import Figures, add_quick, run  # noqa: E402
+from benchmarks.security import STOP_GRACE, Swarm, first_time, make_spec  # noqa: E402
+from peer.cli.demo import loopback_join  # noqa: E402
+
+HELPERS = Path(__file__).resolve().parent.parent / "tests" / "helpers"
+PY = sys.executable
+# name -> (program and its first arguments, what its own log says once it acts, whose log says it was stopped, what)
+SERVER_ATTACKS = {
+    "far": ([PY, str(HELPERS / "hostile.py"), "1000", "0"], "HOSTILE at", "honest", "which most replicas do not back"),
+    "takeover": ([PY, str(HELPERS / "hostile.py"), "2", "0.5"], "HOSTILE at", "honest", "refused the state"),
+    "poison": ([PY, str(HELPERS / "poisoner.py"), "1e4"], "POISONER sent", "honest", "refused the mean"),
+    "freeze": ([PY, str(HELPERS / "liar.py"), "freeze"], "LIAR freeze", "honest", "its step no longer counts"),
+    "blame": (
+        [PY, str(HELPERS / "liar.py"), "blame"],
+        "Serving stage 0",
+        "trainer",
+        r"stage 0 \w+ on .*; banned [1-9]",
+    ),
+    "weights": ([PY, str(HELPERS / "rotten.py"), "--weights"], "Serving stage 0", "coordinator", "is not taken"),
+}
+STEP = re.compile(r"stage 0 step (\d+):|Loaded the state of stage 0 \(step (\d+)\)")
+
+
+def attack_server(swarm: Swarm, name: str, timeout: float) -> float | None:
+    """Run server attack `name` as stage 0's third replica; seconds from its first act to its stop (None: not
+    stopped within `timeout`), after which it is stopped."""
+    command, acts, where, stopped = SERVER_ATTACKS[name]
+    logs = {"honest": ["s0a", "s0b"], "trainer": ["t"], "coordinator": ["coordinator"]}[where]
+    extra = ["--set", "server.throughput=1e6"] if name == "weights" else []
+    marks = {n: len(swarm.procs.log(n)) for n in logs}
+    swarm.procs.start(name, [*loopback_join(swarm.maddr, name, "--stage", "0"), *extra], command=command)
+    try:
+        begun = first_time(swarm, [name], acts, timeout)
+        if begun is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(re.search(stopped, swarm.procs.log(n)[marks[n] :]) for n in logs):
+                return max(time.monotonic() - begun, 0.0)
+            time.sleep(0.1)
+        return None
+    finally:
+        swarm.procs.stop([name], grace=STOP_GRACE)
+
+
+def attack_reports(swarm: Swarm, timeout: float) -> float | None:
+    """Two trainer keys claiming 10,000 samples each report honest s0a; seconds until the coordinator's probe
+    clears it (None: not within `timeout`)."""
+    accused, mark = swarm.peer_id("s0a"), len(swarm.procs.log("coordinator"))
+    begun = time.monotonic()
+    names = ["r1", "r2"]
+    for name in names:
+        args = [swarm.maddr, str(swarm.workdir / f"{name}.pem"), accused, str(timeout), "10000"]
+        swarm.procs.start(name, args, command=[PY, str(HELPERS / "reporter.py")])
+    try:
+        while time.monotonic() - begun < timeout:
+            if f"reported {accused}; not revoked" in swarm.procs.log("coordinator")[mark:]:
+                return time.monotonic() - begun
+            time.sleep(0.1)
+        return None
+    finally:
+        swarm.procs.stop(names, grace=STOP_GRACE)
+
+
+def attack_bomb(swarm: Swarm, timeout: float) -> tuple[float | None, str]:
+    """16 streams from a trainer key at s0a, each claiming 64 MiB and sending nothing: seconds until all ended, and
+    how they ended."""
+    endpoint = swarm.procs.log("s0a").split("Serving stage 0 at ", 1)[1].split()[0]
+    args = ["claim", swarm.maddr, str(swarm.workdir / "bomb.pem"), endpoint, "16", str(16 << 20), "15"]
+    proc = swarm.procs.start("bomb", args, command=[PY, str(HELPERS / "bomb.py")])
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        swarm.procs.stop(["bomb"], grace=STOP_GRACE)
+        return None, "none"
+    line = next((x for x in swarm.procs.log("bomb").splitlines() if x.startswith("BOMB codes")), "")
+    codes = [p for p in line.split()[2:] if not p.startswith("seconds=")]
+    seconds = next((float(p.split("=")[1]) for p in line.split() if p.startswith("seconds=")), None)
+    return seconds, ",".join(codes) or "none"
+
+
+def final_loss(swarm: Swarm, name: str) -> float | None:
+    found = re.findall(r"validation loss ([0-9.]+)", swarm.procs.log(name))
+    return float(found[-1]) if found else None
+
+
+def monotonic_steps(swarm: Swarm, names: list[str]) -> bool:
+    """Whether each replica's step, by its log (steps taken, states loaded), never went down."""
+    for name in names:
+        steps = [int(a or b) for a, b in STEP.findall(swarm.procs.log(name))]
+        if any(later < earlier for earlier, later in zip(steps, steps[1:], strict=False)):
+            return False
+    return True
+
+
+def books_balance(swarm: Swarm) -> str:
+    """What `peer status` says of the attacked coordinator's books: balance, disagree, or unknown."""
+    status = subprocess.run(
+        [PY, "-m", "peer.cli", "status", swarm.maddr, "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    found = re.search(r"they (balance|disagree)", status.stdout)
+    return found.group(1) if found else "unknown"
+
+
+def start_swarm(root: Path, name: str, args, third: bool) -> Swarm:
+    spec = make_spec(args, "open", revoke_after_reports=2)
+    spec.name = name
+    swarm = Swarm(root / name, spec)
+    every = ["--set", "server.read_timeout=5"]
+    servers = [("s0a", 0, every), ("s0b", 0, every), ("s1", 1, every)] + ([("s0c", 0, every)] if third else [])
+    swarm.start(servers)
+    return swarm
+
+
+def train(swarm: Swarm, args) -> subprocess.Popen:
+    extra = ["--set", "trainer.eval_every=1000000", "--set", f"trainer.eval_batches={args.eval_batches}"]
+    return swarm.start_trainer("t", args.micro_batches, extra)
+
+
+def measure(args, root: Path, figures: Figures) -> None:
+    honest = start_swarm(root, "honest", args, third=True)
+    attacked = start_swarm(root, "attacked", args, third=False)
+    try:
+        trainers = {"honest": train(honest, args), "attacked": train(attacked, args)}
+        first_time(attacked, ["s0a"], "step 2:", args.attack_timeout)
+        times = {}
+        for name in SERVER_ATTACKS:
+            times[name] = attack_server(attacked, name, args.attack_timeout)
+            print(f"[attack] {name}: {times[name]}", flush=True)
+        times["report"] = attack_reports(attacked, args.attack_timeout)
+        times["bomb"], figures["bomb_codes"] = attack_bomb(attacked, args.attack_timeout)
+        print(f"[attack] report: {times['report']}, bomb: {times['bomb']} ({figures['bomb_codes']})", flush=True)
+        for key, took in times.items():
+            figures[f"{key}_s"] = "none" if took is None else f"{took:.1f}"
+        figures["stopped"] = f"{sum(t is not None for t in times.values())}/{len(times)}"
+        for side, swarm in (("honest", honest), ("attacked", attacked)):
+            swarm._wait(lambda p=trainers[side]: p.poll() is not None, ["coordinator"], f"the {side} trainer", 900)
+        losses = {side: final_loss(s, "t") for side, s in (("honest", honest), ("attacked", attacked))}
+        figures["val_honest"] = "none" if losses["honest"] is None else f"{losses['honest']:.4f}"
+        figures["val_attacked"] = "none" if losses["attacked"] is None else f"{losses['attacked']:.4f}"
+        ok = None not in losses.values()
+        figures["val_ratio"] = f"{losses['attacked'] / losses['honest']:.4f}" if ok else "none"
+        figures["books"] = books_balance(attacked)
+        figures["steps_monotonic"] = str(monotonic_steps(attacked, ["s0a", "s0b"]))
+        ids = {attacked.peer_id(n) for n in ("s0a", "s0b", "s1", "t")}
+        revoked = set(re.findall(r"Revoked peer (\S+):", attacked.procs.log("coordinator")))
+        figures["honest_revoked"] = str(len(revoked & ids))
+    finally:
+        honest.stop()
+        attacked.stop()
+
+
+def body(args: argparse.Namespace, figures: Figures) -> None:
+    if args.quick:
+        args.micro_batches, args.attack_timeout, args.eval_batches = 120, 30.0, 4
+    started = time.monotonic()
+    figures.update(cpus=os.cpu_count(), micro_batches=args.micro_batches)
+    root = Path(tempfile.mkdtemp(prefix="swarmtrain-adversary-"))
+    try:
+        measure(args, root, figures)
+    finally:
+        figures["seconds"] = f"{time.monotonic() - started:.0f}"
+        if args.keep:
+            print(f"logs kept in {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=64, help="model.hidden_size")
+    parser.add_argument("--layers", type=int, default=2, help="model.num_layers (2 stages)")
+    parser.add_argument("--seq-len", type=int, default=64, help="training.seq_len")
+    parser.add_argument("--micro-batch", type=int, default=8, help="training.micro_batch_size")
+    parser.add_argument("--target-batch", type=int, default=64, help="training.target_batch_size")
+    parser.add_argument("--micro-batches", type=int, default=400, help="micro-batches of each swarm's trainer")
+    parser.add_argument("--attack-timeout", type=float, default=45.0, help="s each attack has to be stopped")
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches at the end")
+    parser.add_argument("--keep", action="store_true", help="keep the peers' logs")
+    add_quick(parser, "120 micro-batches, 30 s per attack")
+    run(parser, body)
+
+
+if __name__ == "__main__":
+    main()
