@@ -211,7 +211,8 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
         assert trainer.proc.poll() is None, trainer.output()[-3000:]
         time.sleep(0.5)
     outputs = honest["s0a"].output() + honest["s0b"].output()
-    assert "its step no longer counts" in outputs, outputs[-3000:]
+    # freeze: its record is ahead, and counts until struck; ahead: only its answers are, ignored while it is banned
+    assert ("its step no longer counts" if mode == "freeze" else "behind the step") in outputs, outputs[-3000:]
     # an accumulator goes only with a state that loaded (from an honest replica that stepped on first), never for
     # the liar's that never came
     drops = len(re.findall(r"accumulated samples, of old weights, are dropped", outputs))
