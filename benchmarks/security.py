@@ -107,15 +107,13 @@ class Swarm:
                 raise SystemExit(f"waited {timeout:.0f} s for {what}\n{tails}")
             time.sleep(0.2)
 
-    def start(self, servers: list[tuple[str, int, list[str]]]) -> float:
-        """Start the coordinator and `servers` (name, stage, extra args); the seconds until all serve."""
+    def start(self, servers: list[tuple[str, int, list[str]]], coordinator: list[str] = ()) -> float:
+        """Start the coordinator (with `coordinator` args) and `servers` (name, stage, extra args); the seconds until
+        all serve."""
         started = time.monotonic()
         (self.workdir / "run.toml").write_text(spec_to_toml(self.spec))
         info = self.workdir / "coordinator.json"
-        self.procs.start(
-            "coordinator",
-            loopback_coordinator("run.toml", str(info)),
-        )
+        self.procs.start("coordinator", [*loopback_coordinator("run.toml", str(info)), *coordinator])
         self._wait(info.exists, ["coordinator"], "the coordinator")
         self.maddr = json.loads(info.read_text())["join"].split()[-1]
         for name, stage, extra in servers:

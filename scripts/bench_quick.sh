@@ -4,7 +4,7 @@
 # Usage: bash scripts/bench_quick.sh [NAME ...]   (default: all of them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BENCHMARKS=(codecs data checkpoint transport rest tp mfu gpu swarm_vs_local fidelity scale expert_overhead recovery security averaging diloco relay wan chaos)
+BENCHMARKS=(codecs data checkpoint transport rest tp mfu gpu swarm_vs_local fidelity scale expert_overhead recovery security adversary averaging diloco relay wan chaos)
 [ $# -gt 0 ] && BENCHMARKS=("$@")
 line_re='^[A-Za-z_][A-Za-z0-9_]*=[^ ]+( [A-Za-z_][A-Za-z0-9_]*=[^ ]+)* status=ok$'
 failed=()
