@@ -226,6 +226,37 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
 
 
 @pytest.mark.slow
+def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm):
+    """A third replica of stage 0 answers every partner's Average call that it already stepped that round
+    (tests/helpers/liar.py `stepped`), which a member must believe at the time, and never is ahead. Its partners
+    check the word at the next invitation (a replica that stepped is ahead); after averaging.max_failed_rounds false
+    ones in a row it is left out of their rounds for a while, and the honest two step on together."""
+    swarm.coordinator(SPEC)
+    honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
+    swarm.endpoint(swarm.server("s1", 1))
+    endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), "stepped", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    swarm.endpoint(liar)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    honest["s0a"].wait_for(r"already stepped", 120)  # the liar is in the honest replicas' rounds
+    started_at = min(info(e).epoch for e in endpoints.values())
+    deadline = time.monotonic() + 120
+    while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
+        steps = {name: info(e).epoch for name, e in endpoints.items()}
+        assert time.monotonic() < deadline, (started_at, steps, honest["s0a"].output()[-3000:])
+        assert trainer.proc.poll() is None, trainer.output()[-3000:]
+        time.sleep(0.5)
+    outputs = honest["s0a"].output() + honest["s0b"].output()
+    assert "left out of this replica's rounds" in outputs, outputs[-3000:]
+    # never apart: at every step both made, they made the same one
+    histories = [{h.epoch: tuple(h.values) for h in info(e).history} for e in endpoints.values()]
+    common = set(histories[0]) & set(histories[1])
+    assert common and all(histories[0][k] == histories[1][k] for k in common), sorted(common)
+
+
+@pytest.mark.slow
 def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
     """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
     (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The

@@ -143,14 +143,15 @@ def test_a_member_that_claims_many_samples_weighs_a_capped_claim_and_moves_the_m
 
 
 def test_replicas_that_expect_different_groups_never_step_apart(replicas):
-    # replica 2 missed replica 0's answer: it expects a group of 2, the others one of 3. The attempts meet in the
-    # group all can agree on ({1, 2}: 0 is not in 2's), and 0 steps with nobody; never two groups at one step
+    # replica 2 missed replica 0's answer: it expects a group of 2, the others one of 3. The attempts meet in a
+    # group its members agree on: {1, 2} (0 is not in 2's), or {0, 1} (0 takes 2's word that 0 is not in its group
+    # as 2's alone, and goes on without 2); never two groups at one step
     ids = [pid for pid, _ in replicas]
     results = _rounds(replicas, 2, [[0, 1, 2], [0, 1, 2], [1, 2]])
     _agree(results)
     stepped = {i for i, r in enumerate(results) if r is not None}
-    assert stepped in (set(), {1, 2}), results
-    assert all(results[i].members == [ids[1], ids[2]] for i in stepped)
+    assert stepped in (set(), {1, 2}, {0, 1}), results
+    assert all(results[i].members == [ids[j] for j in sorted(stepped)] for i in stepped)
     # and the next round, with views that agree again, averages as usual
     results = _rounds(replicas, 3, [[0, 1, 2]] * 3)
     assert all(r is not None and r.group_size == 3 for r in results), results
@@ -352,3 +353,82 @@ def test_a_mean_that_is_not_finite_is_refused_whatever_came_before():
             assert not GradientAverager._plausible(averager, mean, own, samples, 3, ["a", "b"])
             assert averager.refused_groups[4] == ["a", "b"]
     assert GradientAverager._plausible(judge(), [torch.ones(4)], own, 8, 3, ["a", "b"])
+
+
+def _lying_owner(member, verdict_of=None, altered=None):
+    """Member `member`'s owner side lies: it answers every Average call with `verdict_of(header)` alone, or serves
+    honestly and changes its ok verdicts with `altered(verdict)`."""
+    from protocols.averaging_frames import message_frame, parse_frame
+
+    allreduce = member.averager.allreduce
+    honest = allreduce.serve
+
+    async def serve(header, frames, caller):
+        if verdict_of is not None:
+            yield message_frame(averaging_pb2.AverageFrame(verdict=verdict_of(header)))
+            return
+        async for frame in honest(header, frames, caller):
+            kind, body = parse_frame(frame)
+            if kind == "verdict" and body.ok:
+                altered(body)
+                frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
+            yield frame
+
+    allreduce.serve = serve
+
+
+def _three_rounds(members, epoch: int, values=(1.0, 3.0, 5.0)):
+    ids = [pid for pid, _ in members]
+    _EPOCH[0] = epoch
+    with ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(a.average, [torch.full((300,), values[i])], 1, epoch, ids) for i, (_, a) in enumerate(members)
+        ]
+        return [f.result(timeout=60) for f in futures]
+
+
+@pytest.mark.parametrize("lie", ["you-are-lost", "not-your-group", "own-step", "misreported"])
+def test_an_owner_whose_verdict_alone_would_end_the_round_is_the_one_left_out(lie):
+    """Member 2, as an owner, tells every caller it is lost, or that its group is one without the caller, or fails
+    the attempt naming nobody (its own step), or reports member 0's contribution otherwise than member 0 sent it:
+    each is its word against what the others know, so it is the one lost, and the other two step without it (before,
+    a member named lost or outside the group gave its round up: one such owner froze its stage)."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        verdicts = {
+            "you-are-lost": lambda h: averaging_pb2.AverageVerdict(ok=False, lost=[h.sender.peer_id], reason="lost"),
+            "not-your-group": lambda h: averaging_pb2.AverageVerdict(ok=False, group=[ids[2]], reason="another group"),
+            "own-step": lambda h: averaging_pb2.AverageVerdict(ok=False, reason="this replica is at step 9"),
+        }
+
+        def misreport(verdict):
+            for c in verdict.gathered:
+                if c.peer_id == ids[0]:
+                    c.samples += 7
+
+        _lying_owner(servers[2], verdicts.get(lie), misreport if lie == "misreported" else None)
+        results = _three_rounds(members, 4)
+    assert results[0] is not None and results[1] is not None, results
+    _agree(results[:2])
+    assert results[0].members == ids[:2] and torch.equal(results[0].gradients[0], torch.full((300,), 2.0))
+
+
+def test_an_owner_that_says_it_stepped_and_is_not_ahead_is_left_out_after_max_failed_rounds():
+    """Member 2 answers every Average call that it already stepped the round: a member must believe it then (its
+    gradients would count twice), and the round fails. At the next invitation a partner that stepped is ahead;
+    one that answers at the step it claimed to have left said what was not so, and after averaging.max_failed_rounds
+    such rounds in a row it is left out (peer.server.round_failures); one that is ahead is not."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        failures = members[0][1].allreduce.failures
+        _lying_owner(servers[2], lambda h: averaging_pb2.AverageVerdict(ok=False, stepped=True, reason="stepped"))
+        for n in range(spec.averaging.max_failed_rounds + 1):
+            results = _three_rounds(members, 6)
+            assert results[0] is None and results[1] is None, results
+            assert not failures.left_out(ids[2])
+            failures.check({ids[1]: 6, ids[2]: 6 + (n == 0)}, 6)  # ahead the first time (true then), at 6 after
+        assert failures.left_out(ids[2]) and not failures.left_out(ids[1])
+        failures.stepped([ids[2]])  # a round that steps with it clears it
+        assert not failures.left_out(ids[2])

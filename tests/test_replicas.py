@@ -101,6 +101,7 @@ def test_a_replica_invited_while_it_steps_counts_its_inviter_in_its_next_round()
         _unresponsive={"inviter": 5.0},
         _inviters={},
         _distrusted=set(),
+        _left_out=lambda pid: False,
     )
     assert Rounds.join_round(replica, 7, "inviter")
     assert replica._pending_round == 7
@@ -136,7 +137,10 @@ def test_a_replica_also_asks_those_that_invited_it_while_its_own_invitations_wer
         }
 
     replica = SimpleNamespace(
-        peers={"a": record(5), "late": record(4), "gone": record(5)}, _inviters={"gone": 5}, _distrusted=set()
+        peers={"a": record(5), "late": record(4), "gone": record(5)},
+        _inviters={"gone": 5},
+        _distrusted=set(),
+        _left_out=lambda pid: False,
     )
     replica._invite = invite
     replica._inviting = lambda epoch: Rounds._inviting(replica, epoch)

@@ -142,6 +142,12 @@ class AveragingConfig:
     # after this many refused means in a row a replica steps alone with its own gradients: a poisoning
     # member delays the stage's steps, it does not stop them
     max_refused_rounds: int = 2
+    # a partner that failed this many of a replica's rounds in a row (it was lost, or the round failed on its
+    # word alone: a verdict that it stepped, that the others are lost, that the group is another) is left out of
+    # that replica's rounds for `failed_ban` s, doubling each time after (at most 16 times): one
+    # member that breaks every round delays a stage, it does not stop it
+    max_failed_rounds: int = 3
+    failed_ban: float = 30.0  # s a partner that failed max_failed_rounds rounds in a row is first left out
     # how each part of a group's tensors becomes one: mean (sample-weighted, exact data parallelism),
     # median (coordinate-wise, each member with samples once), clipped (a centered clip from the median): the
     # last two bound what a minority of hostile members can move, at some cost in fidelity; with two members
@@ -416,6 +422,9 @@ class RunSpec:
         if not a.max_norm_ratio >= 0:
             raise ConfigError(f"averaging.max_norm_ratio: must be >= 0 (0: no check), got {a.max_norm_ratio}")
         require_positive("averaging.max_refused_rounds", a.max_refused_rounds)
+        require_positive("averaging.max_failed_rounds", a.max_failed_rounds)
+        if not a.failed_ban >= 0:
+            raise ConfigError(f"averaging.failed_ban: must be >= 0, got {a.failed_ban}")
         if a.aggregate not in AGGREGATES:
             raise ConfigError(f"averaging.aggregate: must be one of {', '.join(AGGREGATES)}, got {a.aggregate!r}")
         if not a.max_weight_ratio >= 0:

@@ -36,6 +36,7 @@ import torch
 from peer.net.refusal import Refused
 from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key
 from peer.server.piece_codec import PieceCodec, PieceError
+from peer.server.round_failures import RoundFailures
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
 from protocols.averaging_frames import message_frame, parse_frame, piece_frame
@@ -62,6 +63,7 @@ class AllReduce:
 
     def __init__(self, limits: Limits, codec: PieceCodec, block_size: int):
         self.limits, self.codec, self.block_size = limits, codec, block_size
+        self.failures = RoundFailures(limits.max_failed_rounds, limits.failed_ban)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="allreduce")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client = None
@@ -91,6 +93,7 @@ class AllReduce:
         if found is None:
             return None
         gathered, attempts, out = found
+        self.failures.stepped(c.peer_id for c in gathered)
         averaged, offset = [], 0
         for t in tensors:
             averaged.append(out[offset : offset + t.numel()].view(t.shape))
@@ -112,6 +115,7 @@ class AllReduce:
             except Failed as e:
                 logger.warning("averaging for step %d, attempt %d, failed: %s", epoch, attempt, e.reason)
                 if e.stepped:
+                    self.failures.claimed_stepped(e.claimants, epoch)  # to be seen ahead next (replica_round)
                     return None
                 group = sorted((set(group) - e.lost) & set(e.group or group))
                 continue
@@ -152,11 +156,9 @@ class AllReduce:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 owner = pending.pop(task)
-                verdicts[owner] = owned.verdict() if task is reducer else task.result()
+                verdicts[owner] = (owned.failure or owned.verdict()) if task is reducer else task.result()
             failure = next((v for v in verdicts.values() if isinstance(v, Failed)), None)
-            failure = failure or next(
-                (Failed(set(v.lost), v.reason, list(v.group)) for v in verdicts.values() if _failed(v)), None
-            )
+            failure = failure or next((self._owner_failure(o, v) for o, v in verdicts.items() if _failed(v)), None)
             if failure is not None:
                 run.lost |= failure.lost
                 if owned.done and owned.failure is None:
@@ -173,10 +175,23 @@ class AllReduce:
         for verdict in verdicts.values():
             for c in verdict.gathered:
                 seen[c.peer_id].add(contribution_key(c))
-        liars = {p for p in run.group if len(seen.get(p, ())) != 1}
-        if liars:
-            raise Failed(liars, f"members told owners different contributions: {sorted(liars)}")
+        told_apart = {p for p in run.group if len(seen.get(p, ())) != 1}
+        if told_apart:
+            liars = _liars(told_apart, verdicts, self.peer_id)
+            raise Failed(liars, f"owners' verdicts differ on what {sorted(told_apart)} sent; lost: {sorted(liars)}")
         return list(verdicts[self.peer_id].gathered)
+
+    def _owner_failure(self, owner: str, verdict: averaging_pb2.AverageVerdict) -> Failed:
+        """An owner's failed verdict, as this member takes it. Members it names lost (others) are left out of the
+        next attempt as it says (we cannot tell), and a group it names is kept to. A verdict that names us lost,
+        names a group without us, or names nobody (its own step, a round it ended) is its word against what we
+        know (we are here, in this group): the owner is left out instead, so that no one member's word alone
+        ends a round for the rest."""
+        named = set(verdict.lost) - {self.peer_id}
+        against_us = self.peer_id in verdict.lost or (verdict.group and self.peer_id not in verdict.group)
+        if not against_us and (named or verdict.group):
+            return Failed(named, verdict.reason, list(verdict.group) or None)
+        return Failed({owner}, f"{owner}: {verdict.reason}")
 
     async def _exchange(self, run: Attempt, owner: str, bounds: tuple[int, int]):
         """Our pieces of `owner`'s slice out, its averaged pieces in: its verdict, or Failed."""
@@ -248,7 +263,7 @@ class AllReduce:
                 if body.ok and received != len(pieces):
                     return Failed({owner}, f"{owner}: a verdict after {received} of {len(pieces)} pieces")
                 if body.stepped:
-                    return Failed(set(), f"{owner} already stepped this round", stepped=True)
+                    return Failed(set(), f"{owner} already stepped this round", stepped=True, claimants={owner})
                 logger.debug(
                     "step %d attempt %d: verdict of %s after %d pieces", run.epoch, run.attempt, owner, received
                 )
@@ -320,6 +335,8 @@ class AllReduce:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"the call comes from {caller}, not from {sender}")
         if not self.admitted(sender) or sender not in header.group or sender == self.peer_id:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{sender} is not an admitted replica of this part")
+        if self.failures.left_out(sender):  # it failed our last rounds (peer.server.round_failures)
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{sender} failed this replica's last rounds: left out")
         if header.run_id != self.header_base.run_id:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not this one's", WRONG_RUN)
         if (header.stage, header.expert) != (self.header_base.stage, self.header_base.expert):
@@ -377,7 +394,8 @@ class AllReduce:
                 except FramingError:
                     kind, body = "malformed", None
                 if kind == "verdict":  # the member gave the attempt up: whom it lost
-                    lost = set(body.lost) & set(owned.attempt.group) or {sender}
+                    # it names whom it lost; never us (we are here: then it is the one lost), nobody: itself
+                    lost = set(body.lost) & set(owned.attempt.group) - {self.peer_id} or {sender}
                     await owned.fail(Failed(lost, f"{sender} gave the attempt up: {body.reason}"))
                     return
                 if kind != "piece" or count >= len(owned.pieces):
@@ -396,6 +414,25 @@ class AllReduce:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _liars(told_apart: set[str], verdicts: dict, me: str) -> set[str]:
+    """Whoever told owners apart: for each member whose contribution the owners' verdicts name differently, the
+    member itself, unless its own verdict names what it sent us (we saw it arrive): then the owners that name
+    something else are the liars."""
+    ours = {c.peer_id: contribution_key(c) for c in verdicts[me].gathered}
+    liars = set()
+    for member in told_apart:
+        own = {contribution_key(c) for c in verdicts[member].gathered if c.peer_id == member}
+        if member == me or own == {ours.get(member)}:
+            liars |= {
+                o
+                for o, v in verdicts.items()
+                if any(c.peer_id == member and contribution_key(c) != ours.get(member) for c in v.gathered)
+            }
+        else:
+            liars.add(member)
+    return liars
 
 
 def _failed(verdict) -> bool:

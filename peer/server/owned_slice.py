@@ -38,11 +38,21 @@ class Attempt:
 
 
 class Failed(Exception):
-    """An attempt (or one owner's slice of it) went on without members: `lost`, and why."""
+    """An attempt (or one owner's slice of it) went on without members: `lost`, and why. `claimants`: the
+    owners on whose word alone it ended (a verdict that they already stepped the round), checked later
+    (peer.server.round_failures)."""
 
-    def __init__(self, lost: set[str], reason: str, group: list[str] | None = None, stepped: bool = False):
+    def __init__(
+        self,
+        lost: set[str],
+        reason: str,
+        group: list[str] | None = None,
+        stepped: bool = False,
+        claimants: set[str] | None = None,
+    ):
         super().__init__(reason)
         self.lost, self.reason, self.group, self.stepped = set(lost), reason, group, stepped
+        self.claimants = set(claimants or ())
 
 
 class OwnedSlice:

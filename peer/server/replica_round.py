@@ -38,17 +38,13 @@ class Rounds:
             # invited by a replica whose record this one has not read yet (it was resting): read it first
             self._unknown_inviter = False
             await self.refresh_peers()
-        partners = {pid: r for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items() if r.epoch <= epoch}
-        answers, took = await self._answers(partners, epoch, timeout)
-        # a partner that answers ahead of us but failed to send that step's state (banned as a donor now, or struck)
-        # is not believed: neither a reason to abort the round nor a member of it
-        now = time.monotonic()
-        answers = {
-            pid: a
-            for pid, a in answers.items()
-            if isinstance(a, BaseException)
-            or not (a.epoch > epoch and (self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now))
+        partners = {
+            pid: r
+            for pid, r in {**self._serving_peers(), **self._inviting(epoch)}.items()
+            if r.epoch <= epoch and not self._left_out(pid)
         }
+        answers, took = await self._answers(partners, epoch, timeout)
+        answers = self._believed(answers, epoch)
         joiners = _joiners(answers)
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         # hung or gone: not waited for again
@@ -90,6 +86,22 @@ class Rounds:
         expected = sorted([self.dht.peer_id, *joiners])
         await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch)))
 
+    def _believed(self, answers: dict, epoch: int) -> dict:
+        """The answers to our invitation to the round for `epoch` that count. A partner that answers ahead of us
+        but failed to send that step's state (banned as a donor now, or struck) is not believed: neither a reason
+        to abort the round nor a member of it. A partner that said it stepped this round must now be ahead
+        (peer.server.round_failures)."""
+        if self.averager is not None:
+            answered = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException)}
+            self.averager.allreduce.failures.check(answered, epoch)
+        now = time.monotonic()
+        return {
+            pid: a
+            for pid, a in answers.items()
+            if isinstance(a, BaseException)
+            or not (a.epoch > epoch and (self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now))
+        }
+
     async def _answers(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> tuple[dict, float]:
         """The partners' answers to the invitation to the round for `epoch`, and the seconds the first invitations
         took. Replicas that invited us meanwhile are added to `partners` and asked too (they are in the round)."""
@@ -103,7 +115,11 @@ class Rounds:
             # partner that went on alone meanwhile must be seen (we resync from it) rather than
             # matched by a second lone step at the same epoch (two replicas apart for good)
             answers.update(await self._invite(silent, epoch, timeout))
-        late = {pid: r for pid, r in self._inviting(epoch).items() if pid not in partners and r.epoch <= epoch}
+        late = {
+            pid: r
+            for pid, r in self._inviting(epoch).items()
+            if pid not in partners and r.epoch <= epoch and not self._left_out(pid)
+        }
         if late:
             partners.update(late)
             answers.update(await self._invite(late, epoch, timeout))
@@ -168,6 +184,7 @@ class Rounds:
         # only admitted peers average: the replicas whose records passed this peer's gate (dht.gate)
         # (less those this replica caught lying: peer.server.replica_state)
         admitted = {self.dht.peer_id, *self.peers} - self._distrusted if self.dht.gate is not None else None
+        expected = [pid for pid in expected if not self._left_out(pid)]
         self.averager.loop = asyncio.get_running_loop()  # the all-reduce runs here; the round thread waits for it
         round_future = self.round_executor.submit(
             self.averager.average, grads, samples, epoch, expected, admitted, (incarnation, seq)
@@ -286,10 +303,14 @@ class Rounds:
             if e == epoch and (r := self.peers.get(pid)) is not None and pid not in self._distrusted
         }
 
+    def _left_out(self, pid: str) -> bool:
+        """Whether partner `pid` failed our last rounds and is left out of them for now (peer.server.round_failures)."""
+        return self.averager is not None and self.averager.allreduce.failures.left_out(pid)
+
     def join_round(self, epoch: int, inviter: str = "") -> bool:
         """A partner (`inviter`, its peer id if it said) invites this replica to the round for `epoch`: True if
         it takes part."""
-        if self.leaving:
+        if self.leaving or self._left_out(inviter):
             return False
         if inviter and inviter not in self.peers:
             self._unknown_inviter = True  # the round this starts reads the replicas' records first

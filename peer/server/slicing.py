@@ -19,6 +19,8 @@ class Limits:
     max_attempts: int  # attempts of a round, each without the members the one before lost
     aggregate: str  # peer.server.robust's kind
     max_weight_ratio: float  # peer.server.robust.fixed_weights' cap
+    max_failed_rounds: int = 3  # a member that failed this many of our rounds in a row is left out of them
+    failed_ban: float = 30.0  # s it is left out the first time, doubling each time after (16 times that at most)
 
     @classmethod
     def from_spec(cls, spec) -> Limits:
@@ -32,6 +34,8 @@ class Limits:
             cfg.max_attempts,
             cfg.aggregate,
             cfg.max_weight_ratio,
+            cfg.max_failed_rounds,
+            cfg.failed_ban,
         )
 
 

@@ -17,7 +17,10 @@
   that wants every trainer to think the run has ended would announce;
 - `ahead`: its records, its state and its answers are honest, except every Round invitation, which it declines
   saying it is a step ahead (its state of that step never comes: it has none), so that an inviter that
-  believed the answer would abort every round.
+  believed the answer would abort every round;
+- `stepped`: as an owner in the averaging all-reduce it answers every partner's Average call that it already
+  stepped the round (a member must then give its round up: stepping it again would count its gradients twice),
+  and it never steps ahead: without a check of that word, every round of its stage would fail.
 """
 
 from __future__ import annotations
@@ -91,6 +94,17 @@ def ahead_in_rounds():
     return ahead
 
 
+def stepped_verdicts():
+    from protocols import averaging_pb2
+    from protocols.averaging_frames import message_frame
+
+    async def serve(self, header, frames, caller):
+        verdict = averaging_pb2.AverageVerdict(ok=False, stepped=True, reason=f"already stepped {header.epoch}")
+        yield message_frame(averaging_pb2.AverageFrame(verdict=verdict))
+
+    return serve
+
+
 def far_step():
     record = Replica.record
 
@@ -118,6 +132,10 @@ if __name__ == "__main__":
         Replica.record = far_step()
     elif sys.argv[1] == "ahead":
         ServicerBase.Round = ahead_in_rounds()
+    elif sys.argv[1] == "stepped":
+        from peer.server.allreduce import AllReduce
+
+        AllReduce.serve = stepped_verdicts()
     else:
         StageServer.backward = wrong_last()
     print(f"LIAR {sys.argv[1]}", flush=True)
