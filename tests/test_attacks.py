@@ -257,6 +257,33 @@ def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm):
 
 
 @pytest.mark.slow
+def test_a_server_that_never_says_it_stepped_what_it_took_stalls_no_trainer(swarm):
+    """A replica of stage 0 serves and steps, but says in its records and answers that none of the backwards it
+    took is stepped (tests/helpers/liar.py `hoard`): the trainer would keep every receipt of it until its receipt
+    budget (trainer.max_receipt_mb, small here) is full, and then wait forever. A receipt left unstepped while the
+    stage went trainer.max_unstepped_steps on is replayed on another replica, and the server avoided."""
+    swarm.coordinator(SPEC)
+    honest = swarm.server("s0a", 0)
+    swarm.endpoint(swarm.server("s1", 1))
+    endpoint = swarm.endpoint(honest)
+    liar = swarm.start(
+        "liar", [str(HELPERS / "liar.py"), "hoard", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+    )
+    swarm.endpoint(liar)
+    # (with trainer.max_unstepped_steps=0 the trainer stalled at stage 0's step 9)
+    budget = ["--set", "trainer.max_receipt_mb=0.05", "--set", "trainer.max_unstepped_steps=4"]
+    budget += ["--set", "trainer.unstepped_grace=5"]
+    trainer = swarm.trainer("t", ["--seed", "0", *budget])
+    started_at = info(endpoint).epoch
+    deadline = time.monotonic() + 120
+    while info(endpoint).epoch < started_at + 20:
+        assert time.monotonic() < deadline, (started_at, info(endpoint).epoch, trainer.output()[-3000:])
+        assert trainer.proc.poll() is None, trainer.output()[-3000:]
+        time.sleep(0.5)
+    assert "kept unstepped" in trainer.output(), trainer.output()[-3000:]
+
+
+@pytest.mark.slow
 def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_again(swarm):
     """Stage 0's only server gives a state whose Adam second moments are negative and whose step counts are 0
     (tests/helpers/rotten.py): a joiner that loaded it would turn its weights to NaN at its next step. The

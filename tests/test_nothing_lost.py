@@ -737,6 +737,41 @@ def test_a_replica_resynced_from_a_partner_that_stepped_alone_settles_the_partne
     assert replay == [] and [(c.epoch, c.decisive) for c in checks] == [(ANY_STEP, True)]
 
 
+def test_a_live_server_that_keeps_a_backward_unstepped_while_its_stage_steps_on_is_avoided_and_it_is_replayed():
+    """A receipt whose server is alive but has not stepped it while most of its stage's replicas went
+    trainer.max_unstepped_steps on: the server does not step what it takes, or says so (a hoarder would fill the
+    trainer's receipt budget and stall it). It is replayed elsewhere and the server banned; one a step short of
+    that, or taken before any replica was read, waits."""
+    from types import SimpleNamespace
+
+    from dht.records import ServerRecord
+    from peer.trainer.ledger import Ledger, Receipt
+    from protocols import stage_pb2
+
+    banned = []
+    own = ServerRecord(stage=0, endpoint="127.0.0.1:1", throughput=1.0, epoch=12, state="serving", incarnation=1)
+    router = SimpleNamespace(
+        last={("hoarder", 1): own},
+        answered={},
+        gone=lambda *a: False,
+        stage_step=lambda stage: 12,
+        ban=lambda pid: banned.append(pid),
+    )
+    ledger = Ledger()
+    for uid, step in (("overdue", 4), ("recent", 5), ("unknown", -1)):
+        ledger.add(Receipt(0, "hoarder", 1, 1, stage_pb2.BackwardRequest(uid=uid), {}, 2, heard=1.0, step=step))
+    replay, checks = ledger.review(router, 8)  # its own record: step 12, nothing stepped
+    assert [r.request.uid for r in replay] == ["overdue"] and banned == ["hoarder"] and checks == []
+    assert ledger.review(router, 0) == ([], [])  # 0: never
+    # a server whose record stays at an old step: its stage going 4 x 8 steps on decides
+    ledger = Ledger()
+    own.epoch = 5
+    for uid, step in (("overdue", 4), ("recent", 5)):
+        ledger.add(Receipt(0, "hoarder", 1, 1, stage_pb2.BackwardRequest(uid=uid), {}, 2, heard=1.0, step=step))
+    router.stage_step = lambda stage: 36
+    assert [r.request.uid for r in ledger.review(router, 8)[0]] == ["overdue"]
+
+
 def test_a_gone_servers_receipts_wait_while_a_survivor_is_silent_and_settle_by_any_step_that_counted_them():
     """What the trainer asks the survivors before a replay: any step of theirs that counted the gone server's
     additions settles them; a survivor that does not answer (hung, as a stopped donor) makes it wait, never

@@ -139,6 +139,14 @@ class TrainerConfig:
     max_receipt_mb: float = (
         256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
     )
+    # a backward its server has not stepped while it went this many steps past the step its stage was at when it
+    # took it (by its own record), or while the stage went 4 times that on: the server keeps what it takes
+    # unstepped, or says so. It is replayed on another replica, and the server is banned for max_ban s (a hoarder
+    # would fill max_receipt_mb and stall this trainer); 0: never
+    max_unstepped_steps: int = 8
+    # s a receipt is at least kept before that: an honest server's answers say what it stepped within a call or
+    # two, but its record, read every refresh_period, may name a step many steps old while a stage steps fast
+    unstepped_grace: float = 30.0
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
     # where the trainer keeps its micro-batches not yet settled, so a start after a kill finishes them once;
     # empty: KEY.RUN.journal.jsonl beside its identity key

@@ -271,6 +271,18 @@ class Router:
         health.banned_until = time.monotonic() + ban
         return ban
 
+    def ban(self, peer_id: str) -> None:
+        """Avoid a server for max_ban s, whatever its record says (peer.trainer.ledger.overdue)."""
+        health = self.health.setdefault(peer_id, _Health())
+        health.banned_until = max(health.banned_until, time.monotonic() + self.cfg.max_ban)
+
+    def stage_step(self, stage: int) -> int:
+        """The step most of `stage`'s serving replicas were at over the last reads (peer.swarm.consensus.agreed);
+        -1 while none was read."""
+        slot = next((i for i, (_, s, expert) in enumerate(self.slots) if s == stage and not expert), None)
+        seen = self.seen[slot] if slot is not None else {}
+        return agreed(epoch for _, epoch in seen.values()) if seen else -1
+
     def current_incarnation(self, pid: str) -> int | None:
         """The newest incarnation its records and answers name: the largest (a server's grow, peer.model.part).
 

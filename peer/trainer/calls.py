@@ -22,6 +22,7 @@ from protocols import codec, framing, tensor_pb2
 from protocols.failures import Reason, reason_of
 
 logger = logging.getLogger(__name__)
+RECEIPT_STEP_SLACK = 16  # a server's answered step counts for its receipt up to this past its stage's as read
 # our own fault, not the server's: a malformed request, or this trainer's credential refused (revoked)
 _CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 WORK = {"forward": 1 / 3, "backward": 1.0}  # share of a forward+backward (a backward recomputes on a cache miss)
@@ -229,7 +230,7 @@ class Calls:
         if request.dry:
             return response, returned, pid
         receipt = (pid, response.incarnation, response.seq, time.time())
-        self._keep_receipt(stage, request, payloads, receipt)
+        self._keep_receipt(stage, request, payloads, receipt, response.epoch)
         self.journal.received(request.uid, stage, receipt)
         self.ledger.confirm(pid, response.incarnation, response.stepped_seq)
         return response, returned, pid
@@ -242,11 +243,16 @@ class Calls:
         counted.dry = False
         self._keep_receipt(stage, counted, payloads, receipt)
 
-    def _keep_receipt(self, stage: int, request, payloads, receipt: tuple[str, int, int, float]) -> None:
-        """Into the ledger: (peer id, incarnation, seq, time answered) of the counted backward `request`."""
+    def _keep_receipt(self, stage: int, request, payloads, receipt: tuple[str, int, int, float], epoch=-1) -> None:
+        """Into the ledger: (peer id, incarnation, seq, time answered) of the counted backward `request`, and the
+        step it was taken at: the server's (`epoch`, what it answered) as far as it is credible, for the stage's
+        step as last read may be a few steps old (peer.trainer.ledger.overdue)."""
         pid, incarnation, seq, heard = receipt
         samples = request.inputs.shape[0] if request.inputs.shape else 1
-        self.ledger.add(Receipt(stage, pid, incarnation, seq, request, dict(payloads or {}), samples, heard))
+        step = self.router.stage_step(stage)
+        if 0 <= step <= epoch <= step + RECEIPT_STEP_SLACK:
+            step = epoch
+        self.ledger.add(Receipt(stage, pid, incarnation, seq, request, dict(payloads or {}), samples, heard, step=step))
 
     def _call_bytes(self, stage: int, method: str, request, sent: int) -> int:
         """Bytes a call moves: its request (`sent` bytes), and the hidden states or input gradients it gets back."""

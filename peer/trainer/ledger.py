@@ -33,6 +33,7 @@ class Receipt:
     samples: int
     heard: float  # time.time() the server answered
     nbytes: int = 0  # memory it holds, counted once when the ledger takes it
+    step: int = -1  # the step most of the stage's replicas were at when the server took it (-1: unknown)
 
 
 @dataclass
@@ -45,6 +46,22 @@ class Check:
     receipt: Receipt
     epoch: int  # the step the round made, if it succeeded; ANY_STEP: whichever step of the survivors counted it
     decisive: bool  # the server is gone: "not in the group" means replay (else it only may settle early)
+
+
+def overdue(receipt: Receipt, router: Router, max_unstepped: int) -> bool:
+    """Whether a live server kept `receipt` unstepped while it went `max_unstepped` steps past the step its stage
+    was at when it took it, by its own record (its step and what it says is stepped, read together: an honest
+    server's step two on has stepped it), or while its stage went 4 times that on (whatever it says of its own
+    step; the slack covers records read late while the stage steps fast). It does not step what it takes, or
+    says it does not. The server is banned; the receipt is for replaying."""
+    if max_unstepped <= 0 or receipt.step < 0:
+        return False
+    record = router.last.get((receipt.peer_id, receipt.incarnation))
+    own = record is not None and record.epoch >= receipt.step + max_unstepped and record.stepped_seq < receipt.seq
+    if not own and router.stage_step(receipt.stage) < receipt.step + 4 * max_unstepped:
+        return False
+    router.ban(receipt.peer_id)
+    return True
 
 
 class Ledger:
@@ -77,8 +94,10 @@ class Ledger:
                 self.on_stepped(receipt)
                 self._release(receipt)
 
-    def review(self, router: Router) -> tuple[list[Receipt], list[Check]]:
-        """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors)."""
+    def review(self, router: Router, max_unstepped: int = 0, grace: float = 0.0) -> tuple[list[Receipt], list[Check]]:
+        """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors).
+        A receipt its live server left unstepped while its stage went `max_unstepped` steps on is replayed too,
+        and the server banned (`overdue`), once it is `grace` s old."""
         replay, check = [], []
         for (peer_id, incarnation), record in list(router.last.items()):
             self.confirm(peer_id, incarnation, record.stepped_seq)
@@ -89,6 +108,9 @@ class Ledger:
             last = router.last.get((r.peer_id, r.incarnation))
             in_round = last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq
             if not router.gone(r.peer_id, r.incarnation, r.heard):
+                if now - r.heard >= grace and overdue(r, router, max_unstepped):
+                    replay.append(r)
+                    continue
                 if in_round and now - last.updated > STALE_ROUND:
                     # its round went quiet: if the survivors' step has it in the group, that settles it now,
                     # while their step records still reach back that far

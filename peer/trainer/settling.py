@@ -33,7 +33,7 @@ class Settling:
                 logger.error("settling receipts failed: %s", e)
 
     async def _settle(self) -> None:
-        replay, checks = self.ledger.review(self.router)
+        replay, checks = self.ledger.review(self.router, self.tcfg.max_unstepped_steps, self.tcfg.unstepped_grace)
         verdicts: dict[tuple[int, str, int, int], int | None] = {}  # one look per (stage, server, step)
         for check in checks:
             key = (check.receipt.stage, check.receipt.peer_id, check.receipt.incarnation, check.epoch)
@@ -47,9 +47,12 @@ class Settling:
                 replay.append(check.receipt)
         for receipt in replay:
             logger.warning(
-                "stage %d: server %s went away before stepping %d samples of ours; replaying them on another replica",
+                "stage %d: server %s %s %d samples of ours; replaying them on another replica",
                 receipt.stage,
                 receipt.peer_id[-8:],
+                "went away before stepping"
+                if self.router.gone(receipt.peer_id, receipt.incarnation, receipt.heard)
+                else f"(avoided now) kept unstepped, while its stage went {self.tcfg.max_unstepped_steps} steps on,",
                 receipt.samples,
             )
             gone = {(receipt.peer_id, receipt.incarnation)}  # that process; the same key restarted is welcome

@@ -20,7 +20,9 @@
   believed the answer would abort every round;
 - `stepped`: as an owner in the averaging all-reduce it answers every partner's Average call that it already
   stepped the round (a member must then give its round up: stepping it again would count its gradients twice),
-  and it never steps ahead: without a check of that word, every round of its stage would fail.
+  and it never steps ahead: without a check of that word, every round of its stage would fail;
+- `hoard`: it serves and steps like any replica, but says (in its records and answers) that none of the backwards
+  it took is stepped, so that its trainers keep every receipt of it until their receipt budget is full.
 """
 
 from __future__ import annotations
@@ -132,6 +134,10 @@ if __name__ == "__main__":
         Replica.record = far_step()
     elif sys.argv[1] == "ahead":
         ServicerBase.Round = ahead_in_rounds()
+    elif sys.argv[1] == "hoard":
+        from peer.model.part import PartRuntime
+
+        PartRuntime.stepped_seq = property(lambda self: 0, lambda self, value: None)
     elif sys.argv[1] == "stepped":
         from peer.server.allreduce import AllReduce
 
