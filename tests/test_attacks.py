@@ -183,7 +183,7 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["freeze", "ahead"])
+@pytest.mark.parametrize("mode", ["freeze", "hang", "ahead"])
 def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_no_stage(swarm, mode):
     """A third replica of stage 0 claims one step past the honest two, in its records and its answers (believable:
     within server.max_resync_jump), and fails every GetState (tests/helpers/liar.py `freeze`). An honest replica
@@ -191,9 +191,13 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     longer (server.donor_ban), and after server.donor_strikes failures in a row its claim no longer counts: the
     honest replicas step on, and no accumulator is dropped for a load that never came. `ahead`: the claim is made
     only in its answers to Round invitations (its record stays level: strikes are not forgotten for that), each of
-    which aborted the round and started a resync; a partner banned or struck as a donor is not believed there."""
+    which aborted the round and started a resync; a partner banned or struck as a donor is not believed there.
+    `hang`: every GetState hangs until the caller's deadline (server.state_load_timeout, short here): the honest
+    replicas' records are announced meanwhile, so no trainer takes them for gone and replays what they hold."""
     swarm.coordinator(SPEC)
-    honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
+    # hang: each load waits out 14 s, past a record's life (network.record_ttl, 10 s); struck after 2 of them
+    short = ["--set", "server.state_load_timeout=14", "--set", "server.donor_strikes=2"] if mode == "hang" else []
+    honest = {name: swarm.server(name, 0, short) for name in ("s0a", "s0b")}
     s1 = swarm.server("s1", 1)
     endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
     swarm.endpoint(s1)
@@ -202,7 +206,7 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     )
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])
-    liar.wait_for(r"HOSTILE at (\d+)" if mode == "freeze" else r"LIAR ahead", 120)
+    liar.wait_for(r"HOSTILE at (\d+)" if mode != "ahead" else r"LIAR ahead", 120)
     started_at = min(info(e).epoch for e in endpoints.values())
     deadline = time.monotonic() + 120
     while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
@@ -212,7 +216,7 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
         time.sleep(0.5)
     outputs = honest["s0a"].output() + honest["s0b"].output()
     # freeze: its record is ahead, and counts until struck; ahead: only its answers are, ignored while it is banned
-    assert ("its step no longer counts" if mode == "freeze" else "behind the step") in outputs, outputs[-3000:]
+    assert ("its step no longer counts" if mode != "ahead" else "behind the step") in outputs, outputs[-3000:]
     # an accumulator goes only with a state that loaded (from an honest replica that stepped on first), never for
     # the liar's that never came
     drops = len(re.findall(r"accumulated samples, of old weights, are dropped", outputs))
@@ -222,7 +226,8 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     assert 2 <= tries <= 16, tries
     # nothing of a step it never held (a joiner's own load, before it serves, is not a resync)
     served = "".join(peer.output().split("Serving stage 0 at", 1)[-1] for peer in honest.values())
-    assert "Loaded the state of stage 0" not in served or mode == "freeze", served[-3000:]
+    assert "Loaded the state of stage 0" not in served or mode != "ahead", served[-3000:]
+    assert "our DHT record expired" not in outputs, outputs[-3000:]  # announced while a load hung
 
 
 @pytest.mark.slow

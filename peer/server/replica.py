@@ -448,7 +448,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
             if not self.stepping and self.state == "serving":
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
-                    await self._resync(ahead)
+                    await self._announced_while(self._resync(ahead))
                 elif self.paused:
                     self.paused = False  # stopped, but nobody went on meanwhile: it serves as it was
                 self._maybe_step()

@@ -345,7 +345,11 @@ class StateTransfer:
         only once a state loaded (more than a step behind, it holds gradients of old weights); a donor that
         failed is asked again only after its ban (`_strike`)."""
         now = time.monotonic()
-        ahead = [r for r in self._credible(ahead) if self._donor_strikes.get(r.owner, (0, 0.0))[1] <= now]
+        ahead = [
+            r
+            for r in self._credible(ahead)
+            if self._donor_strikes.get(r.owner, (0, 0.0))[1] <= now and not self._struck(r.owner)
+        ]
         if not ahead:
             return
         leader = max(ahead, key=lambda r: r.epoch)
@@ -370,6 +374,24 @@ class StateTransfer:
                 self._strike(leader)
         finally:
             self.stepping = False
+
+    async def _announced_while(self, work) -> None:
+        """Await `work` (a resync: a donor may take server.state_load_timeout to send its state, or never) while
+        this replica's record keeps being announced: its record must not expire meanwhile (trainers would take it
+        for gone and replay what it holds, and it would drop its accumulator at the next look)."""
+
+        async def announce() -> None:
+            while True:
+                await asyncio.sleep(self.cfg.network.announce_period)
+                await self.publish()
+
+        keeper = asyncio.create_task(announce())
+        try:
+            await work
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
     def _strike(self, r: ServerRecord) -> None:
         """The donor that led a resync failed to send a state of its step that loads: asked again after

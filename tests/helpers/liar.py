@@ -12,7 +12,8 @@
   that believed it would give its micro-batches up instead of banning this server;
 - `freeze`: it claims one step past the least advanced of its partners (tests/helpers/hostile.py), in its
   records and answers, and fails every GetState: honest replicas see a believable replica ahead, which they
-  must load from before they step, and it never sends its state;
+  must load from before they step, and it never sends its state; `hang`: the same, but every GetState hangs
+  (it sends nothing and never ends the call) instead of failing at once;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
   that wants every trainer to think the run has ended would announce;
 - `ahead`: its records, its state and its answers are honest, except every Round invitation, which it declines
@@ -88,6 +89,16 @@ def failing_state():
     return unavailable
 
 
+def hanging_state():
+    async def hang(self, request_bytes, context):
+        import asyncio
+
+        await asyncio.Event().wait()  # nothing, ever: the caller's deadline ends it
+        yield b""
+
+    return hang
+
+
 def ahead_in_rounds():
     async def ahead(self, request, context):
         replica = self._replica(request.run_id, request.stage, request.expert)
@@ -125,11 +136,11 @@ if __name__ == "__main__":
         Security.refresh_revocations = staying()
     elif sys.argv[1] == "blame":
         StageServicer._forward = StageServicer._backward = blaming()
-    elif sys.argv[1] == "freeze":
+    elif sys.argv[1] in ("freeze", "hang"):
         from hostile import claiming
 
         Replica.publish = claiming(1, 0.0)
-        ServicerBase.GetState = failing_state()
+        ServicerBase.GetState = failing_state() if sys.argv[1] == "freeze" else hanging_state()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
     elif sys.argv[1] == "ahead":
