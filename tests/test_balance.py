@@ -47,6 +47,26 @@ def test_totals_count_joining_and_serving_only():
     assert weakest_stage(totals) == 1
 
 
+def test_one_record_neither_outweighs_the_run_nor_keeps_a_stage_served():
+    """A record announcing 10^12 samples/s counts CLAIM_CAP x the run's median claim; and a server leaves its stage
+    only if a replica serving it now averaged with it in its last steps, not because a record says one serves."""
+    from types import SimpleNamespace
+
+    from peer.server.stage import StageServer
+    from peer.swarm.balance import CLAIM_CAP
+
+    def rec(stage, throughput, state="serving"):
+        return ServerRecord(stage=stage, endpoint="x:1", throughput=throughput, state=state)
+
+    totals, _ = stage_totals([{"a": rec(0, 100), "liar": rec(0, 1e12, "joining")}, {"b": rec(1, 100)}], 2)
+    assert totals == [100 + CLAIM_CAP * 100, 100]
+    server = SimpleNamespace(runtime=SimpleNamespace(history=[SimpleNamespace(members=["me", "a"])]))
+    server.dht = SimpleNamespace(peer_id="me")
+    assert StageServer._partnered(server, {"a": rec(0, 100), "liar": rec(0, 1e12)})
+    assert not StageServer._partnered(server, {"liar": rec(0, 1e12)})  # it never averaged with us
+    assert not StageServer._partnered(server, {"a": rec(0, 100, "leaving")})
+
+
 def test_the_earliest_claim_moves_and_a_later_one_stays():
     def rec(endpoint, stage, claim=None):
         r = ServerRecord(stage=stage, endpoint=endpoint, throughput=100.0)
@@ -101,6 +121,9 @@ def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
     free = [swarm.server("f0", 0, FREE), swarm.server("f1", 0, FREE)]
     for s in free:
         swarm.endpoint(s)
+    # a server leaves its stage only once another replica that serves it averaged with it (a record alone does
+    # not keep a stage served): the stages train
+    swarm.trainer("t", ["--seed", "0"])
     # stage 0 has three servers, stage 1 one: one free server moves, then the stages are even and nobody moves
     deadline = time.monotonic() + 90
     while not any("Moving from stage 0 to stage 1" in s.output() for s in free):

@@ -116,7 +116,15 @@ class StageServer(Replica):
         mine = (self.claim[1], self.endpoint) if self.claim is not None else None
         totals, counts = stage_totals(records, self.spec.stages.num_stages, before=mine)
         margin = self.cfg.server.balance_margin
-        return plan_move(totals, counts, self.stage, self.runtime.throughput, margin, self.allowed_stages)
+        target = plan_move(totals, counts, self.stage, self.runtime.throughput, margin, self.allowed_stages)
+        return target if target is None or self._partnered(records[self.stage]) else None
+
+    def _partnered(self, records: dict[str, ServerRecord]) -> bool:
+        """Whether a replica that serves this stage now averaged with this one in its last steps: a server leaves
+        its stage only then, not on other records' word that the stage is served (one record of a server that
+        never serves would otherwise empty it)."""
+        members = {m for f in self.runtime.history for m in f.members} - {self.dht.peer_id}
+        return any(pid in members and r.state == "serving" for pid, r in records.items())
 
     async def _check_balance(self) -> None:
         """Move to another stage if that raises the swarm's bottleneck by the configured margin.

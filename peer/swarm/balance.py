@@ -15,12 +15,22 @@ from collections.abc import Iterable
 from dht.records import ServerRecord
 
 ACTIVE = ("joining", "serving")
+CLAIM_CAP = 4.0  # a server's announced throughput counts at most this many times the run's median claim
+
+
+def _cap(records: list[dict[str, ServerRecord]]) -> float:
+    """The most throughput one record counts for: CLAIM_CAP x the lower median of the active records' claims (one
+    record announcing 10^12 samples/s must not make its stage look served for everyone; inf while none claims)."""
+    claims = sorted(max(r.throughput, 0.0) for servers in records for r in servers.values() if r.state in ACTIVE)
+    median = claims[(len(claims) - 1) // 2] if claims else 0.0
+    return CLAIM_CAP * median if median > 0 else float("inf")
 
 
 def stage_totals(
     records: Iterable[dict[str, ServerRecord]], num_stages: int, before: tuple[float, str] | None = None
 ) -> tuple[list[float], list[int]]:
-    """Per stage (records by peer id): total announced throughput and number of servers joining or serving.
+    """Per stage (records by peer id): total announced throughput (each record's at most CLAIM_CAP x the run's
+    median claim) and number of servers joining or serving.
 
     A server that announced it means to move counts in the stage it moves to, if its claim goes
     before `before` (the asking server's own claim as (moving_since, endpoint); None: every claim).
@@ -29,7 +39,7 @@ def stage_totals(
     progress is never taken for a server gone.
     """
     records = [dict(servers) for servers in records]
-    totals, counts = [0.0] * num_stages, [0] * num_stages
+    totals, counts, cap = [0.0] * num_stages, [0] * num_stages, _cap(records)
     for stage, servers in enumerate(records):
         for pid, r in servers.items():
             if r.stage != stage:
@@ -41,7 +51,7 @@ def stage_totals(
                 where = r.moving_to  # on its way there
             else:
                 continue
-            totals[where] += max(r.throughput, 0.0)
+            totals[where] += min(max(r.throughput, 0.0), cap)
             counts[where] += 1
     return totals, counts
 
