@@ -164,7 +164,13 @@ class AllReduce:
                 if owned.done and owned.failure is None:
                     # our slice's average and ok verdict already went out: a member holding every owner's ok
                     # verdict may step this attempt, so running another (a second average at this step) must not be
-                    raise Failed(failure.lost, f"{failure.reason}; our slice was already averaged", stepped=True)
+                    # (whose word ended it is checked like a `stepped` word: a partner that stepped is ahead next)
+                    raise Failed(
+                        failure.lost,
+                        f"{failure.reason}; our slice was already averaged",
+                        stepped=True,
+                        claimants=failure.claimants,
+                    )
                 await owned.fail(failure)
                 raise failure
         return verdicts
@@ -190,8 +196,8 @@ class AllReduce:
         named = set(verdict.lost) - {self.peer_id}
         against_us = self.peer_id in verdict.lost or (verdict.group and self.peer_id not in verdict.group)
         if not against_us and (named or verdict.group):
-            return Failed(named, verdict.reason, list(verdict.group) or None)
-        return Failed({owner}, f"{owner}: {verdict.reason}")
+            return Failed(named, verdict.reason, list(verdict.group) or None, claimants={owner})
+        return Failed({owner}, f"{owner}: {verdict.reason}", claimants={owner})
 
     async def _exchange(self, run: Attempt, owner: str, bounds: tuple[int, int]):
         """Our pieces of `owner`'s slice out, its averaged pieces in: its verdict, or Failed."""

@@ -39,8 +39,8 @@ class Attempt:
 
 class Failed(Exception):
     """An attempt (or one owner's slice of it) went on without members: `lost`, and why. `claimants`: the
-    owners on whose word alone it ended (a verdict that they already stepped the round), checked later
-    (peer.server.round_failures)."""
+    owners on whose word it ended (a failed verdict), checked later where it ends the round for good (a verdict
+    that they already stepped it, or one that came after our slice's average went out: peer.server.round_failures)."""
 
     def __init__(
         self,
