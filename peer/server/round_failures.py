@@ -1,8 +1,9 @@
 """Partners whose word failed this replica's averaging rounds, and which are left out of them for now.
 
-One member's word alone ends a member's round in one case: an owner's verdict that it already stepped this round
+One member's word alone ends a member's round in two cases: an owner's verdict that it already stepped this round
 (peer.server.allreduce), which a member must believe then (stepping the round again would count its gradients
-twice). It is checked afterwards against something the claimant cannot take back: a partner that stepped is ahead
+twice), and any owner's failed verdict that comes after the member's own slice's average went out (another member
+may hold every ok verdict of that attempt: running another would put two averages at one step). It is checked afterwards against something the claimant cannot take back: a partner that stepped is ahead
 at the next round's invitation. One that answers at the step it claimed to have left failed that round on a false
 word; after `max_failed_rounds` of those in a row it is left out of this replica's rounds (not invited, its
 invitations declined, its Average calls refused) for a while, doubling each time. Every other word of a member
