@@ -127,6 +127,29 @@ class SpotChecker:
         self.skipped += 1
         return None
 
+    async def _with_third(self, stage: int, pids: tuple[str, str, str], request, payloads, met: tuple):
+        """The suspect's, the second's and a third replica's answers at one step, for a decision; None if they never
+        meet. `met`: the first two answers and their step. The third is asked at once; one at another step (the
+        stage stepped meanwhile) has all three asked again together, up to SAME_STEP_TRIES times: asked at one
+        moment, honest replicas answer at one step; a suspect that answers at another step than the other two, at one,
+        every time, dodged the compare (counted)."""
+        first, second, epoch = met
+        third = await self._ask(stage, pids[2], request, payloads)
+        if third is not None and third[1] == epoch:
+            return first, second, third[0]
+        apart = third is not None  # the suspect at another step than the other two, who are at one, every time
+        for _ in range(SAME_STEP_TRIES if third is not None else 0):
+            await asyncio.sleep(SAME_STEP_WAIT)
+            answers = await asyncio.gather(*(self._ask(stage, p, request, payloads) for p in pids))
+            if any(a is None for a in answers):
+                return None
+            if len({a[1] for a in answers}) == 1:
+                return tuple(a[0] for a in answers)
+            apart = apart and answers[1][1] == answers[2][1] != answers[0][1]
+        if apart:
+            self._dodged(stage, pids[0])
+        return None
+
     def _dodged(self, stage: int, pid: str) -> None:
         self.dodges[pid] = self.dodges.get(pid, 0) + 1
         logger.warning(
@@ -157,8 +180,9 @@ class SpotChecker:
                 return
             self.disagreements += 1
             thirds = self._others(stage, {pid, second_pid})
-            third = await self._ask(stage, self.rng.choice(thirds), request, payloads) if thirds else None
-            if third is None or third[1] != epoch:
+            trio = (pid, second_pid, self.rng.choice(thirds)) if thirds else None
+            decided = await self._with_third(stage, trio, request, payloads, (first, second, epoch)) if trio else None
+            if decided is None:
                 logger.warning(
                     "spot check of stage %d: %s and %s disagree and no third replica could decide",
                     stage,
@@ -166,7 +190,10 @@ class SpotChecker:
                     second_pid,
                 )
                 return
-            with_first, with_second = agree(first, third[0], self.tolerance), agree(second, third[0], self.tolerance)
+            first, second, third = decided
+            if agree(first, second, self.tolerance):  # asked again at one step, they agree after all
+                return
+            with_first, with_second = agree(first, third, self.tolerance), agree(second, third, self.tolerance)
             if with_first and not with_second:
                 self.convict(index, stage, second_pid)
             elif with_second and not with_first:
