@@ -207,13 +207,7 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])
     liar.wait_for(r"HOSTILE at (\d+)" if mode != "ahead" else r"LIAR ahead", 120)
-    started_at = min(info(e).epoch for e in endpoints.values())
-    deadline = time.monotonic() + 120
-    while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
-        steps = {name: info(e).epoch for name, e in endpoints.items()}
-        assert time.monotonic() < deadline, (started_at, steps, honest["s0a"].output()[-3000:])
-        assert trainer.proc.poll() is None, trainer.output()[-3000:]
-        time.sleep(0.5)
+    _honest_step_on(endpoints, honest["s0a"], trainer)
     outputs = honest["s0a"].output() + honest["s0b"].output()
     # freeze: its record is ahead, and counts until struck; ahead: only its answers are, ignored while it is banned
     assert ("its step no longer counts" if mode != "ahead" else "behind the step") in outputs, outputs[-3000:]
@@ -228,6 +222,18 @@ def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_n
     served = "".join(peer.output().split("Serving stage 0 at", 1)[-1] for peer in honest.values())
     assert "Loaded the state of stage 0" not in served or mode != "ahead", served[-3000:]
     assert "our DHT record expired" not in outputs, outputs[-3000:]  # announced while a load hung
+
+
+def _honest_step_on(endpoints: dict, watched, trainer, steps: int = 10, timeout: float = 120) -> None:
+    """Poll until every honest replica (`endpoints`) made `steps` steps past where the least advanced was; the
+    trainer alive meanwhile."""
+    started_at = min(info(e).epoch for e in endpoints.values())
+    deadline = time.monotonic() + timeout
+    while min(info(e).epoch for e in endpoints.values()) < started_at + steps:
+        now = {name: info(e).epoch for name, e in endpoints.items()}
+        assert time.monotonic() < deadline, (started_at, now, watched.output()[-3000:])
+        assert trainer.proc.poll() is None, trainer.output()[-3000:]
+        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -246,13 +252,7 @@ def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm):
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])
     honest["s0a"].wait_for(r"already stepped", 120)  # the liar is in the honest replicas' rounds
-    started_at = min(info(e).epoch for e in endpoints.values())
-    deadline = time.monotonic() + 120
-    while min(info(e).epoch for e in endpoints.values()) < started_at + 10:
-        steps = {name: info(e).epoch for name, e in endpoints.items()}
-        assert time.monotonic() < deadline, (started_at, steps, honest["s0a"].output()[-3000:])
-        assert trainer.proc.poll() is None, trainer.output()[-3000:]
-        time.sleep(0.5)
+    _honest_step_on(endpoints, honest["s0a"], trainer)
     outputs = honest["s0a"].output() + honest["s0b"].output()
     assert "left out of this replica's rounds" in outputs, outputs[-3000:]
     # never apart: at every step both made, they made the same one
