@@ -13,6 +13,8 @@ peers):
   10 past where they were when it began to claim, on their own (`honest_loads` counts their loads);
 - poison: one sending gradients of 1e4 to every averaging round (poisoner.py); stopped at "refused the mean";
 - freeze: one claiming the next step and failing every state request (liar.py freeze); stopped likewise;
+- stepped: one answering every averaging call that it already stepped the round (liar.py stepped); stopped when
+  an honest replica leaves it out of its rounds;
 - blame: one answering every call as the caller's fault (liar.py blame); stopped when the trainer bans it;
 - weights: one whose state requests get other weights with a matching fingerprint (rotten.py --weights);
   stopped when the coordinator refuses that state for a checkpoint;
@@ -59,6 +61,7 @@ SERVER_ATTACKS = {
     "takeover": ([PY, str(HELPERS / "hostile.py"), "2", "0.5"], "HOSTILE at", "honest", PASSED),
     "poison": ([PY, str(HELPERS / "poisoner.py"), "1e4"], "POISONER sent", "honest", "refused the mean"),
     "freeze": ([PY, str(HELPERS / "liar.py"), "freeze"], "HOSTILE at", "honest", PASSED),
+    "stepped": ([PY, str(HELPERS / "liar.py"), "stepped"], "LIAR stepped", "honest", "left out of this replica's"),
     "blame": (
         [PY, str(HELPERS / "liar.py"), "blame"],
         "Serving stage 0",

@@ -184,44 +184,35 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["freeze", "hang", "ahead"])
-def test_a_replica_that_claims_the_next_step_and_never_sends_its_state_freezes_no_stage(swarm, mode):
-    """A third replica of stage 0 claims one step past the honest two, in its records and its answers (believable:
-    within server.max_resync_jump), and fails every GetState (tests/helpers/liar.py `freeze`). An honest replica
-    does not step while a believable one is ahead: it loads that state first. Each failed load bans the donor for
-    longer (server.donor_ban), and after server.donor_strikes failures in a row its claim no longer counts: the
-    honest replicas step on, and no accumulator is dropped for a load that never came. `ahead`: the claim is made
-    only in its answers to Round invitations (its record stays level: strikes are not forgotten for that), each of
-    which aborted the round and started a resync; a partner banned or struck as a donor is not believed there.
-    `hang`: every GetState hangs until the caller's deadline (server.state_load_timeout, short here): the honest
-    replicas' records are announced meanwhile, so no trainer takes them for gone and replays what they hold."""
+def test_a_replica_alone_ahead_of_two_others_is_not_followed(swarm, mode):
+    """A third replica of stage 0 claims one step past the honest two (tests/helpers/liar.py): `freeze`, in its
+    records and answers, and it fails every GetState; `hang`, the same, but every GetState hangs; `ahead`, only in
+    its answers to Round invitations. Of three replicas, a step one of them alone is at is its own word
+    (peer.server.replica_belief `_backed_only`): the honest two neither wait for it nor load its state, not even
+    once (with a sound state, each load would have let it claim a step further: they would never step, go back
+    to the weights it sent, or be led to the run's last step); they step on together."""
     swarm.coordinator(SPEC)
-    # hang: each load waits out 14 s, past a record's life (network.record_ttl, 10 s); struck after 2 of them
-    short = ["--set", "server.state_load_timeout=14", "--set", "server.donor_strikes=2"] if mode == "hang" else []
-    honest = {name: swarm.server(name, 0, short) for name in ("s0a", "s0b")}
-    s1 = swarm.server("s1", 1)
+    honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
     endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
-    swarm.endpoint(s1)
+    liar, trainer = _liar_beside(swarm, mode)
+    _honest_step_on(endpoints, honest["s0a"], trainer)
+    outputs = honest["s0a"].output() + honest["s0b"].output()
+    assert "is alone at step" in outputs, outputs[-3000:]
+    assert "could not load the state" not in outputs, outputs[-3000:]
+    assert "accumulated samples, of old weights, are dropped" not in outputs, outputs[-3000:]
+    _never_apart(endpoints)
+
+
+def _liar_beside(swarm, mode: str):
+    """Start stage 1, the liar of `mode` at stage 0 and a trainer; return (liar, trainer) once the liar lies."""
+    swarm.endpoint(swarm.server("s1", 1))
     liar = swarm.start(
         "liar", [str(HELPERS / "liar.py"), mode, *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
     )
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])
     liar.wait_for(r"HOSTILE at (\d+)" if mode != "ahead" else r"LIAR ahead", 120)
-    _honest_step_on(endpoints, honest["s0a"], trainer)
-    outputs = honest["s0a"].output() + honest["s0b"].output()
-    # freeze: its record is ahead, and counts until struck; ahead: only its answers are, ignored while it is banned
-    assert ("its step no longer counts" if mode != "ahead" else "behind the step") in outputs, outputs[-3000:]
-    # an accumulator goes only with a state that loaded (from an honest replica that stepped on first), never for
-    # the liar's that never came
-    drops = len(re.findall(r"accumulated samples, of old weights, are dropped", outputs))
-    assert drops <= len(re.findall(r"Loaded the state of stage 0", outputs)), outputs[-3000:]
-    # asked again only after each ban: a handful of tries in all, not two a second
-    tries = len(re.findall(r"could not load the state", outputs))
-    assert 2 <= tries <= 16, tries
-    # nothing of a step it never held (a joiner's own load, before it serves, is not a resync)
-    served = "".join(peer.output().split("Serving stage 0 at", 1)[-1] for peer in honest.values())
-    assert "Loaded the state of stage 0" not in served or mode != "ahead", served[-3000:]
-    assert "our DHT record expired" not in outputs, outputs[-3000:]  # announced while a load hung
+    return liar, trainer
 
 
 def _honest_step_on(endpoints: dict, watched, trainer, steps: int = 10, timeout: float = 120) -> None:
@@ -255,7 +246,11 @@ def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm):
     _honest_step_on(endpoints, honest["s0a"], trainer)
     outputs = honest["s0a"].output() + honest["s0b"].output()
     assert "left out of this replica's rounds" in outputs, outputs[-3000:]
-    # never apart: at every step both made, they made the same one
+    _never_apart(endpoints)
+
+
+def _never_apart(endpoints: dict) -> None:
+    """At every recent step both honest replicas made, they made the same one (their fingerprints agree)."""
     histories = [{h.epoch: tuple(h.values) for h in info(e).history} for e in endpoints.values()]
     common = set(histories[0]) & set(histories[1])
     assert common and all(histories[0][k] == histories[1][k] for k in common), sorted(common)

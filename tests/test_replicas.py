@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import time
 
+import pytest
 from helpers.calls import check_books, settled_infos
+from test_faults import check_same_parameters
 
 SPEC = {
     "name": "replicas",
@@ -217,3 +221,28 @@ def test_a_replica_stores_only_a_change_of_step_round_or_state_at_once_and_pushe
         assert stores == [(0, "serving")]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_replica_that_stepped_alone_takes_the_state_of_the_two_that_stepped_on(swarm):
+    """Of three replicas of stage 0, a's invitations fail (a failpoint, `round.invite`, while all else works): it
+    steps alone, a step most replicas have not reached, which b and c do not follow (peer.server.replica_belief);
+    they step on together. Seeing them at its step or past it after a step in a group, a takes their state: the
+    three hold the same parameters again (replicas average gradients, not weights: without that, a's would stay
+    apart for good)."""
+    swarm.coordinator(SPEC | {"training": {**SPEC["training"], "total_steps": 100_000}})
+    failing = {"SWARMTRAIN_FAILPOINTS": "round.invite=4"}  # two rounds' invitations, each asked twice
+    a = swarm.server("a", 0, env=failing)
+    b, c, last = swarm.server("b", 0), swarm.server("c", 0), swarm.server("s1", 1)
+    ends = [swarm.endpoint(peer) for peer in (a, b, c)]
+    swarm.endpoint(last)
+    trainer = swarm.trainer("t", ["--seed", "0"])
+    a.wait_for(r"stepping alone", 180)
+    # it takes their state (or, behind them meanwhile, resyncs as any replica behind does)
+    deadline = time.monotonic() + 120
+    while "Loaded the state of stage 0" not in a.output().split("stepping alone", 1)[-1]:
+        assert time.monotonic() < deadline, a.output()[-3000:]
+        time.sleep(0.25)
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(90) == 0, trainer.output()[-3000:]
+    check_same_parameters(settled_infos(ends), 0)

@@ -6,7 +6,8 @@ makes the next 3 passes through `round.announce` fail, and later ones pass. Each
 environment once, when it is made; nothing is shared between the objects that hold one.
 
 The places: `round.announce`, a replica's publish of the record that says what its round covers
-(peer.server.replica_round): the DHT refuses it, while everything else works.
+(peer.server.replica_round): the DHT refuses it, while everything else works; `round.invite`, a replica's
+invitations to a round of its own (peer.server.replica_round): none reaches a partner, as if none answered.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dht.errors import UserError
 
 logger = logging.getLogger(__name__)
 ENV = "SWARMTRAIN_FAILPOINTS"
-NAMES = ("round.announce",)
+NAMES = ("round.announce", "round.invite")
 
 
 class FailpointError(UserError, ValueError):

@@ -52,6 +52,7 @@ from peer.net.client import StageClient
 from peer.net.refusal import Refused
 from peer.process.failpoints import Failpoints
 from peer.server.averaging import GradientAverager
+from peer.server.replica_belief import StepBelief
 from peer.server.replica_handover import Handover
 from peer.server.replica_push import Pushing
 from peer.server.replica_round import Rounds
@@ -89,7 +90,7 @@ def _opened() -> asyncio.Event:
     return event
 
 
-class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
+class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
     """The step protocol of one part; its owner (a stage server or an expert host) serves the calls."""
 
     def __init__(
@@ -188,6 +189,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
     def _init_claims(self) -> None:
         """What this replica knows of its partners' claims (peer.swarm.consensus, docs/security.md)."""
         self._doubted: set[str] = set()  # peers whose claimed step was not believed, said once (bounded)
+        self._lone: set[str] = set()  # peers alone ahead of most replicas, not followed: said once (bounded)
+        self._rejoined = -1  # the step it last loaded a state at: what it stepped alone before is gone (`_rejoin`)
         self._seen: dict[str, float] = {}  # peer -> when its record was last read (bounded by record_ttl)
         self._first_seen: dict[str, int] = {}  # peer -> this replica's step when it first read its record
         self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
@@ -264,7 +267,7 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
             and r.updated > self._unresponsive.get(pid, -1.0)
             and not (r.epoch > self.runtime.epoch and self._struck(pid))  # ahead by a claim never backed
         }
-        credible = {id(r) for r in self._credible(list(serving.values()))}
+        credible = {id(r) for r in self._backed_only(self._credible(list(serving.values())))}
         return {pid: r for pid, r in serving.items() if id(r) in credible}
 
     def record(self) -> ServerRecord:
@@ -451,6 +454,8 @@ class Replica(Stepping, Rounds, StateTransfer, Handover, Pushing):
                     await self._announced_while(self._resync(ahead))
                 elif self.paused:
                     self.paused = False  # stopped, but nobody went on meanwhile: it serves as it was
+                if not self.stepping and (group := self._apart_alone()):
+                    await self._announced_while(self._rejoin(group))
                 self._maybe_step()
             await self.publish()
             await self.on_progress()

@@ -88,19 +88,23 @@ class Rounds:
 
     def _believed(self, answers: dict, epoch: int) -> dict:
         """The answers to our invitation to the round for `epoch` that count. A partner that answers ahead of us
-        but failed to send that step's state (banned as a donor now, or struck) is not believed: neither a reason
-        to abort the round nor a member of it. A partner that said it stepped this round must now be ahead
-        (peer.server.round_failures)."""
+        but failed to send that step's state (banned as a donor now, or struck), or that alone is at its step
+        (`_backed_only`), is not believed: neither a reason to abort the round nor a member of it. A partner that
+        said it stepped this round must now be ahead (peer.server.round_failures)."""
         if self.averager is not None:
             answered = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException)}
             self.averager.allreduce.failures.check(answered, epoch)
         now = time.monotonic()
-        return {
+        answers = {
             pid: a
             for pid, a in answers.items()
             if isinstance(a, BaseException)
             or not (a.epoch > epoch and (self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now))
         }
+        ahead = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException) and a.epoch > epoch}
+        claims = [ServerRecord.model_construct(owner=pid, epoch=step, endpoint=pid) for pid, step in ahead.items()]
+        followed = {r.owner for r in self._backed_only(claims)}
+        return {pid: a for pid, a in answers.items() if pid not in ahead or pid in followed}
 
     async def _answers(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> tuple[dict, float]:
         """The partners' answers to the invitation to the round for `epoch`, and the seconds the first invitations
@@ -141,6 +145,8 @@ class Rounds:
 
     async def _invite(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> dict:
         """Each partner's answer to the invitation to the round for `epoch` (or the exception its call raised)."""
+        if partners and self.failpoints.fails("round.invite"):
+            return {pid: ConnectionError("failpoint round.invite: the invitation never left") for pid in partners}
         answers = await asyncio.gather(
             *(
                 self.client.round(

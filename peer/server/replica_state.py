@@ -16,7 +16,8 @@ from dht.records import COORDINATOR_STATES, ServerRecord
 from peer.model.fingerprint import first_difference, held_at, tolerance
 from peer.model.part_state import OutOfReach, Poisoned, StateError
 from peer.process.status_lines import say
-from peer.swarm.consensus import backed, credible_limit
+from peer.server.replica_belief import forget_own_steps
+from peer.swarm.consensus import backed
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +153,11 @@ class StateTransfer:
                 await self._second_opinion(metadata, donors)
                 reach = self.cfg.server.max_update_per_step
                 await self.run_torch(self.runtime.check_reach, metadata, tensors, reach, self._apart(donors))
+                lone = self._lone_since()
                 await self.run_torch(self.runtime.load_state, metadata, tensors, self.dht.peer_id)
-                self.paused = False
+                if lone is not None:  # its own fingerprints since it stepped alone are of weights it no longer holds
+                    await self.run_torch(forget_own_steps, self.runtime, lone)
+                self.paused, self._rejoined = False, self.runtime.epoch  # whatever it stepped alone is gone
                 self._stepped.set()  # synchronous mode: micro-batches held for the steps it took go
                 n = min(len(donors), self.cfg.server.state_donors)
                 say(
@@ -226,12 +230,15 @@ class StateTransfer:
 
     def _apart(self, donors: list[ServerRecord]) -> int:
         """This replica's steps since it last stepped in one group with any of `donors` (its history says), or, if
-        it never did, since it first saw the first of them: how far honest replicas may have drifted apart."""
-        owners, epoch = {r.owner for r in donors}, self.runtime.epoch
+        it never did, since it first saw the first of them: how far honest replicas may have drifted apart. At
+        least those since its first step alone after it last loaded a state: a step in a group after that did
+        not bring its weights back to the group's (peer.server.replica_belief `_rejoin`)."""
+        owners, epoch, lone = {r.owner for r in donors}, self.runtime.epoch, self._lone_since()
+        alone = 0 if lone is None else epoch - lone + 1
         for step in reversed(self.runtime.history):
             if owners.intersection(step.members):
-                return epoch - step.epoch
-        return epoch - min((self._first_seen.get(o, epoch) for o in owners), default=epoch)
+                return max(epoch - step.epoch, alone)
+        return max(epoch - min((self._first_seen.get(o, epoch) for o in owners), default=epoch), alone)
 
     def _check_steps(self, metadata: dict) -> None:
         """OutOfReach if the donor's recent steps include one from a group whose mean this replica refused as
@@ -249,36 +256,6 @@ class StateTransfer:
         names = ", ".join(r.owner or r.endpoint for r in donors)
         logger.error("%s: distrusts %s for good: %s", self.label, names, reason)
         say(f"{self.label.capitalize()} refused the state of {names}: {reason}.")
-
-    def _step_limit(self) -> int:
-        """The furthest step a replica of this part is believed at: server.max_resync_jump past the one most of them
-        (this one too, when it serves and has not been stopped since it last loaded) are at."""
-        steps = [
-            r.epoch
-            for pid, r in self.peers.items()
-            if r.state == "serving" and pid not in self._distrusted and r.updated > self._unresponsive.get(pid, -1.0)
-        ]
-        if self.state == "serving" and not self.paused:
-            steps.append(self.runtime.epoch)
-        return credible_limit(steps, self.cfg.server.max_resync_jump)
-
-    def _credible(self, records: list[ServerRecord]) -> list[ServerRecord]:
-        """Those of `records` whose step is within server.max_resync_jump of the one most replicas of the part
-        (this one too, when it serves) are at (peer.swarm.consensus); the others are said once."""
-        records, limit = [r for r in records if r.owner not in self._distrusted], self._step_limit()
-        for r in records:
-            if r.epoch > limit and r.owner not in self._doubted:
-                if len(self._doubted) > 1024:
-                    self._doubted.clear()
-                self._doubted.add(r.owner)
-                logger.warning(
-                    "%s: %s claims step %d, which most replicas do not back (they are at %d): not believed (said once)",
-                    self.label,
-                    r.owner or r.endpoint,
-                    r.epoch,
-                    limit - self.cfg.server.max_resync_jump,
-                )
-        return [r for r in records if r.epoch <= limit]
 
     async def load_state_from_peers(self) -> bool:
         """Load parameters and optimizer state from serving replicas (or the run's archive).
@@ -347,7 +324,7 @@ class StateTransfer:
         now = time.monotonic()
         ahead = [
             r
-            for r in self._credible(ahead)
+            for r in self._backed_only(self._credible(ahead))
             if self._donor_strikes.get(r.owner, (0, 0.0))[1] <= now and not self._struck(r.owner)
         ]
         if not ahead:
@@ -392,40 +369,6 @@ class StateTransfer:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
-
-    def _strike(self, r: ServerRecord) -> None:
-        """The donor that led a resync failed to send a state of its step that loads: asked again after
-        server.donor_ban s, doubling with each failure in a row; after server.donor_strikes in a row, its claim
-        to be ahead no longer counts (`_struck`), in its record or in its answers (`_round`). Forgotten once it is
-        gone, or after a while without a new strike (`_forget_strikes`)."""
-        server = self.cfg.server
-        if r.owner not in self._donor_strikes and len(self._donor_strikes) >= 1024:
-            return
-        n = self._donor_strikes.get(r.owner, (0, 0.0))[0] + 1
-        ban = min(server.donor_ban * 2 ** min(n - 1, 16), server.max_donor_ban)
-        self._donor_strikes[r.owner] = (n, time.monotonic() + ban)
-        if n == server.donor_strikes:
-            logger.warning(
-                "%s: %s failed to send its state %d times in a row: its step no longer counts until one loads",
-                self.label,
-                r.owner or r.endpoint,
-                n,
-            )
-
-    def _struck(self, pid: str) -> bool:
-        """Whether peer `pid` failed to send its state server.donor_strikes times in a row (and none loaded since)."""
-        return self._donor_strikes.get(pid, (0, 0.0))[0] >= self.cfg.server.donor_strikes
-
-    def _forget_strikes(self) -> None:
-        """A struck donor starts anew once it is gone (no serving record), or once it was not struck again for
-        server.max_donor_ban s after its last ban ended. Not merely because its record is no longer ahead: a
-        peer can keep its record level and claim to be ahead in its Round answers only (each answer aborted the
-        round and started a resync that failed, and its strikes went at the next look)."""
-        now = time.monotonic()
-        for pid in list(self._donor_strikes):
-            r, (_, ban_until) = self.peers.get(pid), self._donor_strikes[pid]
-            if r is None or r.state != "serving" or now > ban_until + self.cfg.server.max_donor_ban:
-                del self._donor_strikes[pid]
 
     def _drop_stale(self, epoch: int) -> None:
         """Torch thread: this replica was more than a step behind, at `epoch` (its gradients are of weights the
