@@ -191,6 +191,8 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
         self._doubted: set[str] = set()  # peers whose claimed step was not believed, said once (bounded)
         self._lone: set[str] = set()  # peers alone ahead of most replicas, not followed: said once (bounded)
         self._rejoined = -1  # the step it last loaded a state at: what it stepped alone before is gone (`_rejoin`)
+        self._rejoin_tried = -1  # the step it last tried to take a group's state at, after stepping alone
+        self._held_since: float | None = None  # since when its rounds wait on a partner at another step (monotonic)
         self._seen: dict[str, float] = {}  # peer -> when its record was last read (bounded by record_ttl)
         self._first_seen: dict[str, int] = {}  # peer -> this replica's step when it first read its record
         self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
@@ -452,6 +454,7 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
                 ahead = [r for r in self.peers.values() if r.state == "serving" and r.epoch > self.runtime.epoch]
                 if ahead:
                     await self._announced_while(self._resync(ahead))
+                    self.paused = False  # one look after a stall (a record kept ahead must not keep it so)
                 elif self.paused:
                     self.paused = False  # stopped, but nobody went on meanwhile: it serves as it was
                 if not self.stepping and (group := self._apart_alone()):

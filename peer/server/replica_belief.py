@@ -12,7 +12,7 @@ import logging
 import time
 
 from dht.records import ServerRecord
-from peer.swarm.consensus import backed, credible_limit
+from peer.swarm.consensus import agreed, backed, credible_limit
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +33,22 @@ class StepBelief:
         return credible_limit(steps, self.cfg.server.max_resync_jump)
 
     def _backed_only(self, records: list[ServerRecord]) -> list[ServerRecord]:
-        """`records` less those ahead of this replica at a step that more than half of the part's serving replicas
-        (this one at its own step; a record's step as `records` say, fresher than what was read) have not reached
-        (peer.swarm.consensus.backed), when there are three or more. A step one replica alone is ahead at is its own
-        word: following it (waiting for it, loading its state) let one hostile replica claim a step further each
-        time the others loaded it, so that they never stepped, went back to the weights it sent, or were led to
-        the run's last step. Of two replicas, or right after this one was stopped (it did not see what the others
-        did meanwhile), a credible step ahead is followed as before (`_credible`, `_strike`)."""
-        steps = {
-            pid: r.epoch
-            for pid, r in self.peers.items()
-            if r.state == "serving" and pid not in self._distrusted and r.updated > self._unresponsive.get(pid, -1.0)
-        }
+        """`records` less those ahead of this replica at a step that fewer than half of the part's serving replicas
+        have reached (peer.swarm.consensus.agreed; this one counted at its own step, each other at its record's
+        step, or as `records` say, fresher; one that did not answer an invitation still counts, so that a replica
+        cannot leave the count by being silent once). A step one replica alone is ahead at, beside two others or
+        more, is its own word: following it (waiting for it, loading its state) let one hostile replica claim a
+        step further each time the others loaded it, so that they never stepped, went back to the weights it
+        sent, or were led to the run's last step. Of two replicas, either is half; a replica just stopped (it did
+        not see what the others did meanwhile) follows a credible step as before (`_credible`, `_strike`)."""
+        steps = {pid: r.epoch for pid, r in self.peers.items() if r.state == "serving" and pid not in self._distrusted}
         steps.update((r.owner, r.epoch) for r in records if r.owner in steps)
         steps[self.dht.peer_id] = self.runtime.epoch
-        if len(steps) < 3 or self.paused:
+        if self.paused:
             return records
-        limit = backed(steps.values())
+        limit = max(agreed(steps.values()), self.runtime.epoch)
         for r in records:
-            if r.epoch > max(limit, self.runtime.epoch) and r.owner not in self._lone:
+            if r.epoch > limit and r.owner not in self._lone:
                 if len(self._lone) > 1024:
                     self._lone.clear()
                 self._lone.add(r.owner)
@@ -62,7 +59,18 @@ class StepBelief:
                     r.epoch,
                     limit,
                 )
-        return [r for r in records if r.epoch <= max(limit, self.runtime.epoch)]
+        return [r for r in records if r.epoch <= limit]
+
+    def _ahead_unfollowed(self, epoch: int, answers: dict) -> bool:
+        """Whether a replica that is not struck claims (in its record, or in its answer to our invitation) a step
+        past `epoch` that this one does not follow (`_backed_only`): this replica must not step alone then (it
+        would step apart from it, for good, if it is honest); it waits for a partner, or for the claim to be
+        backed, struck, or gone (its record's end)."""
+        claims = {pid: r.epoch for pid, r in self.peers.items() if r.state == "serving"}
+        claims.update((pid, a.epoch) for pid, a in answers.items() if not isinstance(a, BaseException))
+        return any(
+            step > epoch and pid not in self._distrusted and not self._struck(pid) for pid, step in claims.items()
+        )
 
     def _credible(self, records: list[ServerRecord]) -> list[ServerRecord]:
         """Those of `records` whose step is within server.max_resync_jump of the one most replicas of the part
@@ -97,7 +105,7 @@ class StepBelief:
         took (`_backed_only`), so its weights went apart from theirs for good (replicas average gradients, not
         weights). Empty otherwise, and after one try a step (`_rejoin`)."""
         rt = self.runtime
-        if self.paused or self._rejoined >= rt.epoch:
+        if self.paused or self._rejoin_tried >= rt.epoch:
             return []
         if self._lone_since() is None:
             return []
@@ -127,7 +135,7 @@ class StepBelief:
         try:
             await self._load_from(donors, attempts=1)  # its reach bound counts its lone steps (`_apart`)
         finally:
-            self.stepping, self._rejoined = False, max(self._rejoined, at)  # once a step, loaded or not
+            self.stepping, self._rejoin_tried = False, at  # once a step, loaded or not
 
     def _strike(self, r: ServerRecord) -> None:
         """The donor that led a resync failed to send a state of its step that loads: asked again after

@@ -44,23 +44,28 @@ class Rounds:
             if r.epoch <= epoch and not self._left_out(pid)
         }
         answers, took = await self._answers(partners, epoch, timeout)
-        answers = self._believed(answers, epoch)
-        joiners = _joiners(answers)
+        said, answers = answers, self._believed(answers, epoch)
+        joiners, held = _joiners(answers), self._held_too_long()
         alive = {pid: a for pid, a in answers.items() if not isinstance(a, BaseException)}
         # hung or gone: not waited for again
         self._unresponsive.update((pid, partners[pid].updated) for pid in answers if pid not in alive)
-        if any(a.epoch > epoch for a in alive.values()) or (
-            not joiners and any(a.epoch != epoch for a in alive.values())
-        ):
-            # a live partner is at another step (one side of a round failed): never step apart from it.
-            # Ahead, we take its state now (and never average this step again with others: the round
-            # it stepped may have counted our gradients); behind, it catches up from us.
-            self.stepping, self.averaging_epoch = False, -1
-            self._retry_after = time.monotonic() + self.cfg.network.progress_period
+        if any(a.epoch > epoch for a in alive.values()):
+            # a live partner is ahead (one side of a round failed): never step apart from it. We take its
+            # state now (and never average this step again with others: the round it stepped may have
+            # counted our gradients)
+            self._abandon()
             # their answers are fresher than their DHT records
             ahead = [partners[pid].model_copy(update={"epoch": a.epoch}) for pid, a in alive.items() if a.epoch > epoch]
-            if ahead:
-                await self._resync(ahead)
+            await self._resync(ahead)
+            await self.publish(force=True)
+            return
+        behind = any(a.epoch < epoch for a in alive.values())
+        if not joiners and not held and (behind or self._ahead_unfollowed(epoch, said)):
+            # a partner behind catches up from us; one ahead that we do not follow alone may be honest: stepping
+            # alone would set us apart from it for good. Either way we wait, up to network.record_ttl in a row
+            # (then neither holds us: a hostile one answering so every time must not stop this replica)
+            self._held_since = self._held_since or time.monotonic()
+            self._abandon()
             await self.publish(force=True)
             return
         late = not joiners and partners and took > 2 * timeout + 1.0
@@ -70,14 +75,13 @@ class Rounds:
             # could put two replicas at one step with different weights: look again at fresh
             # records instead (the progress loop resyncs from a replica ahead, or we invite anew)
             self._late_rounds += 1
-            self.stepping, self.averaging_epoch = False, -1
+            self._abandon()
             for pid in partners:  # this round's silence was ours, not theirs
                 self._unresponsive.pop(pid, None)
-            self._retry_after = time.monotonic() + self.cfg.network.progress_period
             await self.refresh_peers()
             await self.publish(force=True)
             return
-        self._late_rounds = 0
+        self._late_rounds, self._held_since = 0, None
         if not joiners:
             # nobody answered: step alone now rather than wait out a round with a hung or dead partner;
             # a partner that was only slow is then behind and catches up from us
@@ -85,6 +89,16 @@ class Rounds:
             return
         expected = sorted([self.dht.peer_id, *joiners])
         await self._finish_step(asyncio.ensure_future(self._averaged_step(expected, epoch)))
+
+    def _abandon(self) -> None:
+        """The round under way goes no further: no step now; the progress loop tries again a progress period on."""
+        self.stepping, self.averaging_epoch = False, -1
+        self._retry_after = time.monotonic() + self.cfg.network.progress_period
+
+    def _held_too_long(self) -> bool:
+        """Whether this replica's rounds were held (`_round`: a partner behind, or one ahead it does not follow)
+        for network.record_ttl s in a row: no longer a reason to wait, then."""
+        return self._held_since is not None and time.monotonic() - self._held_since > self.cfg.network.record_ttl
 
     def _believed(self, answers: dict, epoch: int) -> dict:
         """The answers to our invitation to the round for `epoch` that count. A partner that answers ahead of us

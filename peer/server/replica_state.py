@@ -55,7 +55,7 @@ class StateTransfer:
         would otherwise never finish)."""
         timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=_lead_order)
-        epoch = await self._lead_step(lead)
+        epoch = await self._lead_step(lead, max(r.epoch for r in donors))
         same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
         n = min(max(len(same), self._state_shards()), self.cfg.server.max_state_shards)
         if self._partial_state is None or self._partial_state[:2] != (epoch, n):
@@ -102,8 +102,10 @@ class StateTransfer:
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
 
-    async def _lead_step(self, lead: ServerRecord) -> int:
-        """The step a transfer is pinned to: the lead's own answer (Info), held to the part's credible step and to
+    async def _lead_step(self, lead: ServerRecord, followed: int) -> int:
+        """The step a transfer is pinned to: the lead's own answer (Info), held to the part's credible step, to at
+        most one past the step the donors were followed at (`followed`, their records': a lead that answered 16
+        steps further each time it was loaded from would lead the part to its last step), and to no less than
         the step the lead claimed (no replica's step goes back); an archive's, its record's."""
         if lead.state == "archive":  # a resumed run's checkpoint (peer.coordinator.archive): one copy, at its step
             return lead.epoch
@@ -112,6 +114,8 @@ class StateTransfer:
         epoch = info.epoch
         if epoch > self._step_limit():  # its answer, not its record: the record was what was held to the limit
             raise Poisoned(f"{lead.endpoint} says it is at step {epoch}, past the part's credible step")
+        if epoch > followed + 1:  # one step on since its record was read: an honest donor that just stepped
+            raise StateError(f"{lead.endpoint} says it is at step {epoch}, past the step {followed} it was followed at")
         if epoch < lead.epoch:
             raise StateError(f"{lead.endpoint} says it is at step {epoch}, behind the step {lead.epoch} it claimed")
         return epoch
@@ -158,6 +162,7 @@ class StateTransfer:
                 if lone is not None:  # its own fingerprints since it stepped alone are of weights it no longer holds
                     await self.run_torch(forget_own_steps, self.runtime, lone)
                 self.paused, self._rejoined = False, self.runtime.epoch  # whatever it stepped alone is gone
+                self._held_since = None
                 self._stepped.set()  # synchronous mode: micro-batches held for the steps it took go
                 n = min(len(donors), self.cfg.server.state_donors)
                 say(
