@@ -48,18 +48,20 @@ def test_totals_count_joining_and_serving_only():
 
 
 def test_one_record_neither_outweighs_the_run_nor_keeps_a_stage_served():
-    """A record announcing 10^12 samples/s counts CLAIM_CAP x the run's median claim; and a server leaves its stage
+    """A record announcing 10^12 samples/s counts server.balance_claim_cap x the run's median claim; and a server leaves its stage
     only if a replica serving it now averaged with it in its last steps, not because a record says one serves."""
     from types import SimpleNamespace
 
+    from peer.config import PeerConfig
     from peer.server.stage import StageServer
-    from peer.swarm.balance import CLAIM_CAP
+
+    cap = PeerConfig().server.balance_claim_cap
 
     def rec(stage, throughput, state="serving"):
         return ServerRecord(stage=stage, endpoint="x:1", throughput=throughput, state=state)
 
     totals, _ = stage_totals([{"a": rec(0, 100), "liar": rec(0, 1e12, "joining")}, {"b": rec(1, 100)}], 2)
-    assert totals == [100 + CLAIM_CAP * 100, 100]
+    assert totals == [100 + cap * 100, 100]
     server = SimpleNamespace(runtime=SimpleNamespace(history=[SimpleNamespace(members=["me", "a"])]))
     server.dht = SimpleNamespace(peer_id="me")
     assert StageServer._partnered(server, {"a": rec(0, 100), "liar": rec(0, 1e12)})

@@ -59,3 +59,35 @@ def test_a_state_is_taken_only_within_reach_of_the_steps_it_claims():
         behind.check_reach(metadata, poisoned, per_step=4.0)
     # a replica with no trained state of its own (a joiner) has nothing to compare with
     StageRuntime(spec(), 1).check_reach(metadata, poisoned, per_step=4.0)
+
+
+def test_a_transfer_is_led_by_the_parameters_most_donors_held_then_by_those_that_stepped_in_a_group():
+    from types import SimpleNamespace as NS
+
+    from dht.records import ServerRecord
+    from peer.server.transfer_lead import lead_first
+
+    def donor(owner: str, throughput: float) -> ServerRecord:
+        r = ServerRecord(stage=0, endpoint=f"{owner}:1", epoch=5, throughput=throughput)
+        r.owner = owner
+        return r
+
+    def said(owner: str, values: list[float], members: list[str]) -> NS:
+        return NS(
+            history=[NS(epoch=4, values=[1.0, 1.0], members=[owner, "x"]), NS(epoch=5, values=values, members=members)]
+        )
+
+    group, apart = [2.0, 4.0], [2.5, 6.0]
+    fast, b, c = donor("fast", 100.0), donor("b", 1.0), donor("c", 2.0)
+    # the fastest holds other parameters than the two others: outvoted, and left out of the transfer
+    infos = [
+        said("fast", apart, ["fast", "b", "c"]),
+        said("b", group, ["fast", "b", "c"]),
+        said("c", group, ["b", "c"]),
+    ]
+    assert lead_first([fast, b, c], infos, 5, 1e-6) == [c, b]
+    # one against one: the one that stepped alone (nobody answered its invitation) does not lead, however fast
+    infos = [said("fast", apart, ["fast"]), said("b", group, ["b", "x"])]
+    assert lead_first([fast, b], infos, 5, 1e-6) == [b]
+    # nobody said what it held then: the fastest leads, all of them send
+    assert lead_first([b, fast], [None, NS(history=[])], 5, 1e-6) == [fast, b]

@@ -760,16 +760,17 @@ def test_a_live_server_that_keeps_a_backward_unstepped_while_its_stage_steps_on_
     ledger = Ledger()
     for uid, step in (("overdue", 4), ("recent", 5), ("unknown", -1)):
         ledger.add(Receipt(0, "hoarder", 1, 1, stage_pb2.BackwardRequest(uid=uid), {}, 2, heard=1.0, step=step))
-    replay, checks = ledger.review(router, 8)  # its own record: step 12, nothing stepped
+    replay, checks = ledger.review(router, 8, 0.0, 32)  # its own record: step 12, nothing stepped
     assert [r.request.uid for r in replay] == ["overdue"] and banned == ["hoarder"] and checks == []
     assert ledger.review(router, 0) == ([], [])  # 0: never
-    # a server whose record stays at an old step: its stage going 4 x 8 steps on decides
+    # a server whose record stays at an old step: its stage going 32 steps on decides (trainer.max_unstepped_stage_steps)
     ledger = Ledger()
     own.epoch = 5
     for uid, step in (("overdue", 4), ("recent", 5)):
         ledger.add(Receipt(0, "hoarder", 1, 1, stage_pb2.BackwardRequest(uid=uid), {}, 2, heard=1.0, step=step))
     router.stage_step = lambda stage: 36
-    assert [r.request.uid for r in ledger.review(router, 8)[0]] == ["overdue"]
+    assert [r.request.uid for r in ledger.review(router, 8, 0.0, 32)[0]] == ["overdue"]
+    assert ledger.review(router, 8, 0.0, 33)[0] == []
 
 
 def test_a_gone_servers_receipts_wait_while_a_survivor_is_silent_and_settle_by_any_step_that_counted_them():

@@ -51,7 +51,7 @@ def run_server(
         splittable = _servable_stages(spec, cfg, stage)
         balance = cfg.server.rebalance == "always" or (cfg.server.rebalance == "auto" and stage is None)
         if stage is None:
-            stage = choose_stage(dht, spec, splittable)
+            stage = choose_stage(dht, spec, splittable, cfg.server.balance_claim_cap)
         blocks = spec.stage_blocks(stage)
         print(
             f"Joined run '{spec.name}' (spec signed by its coordinator). Serving stage {stage} of "

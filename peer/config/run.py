@@ -144,10 +144,11 @@ class AveragingConfig:
     max_refused_rounds: int = 2
     # a partner that failed this many of a replica's rounds in a row (it was lost, or the round failed on its
     # word alone: a verdict that it stepped, that the others are lost, that the group is another) is left out of
-    # that replica's rounds for `failed_ban` s, doubling each time after (at most 16 times): one
+    # that replica's rounds for `failed_ban` s, doubling each time after (to `max_failed_ban`): one
     # member that breaks every round delays a stage, it does not stop it
     max_failed_rounds: int = 3
     failed_ban: float = 30.0  # s a partner that failed max_failed_rounds rounds in a row is first left out
+    max_failed_ban: float = 480.0  # s such a partner is left out at most, however often it failed again
     # how each part of a group's tensors becomes one: mean (sample-weighted, exact data parallelism),
     # median (coordinate-wise, each member with samples once), clipped (a centered clip from the median): the
     # last two bound what a minority of hostile members can move, at some cost in fidelity; with two members
@@ -425,6 +426,11 @@ class RunSpec:
         require_positive("averaging.max_failed_rounds", a.max_failed_rounds)
         if not a.failed_ban >= 0:
             raise ConfigError(f"averaging.failed_ban: must be >= 0, got {a.failed_ban}")
+        if not a.max_failed_ban >= a.failed_ban:
+            raise ConfigError(
+                f"averaging.max_failed_ban: must be at least averaging.failed_ban ({a.failed_ban:g}), "
+                f"got {a.max_failed_ban:g}"
+            )
         if a.aggregate not in AGGREGATES:
             raise ConfigError(f"averaging.aggregate: must be one of {', '.join(AGGREGATES)}, got {a.aggregate!r}")
         if not a.max_weight_ratio >= 0:

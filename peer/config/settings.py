@@ -101,6 +101,9 @@ class ServerConfig:
     rebalance: str = "auto"  # move to a stage that needs it more: auto (unless --stage was given), always, never
     balance_period: float = 10.0  # s between a server's checks whether moving would help the swarm
     balance_margin: float = 0.2  # move only if the slowest stage's throughput then rises by this fraction
+    # a server's announced throughput counts at most this many times the run's median claim when servers choose
+    # and weigh stages (one record announcing 10^12 samples/s must not make its stage look served)
+    balance_claim_cap: float = 4.0
     balance_cooldown: float = 30.0  # s after starting before a server first considers moving
     # s a server waits after announcing that it means to move before it looks again; longer than an
     # announcement takes to be seen, so two servers that mean to move see each other and only one goes
@@ -140,10 +143,16 @@ class TrainerConfig:
         256.0  # MiB of backwards kept until their server steps them (to replay); beyond, new ones wait
     )
     # a backward its server has not stepped while it went this many steps past the step its stage was at when it
-    # took it (by its own record), or while the stage went 4 times that on: the server keeps what it takes
-    # unstepped, or says so. It is replayed on another replica, and the server is banned for max_ban s (a hoarder
-    # would fill max_receipt_mb and stall this trainer); 0: never
+    # took it (by its own record), or while the stage went max_unstepped_stage_steps on: the server keeps what it
+    # takes unstepped, or says so. It is replayed on another replica, and the server is banned for max_ban s (a
+    # hoarder would fill max_receipt_mb and stall this trainer); 0: never
     max_unstepped_steps: int = 8
+    # ... or while its stage went this many steps on, whatever the server says of its own step (the slack covers
+    # records read late while a stage steps fast); at least max_unstepped_steps
+    max_unstepped_stage_steps: int = 32
+    # a server's answered step is taken as the step a backward was counted at (for max_unstepped_steps) up to
+    # this many steps past its stage's step as last read; further, the stage's as read (a claim of its own)
+    receipt_step_slack: int = 16
     # s a receipt is at least kept before that: an honest server's answers say what it stepped within a call or
     # two, but its record, read every refresh_period, may name a step many steps old while a stage steps fast
     unstepped_grace: float = 30.0

@@ -63,7 +63,7 @@ class AllReduce:
 
     def __init__(self, limits: Limits, codec: PieceCodec, block_size: int):
         self.limits, self.codec, self.block_size = limits, codec, block_size
-        self.failures = RoundFailures(limits.max_failed_rounds, limits.failed_ban)
+        self.failures = RoundFailures(limits.max_failed_rounds, limits.failed_ban, limits.max_failed_ban)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="allreduce")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client = None

@@ -48,15 +48,12 @@ class StepBelief:
             return records
         limit = max(agreed(steps.values()), self.runtime.epoch)
         for r in records:
-            if r.epoch > limit and r.owner not in self._lone:
-                if len(self._lone) > 1024:
-                    self._lone.clear()
-                self._lone.add(r.owner)
-                logger.warning(
-                    "%s: %s is alone at step %d, ahead of most replicas (at %d): not followed (said once)",
+            if r.epoch > limit:
+                _say_once(
+                    self._lone,
+                    r,
+                    "%s: %s is alone at step %d, ahead of most replicas (at %d): not followed",
                     self.label,
-                    r.owner or r.endpoint,
-                    r.epoch,
                     limit,
                 )
         return [r for r in records if r.epoch <= limit]
@@ -76,18 +73,11 @@ class StepBelief:
         """Those of `records` whose step is within server.max_resync_jump of the one most replicas of the part
         (this one too, when it serves) are at (peer.swarm.consensus); the others are said once."""
         records, limit = [r for r in records if r.owner not in self._distrusted], self._step_limit()
+        agreed_at = limit - self.cfg.server.max_resync_jump
         for r in records:
-            if r.epoch > limit and r.owner not in self._doubted:
-                if len(self._doubted) > 1024:
-                    self._doubted.clear()
-                self._doubted.add(r.owner)
-                logger.warning(
-                    "%s: %s claims step %d, which most replicas do not back (they are at %d): not believed (said once)",
-                    self.label,
-                    r.owner or r.endpoint,
-                    r.epoch,
-                    limit - self.cfg.server.max_resync_jump,
-                )
+            if r.epoch > limit:
+                message = "%s: %s claims step %d, which most replicas do not back (they are at %d): not believed"
+                _say_once(self._doubted, r, message, self.label, agreed_at)
         return [r for r in records if r.epoch <= limit]
 
     def _lone_since(self) -> int | None:
@@ -132,8 +122,9 @@ class StepBelief:
             len(donors),
         )
         self.stepping = True
-        try:
-            await self._load_from(donors, attempts=1)  # its reach bound counts its lone steps (`_apart`)
+        try:  # its reach bound counts its lone steps (`_apart`); gradients of weights steps old go, as in a resync
+            if await self._load_from(donors, attempts=1) and self.runtime.epoch - at > 1:
+                await self.run_torch(self._drop_stale, at)
         finally:
             self.stepping, self._rejoin_tried = False, at  # once a step, loaded or not
 
@@ -170,6 +161,17 @@ class StepBelief:
             r, (_, ban_until) = self.peers.get(pid), self._donor_strikes[pid]
             if r is None or r.state != "serving" or now > ban_until + self.cfg.server.max_donor_ban:
                 del self._donor_strikes[pid]
+
+
+def _say_once(said: set[str], r: ServerRecord, message: str, label: str, step: int) -> None:
+    """Warn `message` (label, the claimant, its step, `step`) of a claim not believed, once per claimant: `said`
+    holds those already named, at most 1024 (then it starts again)."""
+    if r.owner in said:
+        return
+    if len(said) > 1024:
+        said.clear()
+    said.add(r.owner)
+    logger.warning(message + " (said once)", label, r.owner or r.endpoint, r.epoch, step)
 
 
 def forget_own_steps(runtime, since: int) -> None:

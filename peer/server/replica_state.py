@@ -17,6 +17,7 @@ from peer.model.fingerprint import first_difference, held_at, tolerance
 from peer.model.part_state import OutOfReach, Poisoned, StateError
 from peer.process.status_lines import say
 from peer.server.replica_belief import forget_own_steps
+from peer.server.transfer_lead import lead_first
 from peer.swarm.consensus import backed
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class StateTransfer:
         timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=_lead_order)
         epoch = await self._lead_step(lead, max(r.epoch for r in donors))
-        same = [lead, *[r for r in donors if r is not lead and r.epoch == epoch]][: self.cfg.server.state_donors]
+        same = await self._lead_first([lead, *[r for r in donors if r is not lead and r.epoch == epoch]], epoch)
+        self._transfer_lead = same[0]
         n = min(max(len(same), self._state_shards()), self.cfg.server.max_state_shards)
         if self._partial_state is None or self._partial_state[:2] != (epoch, n):
             self._partial_state = (epoch, n, {})
@@ -101,6 +103,23 @@ class StateTransfer:
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
             raise ValueError(f"the donors sent {len(tensors)} of {metadata.get('tensor_count')} tensors")
         return metadata, tensors
+
+    async def _lead_first(self, donors: list[ServerRecord], epoch: int) -> list[ServerRecord]:
+        """Up to server.state_donors of `donors` (at step `epoch`) to send the state, the lead first: those holding
+        the parameters most of them say they held then (peer.server.transfer_lead; each is asked, Info)."""
+        timeout, bound = self.cfg.network.dht_request_timeout, self.cfg.server.state_donors
+        asked = donors[: bound + self.cfg.server.second_opinions]
+
+        async def ask(r: ServerRecord):
+            try:
+                return await self.client.info(r.endpoint, timeout=timeout, expert=self.part.expert, peer=r.owner)
+            except Exception:  # gone or busy: no word
+                return None
+
+        if len(asked) == 1:
+            return asked
+        infos = await asyncio.gather(*(ask(r) for r in asked))
+        return lead_first(asked, list(infos), epoch, tolerance(self.spec.compression.averaging))[:bound]
 
     async def _lead_step(self, lead: ServerRecord, followed: int) -> int:
         """The step a transfer is pinned to: the lead's own answer (Info), held to the part's credible step, to at
@@ -149,7 +168,7 @@ class StateTransfer:
 
     async def _load_from(self, donors: list[ServerRecord], attempts: int = 4) -> bool:
         for attempt in range(attempts):
-            started = time.perf_counter()
+            started, self._transfer_lead = time.perf_counter(), None
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 self._check_steps(metadata)
@@ -172,7 +191,7 @@ class StateTransfer:
                 return True
             except (OutOfReach, Poisoned) as e:  # a donor whose state no honest replica holds: never again
                 self.last_load_error = why(e)
-                lead = max(donors, key=_lead_order)
+                lead = self._transfer_lead or max(donors, key=_lead_order)
                 if len(donors) > 1:  # which donor's shards it was is not known: the lead alone, once more
                     return await self._load_from([lead], attempts=1)
                 self._distrust([lead], str(e))
@@ -352,8 +371,8 @@ class StateTransfer:
                     self._donor_strikes.pop(r.owner, None)
                 if self.runtime.epoch - before > 1:
                     await self.run_torch(self._drop_stale, before)
-            else:
-                self._strike(leader)
+            else:  # the donor that led the transfer (peer.server.transfer_lead), else the one at the top step
+                self._strike(self._transfer_lead or leader)
         finally:
             self.stepping = False
 

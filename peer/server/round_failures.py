@@ -19,15 +19,14 @@ from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 MAX_TRACKED = 1024  # partners whose claims and failures are kept (the oldest go first)
-MAX_DOUBLINGS = 4  # a partner left out again is left out twice as long, at most 2**4 times the first
 
 
 class RoundFailures:
     """Per partner: the step it last claimed to have stepped, its false claims in a row, and until when it is
     left out (monotonic s)."""
 
-    def __init__(self, max_failed_rounds: int, ban: float):
-        self.max_failed_rounds, self.ban = max_failed_rounds, ban
+    def __init__(self, max_failed_rounds: int, ban: float, max_ban: float):
+        self.max_failed_rounds, self.ban, self.max_ban = max_failed_rounds, ban, max_ban
         self._claims: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._failed: dict[str, tuple[int, float]] = {}
 
@@ -51,7 +50,8 @@ class RoundFailures:
         if peer not in self._failed and len(self._failed) >= MAX_TRACKED:
             self._failed.pop(next(iter(self._failed)))
         n = self._failed.get(peer, (0, 0.0))[0] + 1
-        ban = self.ban * 2 ** min(n - self.max_failed_rounds, MAX_DOUBLINGS) if n >= self.max_failed_rounds else 0.0
+        doubled = self.ban * 2 ** min(n - self.max_failed_rounds, 32)  # left out again: twice as long, to max_ban
+        ban = min(doubled, self.max_ban) if n >= self.max_failed_rounds else 0.0
         self._failed[peer] = (n, time.monotonic() + ban if ban else 0.0)
         logger.warning(
             "averaging: %s %s: %d round(s) in a row failed on its word%s",

@@ -20,7 +20,8 @@ class Limits:
     aggregate: str  # peer.server.robust's kind
     max_weight_ratio: float  # peer.server.robust.fixed_weights' cap
     max_failed_rounds: int = 3  # a member that failed this many of our rounds in a row is left out of them
-    failed_ban: float = 30.0  # s it is left out the first time, doubling each time after (16 times that at most)
+    failed_ban: float = 30.0  # s it is left out the first time, doubling each time after
+    max_failed_ban: float = 480.0  # s it is left out at most
 
     @classmethod
     def from_spec(cls, spec) -> Limits:
@@ -36,6 +37,7 @@ class Limits:
             cfg.max_weight_ratio,
             cfg.max_failed_rounds,
             cfg.failed_ban,
+            cfg.max_failed_ban,
         )
 
 

@@ -114,7 +114,8 @@ class StageServer(Replica):
             found[self.dht.peer_id] = self.record() if stage == self.stage else found.get(self.dht.peer_id)
             records.append({pid: r for pid, r in found.items() if r is not None and r.stage == stage})
         mine = (self.claim[1], self.endpoint) if self.claim is not None else None
-        totals, counts = stage_totals(records, self.spec.stages.num_stages, before=mine)
+        cap = self.cfg.server.balance_claim_cap
+        totals, counts = stage_totals(records, self.spec.stages.num_stages, before=mine, claim_cap=cap)
         margin = self.cfg.server.balance_margin
         target = plan_move(totals, counts, self.stage, self.runtime.throughput, margin, self.allowed_stages)
         return target if target is None or self._partnered(records[self.stage]) else None

@@ -15,22 +15,24 @@ from collections.abc import Iterable
 from dht.records import ServerRecord
 
 ACTIVE = ("joining", "serving")
-CLAIM_CAP = 4.0  # a server's announced throughput counts at most this many times the run's median claim
 
 
-def _cap(records: list[dict[str, ServerRecord]]) -> float:
-    """The most throughput one record counts for: CLAIM_CAP x the lower median of the active records' claims (one
+def _cap(records: list[dict[str, ServerRecord]], claim_cap: float) -> float:
+    """The most throughput one record counts for: `claim_cap` x the lower median of the active records' claims (one
     record announcing 10^12 samples/s must not make its stage look served for everyone; inf while none claims)."""
     claims = sorted(max(r.throughput, 0.0) for servers in records for r in servers.values() if r.state in ACTIVE)
     median = claims[(len(claims) - 1) // 2] if claims else 0.0
-    return CLAIM_CAP * median if median > 0 else float("inf")
+    return claim_cap * median if median > 0 else float("inf")
 
 
 def stage_totals(
-    records: Iterable[dict[str, ServerRecord]], num_stages: int, before: tuple[float, str] | None = None
+    records: Iterable[dict[str, ServerRecord]],
+    num_stages: int,
+    before: tuple[float, str] | None = None,
+    claim_cap: float = 4.0,
 ) -> tuple[list[float], list[int]]:
-    """Per stage (records by peer id): total announced throughput (each record's at most CLAIM_CAP x the run's
-    median claim) and number of servers joining or serving.
+    """Per stage (records by peer id): total announced throughput (each record's at most `claim_cap` x the run's
+    median claim: server.balance_claim_cap) and number of servers joining or serving.
 
     A server that announced it means to move counts in the stage it moves to, if its claim goes
     before `before` (the asking server's own claim as (moving_since, endpoint); None: every claim).
@@ -39,7 +41,7 @@ def stage_totals(
     progress is never taken for a server gone.
     """
     records = [dict(servers) for servers in records]
-    totals, counts, cap = [0.0] * num_stages, [0] * num_stages, _cap(records)
+    totals, counts, cap = [0.0] * num_stages, [0] * num_stages, _cap(records, claim_cap)
     for stage, servers in enumerate(records):
         for pid, r in servers.items():
             if r.stage != stage:

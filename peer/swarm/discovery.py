@@ -44,11 +44,12 @@ def stage_servers(dht: SwarmDHT, spec: RunSpec, stage: int) -> dict[str, ServerR
     return {pid: r for pid, r in dht.get(keys.servers_key(spec.name, stage), ServerRecord).items() if r.stage == stage}
 
 
-def choose_stage(dht: SwarmDHT, spec: RunSpec, allowed: set[int] | None = None) -> int:
-    """The stage with the least total announced throughput (joining servers count), the lowest index on ties.
+def choose_stage(dht: SwarmDHT, spec: RunSpec, allowed: set[int] | None = None, claim_cap: float = 4.0) -> int:
+    """The stage with the least total announced throughput (joining servers count, each at most `claim_cap` x the
+    run's median claim), the lowest index on ties.
 
     Only stages in `allowed` (None: all) are candidates.
     """
     n = spec.stages.num_stages
-    totals, _ = stage_totals([stage_servers(dht, spec, stage) for stage in range(n)], n)
+    totals, _ = stage_totals([stage_servers(dht, spec, stage) for stage in range(n)], n, claim_cap=claim_cap)
     return weakest_stage(totals, allowed)

@@ -22,7 +22,6 @@ from protocols import codec, framing, tensor_pb2
 from protocols.failures import Reason, reason_of
 
 logger = logging.getLogger(__name__)
-RECEIPT_STEP_SLACK = 16  # a server's answered step counts for its receipt up to this past its stage's as read
 # our own fault, not the server's: a malformed request, or this trainer's credential refused (revoked)
 _CALLER_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 WORK = {"forward": 1 / 3, "backward": 1.0}  # share of a forward+backward (a backward recomputes on a cache miss)
@@ -250,7 +249,7 @@ class Calls:
         pid, incarnation, seq, heard = receipt
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         step = self.router.stage_step(stage)
-        if 0 <= step <= epoch <= step + RECEIPT_STEP_SLACK:
+        if 0 <= step <= epoch <= step + self.tcfg.receipt_step_slack:
             step = epoch
         self.ledger.add(Receipt(stage, pid, incarnation, seq, request, dict(payloads or {}), samples, heard, step=step))
 

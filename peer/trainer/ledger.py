@@ -48,17 +48,17 @@ class Check:
     decisive: bool  # the server is gone: "not in the group" means replay (else it only may settle early)
 
 
-def overdue(receipt: Receipt, router: Router, max_unstepped: int) -> bool:
+def overdue(receipt: Receipt, router: Router, max_unstepped: int, stage_steps: int) -> bool:
     """Whether a live server kept `receipt` unstepped while it went `max_unstepped` steps past the step its stage
     was at when it took it, by its own record (its step and what it says is stepped, read together: an honest
-    server's step two on has stepped it), or while its stage went 4 times that on (whatever it says of its own
+    server's step two on has stepped it), or while its stage went `stage_steps` on (whatever it says of its own
     step; the slack covers records read late while the stage steps fast). It does not step what it takes, or
     says it does not. The server is banned; the receipt is for replaying."""
     if max_unstepped <= 0 or receipt.step < 0:
         return False
     record = router.last.get((receipt.peer_id, receipt.incarnation))
     own = record is not None and record.epoch >= receipt.step + max_unstepped and record.stepped_seq < receipt.seq
-    if not own and router.stage_step(receipt.stage) < receipt.step + 4 * max_unstepped:
+    if not own and router.stage_step(receipt.stage) < receipt.step + max(stage_steps, max_unstepped):
         return False
     router.ban(receipt.peer_id)
     return True
@@ -94,10 +94,12 @@ class Ledger:
                 self.on_stepped(receipt)
                 self._release(receipt)
 
-    def review(self, router: Router, max_unstepped: int = 0, grace: float = 0.0) -> tuple[list[Receipt], list[Check]]:
+    def review(
+        self, router: Router, max_unstepped: int = 0, grace: float = 0.0, stage_steps: int = 0
+    ) -> tuple[list[Receipt], list[Check]]:
         """Settle what the router's records allow; return (receipts to replay, receipts to check with survivors).
-        A receipt its live server left unstepped while its stage went `max_unstepped` steps on is replayed too,
-        and the server banned (`overdue`), once it is `grace` s old."""
+        A receipt its live server left unstepped while it went `max_unstepped` steps on (or its stage
+        `stage_steps`) is replayed too, and the server banned (`overdue`), once it is `grace` s old."""
         replay, check = [], []
         for (peer_id, incarnation), record in list(router.last.items()):
             self.confirm(peer_id, incarnation, record.stepped_seq)
@@ -108,7 +110,7 @@ class Ledger:
             last = router.last.get((r.peer_id, r.incarnation))
             in_round = last is not None and last.averaging_epoch >= 0 and r.seq <= last.round_seq
             if not router.gone(r.peer_id, r.incarnation, r.heard):
-                if now - r.heard >= grace and overdue(r, router, max_unstepped):
+                if now - r.heard >= grace and overdue(r, router, max_unstepped, stage_steps):
                     replay.append(r)
                     continue
                 if in_round and now - last.updated > STALE_ROUND:

@@ -33,7 +33,9 @@ class Settling:
                 logger.error("settling receipts failed: %s", e)
 
     async def _settle(self) -> None:
-        replay, checks = self.ledger.review(self.router, self.tcfg.max_unstepped_steps, self.tcfg.unstepped_grace)
+        replay, checks = self.ledger.review(
+            self.router, self.tcfg.max_unstepped_steps, self.tcfg.unstepped_grace, self.tcfg.max_unstepped_stage_steps
+        )
         verdicts: dict[tuple[int, str, int, int], int | None] = {}  # one look per (stage, server, step)
         for check in checks:
             key = (check.receipt.stage, check.receipt.peer_id, check.receipt.incarnation, check.epoch)
