@@ -96,6 +96,10 @@ class ServerRecord(Record):
     # the coordinator's `trained` and `archive` records: it checkpoints a part at once when its last server
     # leaves, and that server waits for it (peer.server.replica_handover)
     takes_handover: bool = False
+    # caller peer id -> samples of its backwards this server counted (the rows that arrived; the callers that
+    # called last, at most server.max_counted_callers): the coordinator's books hold each trainer's own word on
+    # what it completed to this (peer.swarm.books). Empty without admission (callers unknown)
+    counted: dict[str, int] = Field(default_factory=dict)
 
 
 class TrainerRecord(Record):

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers.calls import info, settled_infos
+from helpers.calls import books_balance, info, settled_infos
 from helpers.specs import SMALL
 from helpers.swarm import PEER, ROOT
 
@@ -521,7 +521,8 @@ def test_two_keys_that_claim_work_and_report_an_honest_server_do_not_get_it_revo
     """Two keys admitted as trainers (free in open admission) announce 10,000 samples done each and report an
     honest last-stage server, as the coordinator needs (admission.revoke_after_reports = 2). The coordinator
     probes it and two other replicas of its stage with one request at one step (peer.coordinator.referee): its
-    answer agrees, so it is not revoked, and it keeps serving a trainer."""
+    answer agrees, so it is not revoked, and it keeps serving a trainer. The books count the honest trainer's
+    samples only: the keys' claims are held to what the stages counted of their backwards (none)."""
     ids = {name: _identity(swarm.workdir, name) for name in ("s0", "s1a", "s1b", "s1c", "r1", "r2")}
     swarm.coordinator({**SPEC, "admission": {"mode": "open", "revoke_after_reports": 2, "refresh": 2.0}})
     for name, stage in (("s0", 0), ("s1a", 1), ("s1b", 1), ("s1c", 1)):
@@ -539,6 +540,7 @@ def test_two_keys_that_claim_work_and_report_an_honest_server_do_not_get_it_revo
     trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16"])
     assert trainer.wait(120) == 0, trainer.output()[-3000:]
     assert f"Revoked peer {ids['s1a']}" not in swarm.peers[0].output()
+    books_balance(swarm, 16 * SMALL["training"]["micro_batch_size"])
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.calls import check_books, info, settled_infos
+from helpers.calls import books_balance, check_books, info, settled_infos
 from test_faults import completed, wait_micro_batches
 
 SPEC = {
@@ -26,20 +26,6 @@ SPEC = {
     # no step in these tests: every sample must still be in the accumulators at the end
     "training": {"micro_batch_size": 4, "seq_len": 32, "target_batch_size": 100000, "total_steps": 1000},
 }
-
-
-def books_balance(swarm, samples: int, stages: int = 2, timeout: float = 90) -> str:
-    """`peer status` until the coordinator's books balance for every stage at `samples` completed; its output."""
-    deadline, attempt = time.monotonic() + timeout, 0
-    while True:
-        attempt += 1
-        status = swarm.start(f"status{attempt}", ["status", swarm.maddr])
-        assert status.wait(60) == 0, status.output()[-3000:]
-        out = status.output()
-        if "they balance" in out and out.count(f": balanced ({samples} completed;") == stages:
-            return out
-        assert time.monotonic() < deadline, out[-3000:]
-        time.sleep(1.0)
 
 
 def two_stages(swarm) -> tuple[list, list[str]]:
@@ -478,6 +464,34 @@ def test_the_books_say_in_words_what_is_lost_or_counted_twice():
     # a restarted coordinator goes on with the books it saved: the trainer that left is still counted
     again = Books.from_dict(2, json.loads(json.dumps(books.to_dict())))
     assert all(b.balanced and b.completed == 40 for b in again.observe(stages, {}))
+
+
+def test_the_books_hold_a_trainer_s_word_to_what_every_stage_counted_of_its_backwards():
+    """With admission on, a key that says it completed 10,000 samples (a new start every second) and sent nothing
+    completed none; an honest trainer's samples count as far as each stage counted them (servers gone too), plus
+    what it holds for replay there; and a restarted coordinator keeps what the servers said."""
+    from dht.records import ServerRecord, TrainerRecord
+    from peer.swarm.books import Books
+
+    def server(stage: int, stepped: int, counted: dict, started: float = 1.0, state="serving") -> ServerRecord:
+        r = ServerRecord(stage=stage, endpoint="h:1", throughput=1.0, samples_stepped=stepped, state=state)
+        r.started, r.counted = started, counted
+        return r
+
+    books = Books(2, vouched=True)
+    trainers = {"t": TrainerRecord(samples=40, replaying=[0, 8], started=1.0)}
+    trainers |= {f"liar{i}": TrainerRecord(samples=10_000, replaying=[10_000, 0], started=float(i)) for i in range(5)}
+    stages = [{"a": server(0, 40, {"t": 24}), "b": server(0, 40, {"t": 16})}, {"c": server(1, 32, {"t": 32})}]
+    first, second = books.observe(stages, trainers)
+    assert first.completed == 40 and first.balanced and second.balanced, (first.words(0), second.words(1))
+    # a server restarted (a new start): what its first start counted is remembered, as is a server gone
+    stages = [{"a": server(0, 40, {}, started=2.0)}, {"c": server(1, 40, {"t": 40})}]
+    trainers["t"].replaying = [0, 0]
+    assert all(b.balanced and b.completed == 40 for b in books.observe(stages, trainers))
+    again = Books.from_dict(2, json.loads(json.dumps(books.to_dict())), vouched=True)
+    assert all(b.balanced and b.completed == 40 for b in again.observe(stages, trainers))
+    # without admission (callers unknown), a trainer's word stands
+    assert Books(2).observe(stages, trainers)[0].completed == 40 + 5 * 10_000
 
 
 def test_a_resumed_run_checkpoints_on_from_its_step_and_replaces_a_checkpoint_of_the_same_step(tmp_path):

@@ -104,6 +104,9 @@ class ServerConfig:
     # a server's announced throughput counts at most this many times the run's median claim when servers choose
     # and weigh stages (one record announcing 10^12 samples/s must not make its stage look served)
     balance_claim_cap: float = 4.0
+    # callers whose counted backward samples a stage server announces (the latest ones): the coordinator's books
+    # count a trainer's claim of completed samples at most as far as each stage counted its backwards
+    max_counted_callers: int = 64
     balance_cooldown: float = 30.0  # s after starting before a server first considers moving
     # s a server waits after announcing that it means to move before it looks again; longer than an
     # announcement takes to be seen, so two servers that mean to move see each other and only one goes
@@ -262,6 +265,8 @@ class CoordinatorConfig:
     # where the coordinator keeps the books (the trainers it has seen and what they completed), so a restarted
     # one goes on with them; empty: RUN.books.json beside its identity key
     books_file: str = ""
+    # trainer starts and stage server starts the books remember (each after it is gone), at most
+    books_max_entries: int = 4096
 
     def refreshed_ttl(self, net: NetworkConfig) -> float:
         """s the records the coordinator refreshes at each look live: three looks at rest."""

@@ -92,7 +92,9 @@ class Custody:
         """The books of the run (peer.coordinator.books), announced for `peer status`; a warning, in words,
         when they stay off past coordinator.books_grace."""
         if self.books is None:
-            self.books = Books(self.spec.stages.num_stages, self._stepped_before(), self._tolerance())
+            self.books = Books(
+                self.spec.stages.num_stages, self._stepped_before(), self._tolerance(), **self._vouched()
+            )
         books = self.books.observe(look["stages"], look["trainers"])
         with contextlib.suppress(Exception):  # the DHT may be busy: announced again next tick
             self.dht.store(
@@ -106,6 +108,10 @@ class Custody:
             wrong = "; ".join(b.words(i) for i, b in enumerate(books) if not b.balanced)
             logger.warning("the books disagree for %.0f s: %s", time.time() - since, wrong)
             self.timeline.add("books", f"the books disagree: {wrong}")
+
+    def _vouched(self) -> dict:
+        """The books hold trainers' word to what stages counted of them when callers are known (admission on)."""
+        return {"vouched": self.spec.admission.mode != "off", "max_entries": self.cfg.coordinator.books_max_entries}
 
     def _tolerance(self) -> float:
         return tolerance(self.spec.compression.averaging)
@@ -131,7 +137,7 @@ class Custody:
             data = json.loads(self._books_path().read_text())
             if data.get("run") != self.spec.fingerprint():
                 return False
-            self.books = Books.from_dict(self.spec.stages.num_stages, data, self._tolerance())
+            self.books = Books.from_dict(self.spec.stages.num_stages, data, self._tolerance(), **self._vouched())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return False
         return True

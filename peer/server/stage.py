@@ -8,6 +8,7 @@ server most.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -22,6 +23,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.model.runtime import StageRuntime
+from peer.net.guard import CALLER
 from peer.net.relay import add_relay, offered_relay
 from peer.net.serving import announce_host, grpc_server, listen
 from peer.net.uplink import Uplink
@@ -79,6 +81,8 @@ class StageServer(Replica):
         # given the bytes the process held before they came
         self.before_serving: Callable[[int], None] | None = None
         self.told_to_leave = self.done.is_set  # a signal while it loads its state: it leaves without serving
+        # caller -> samples of its backwards counted here, the latest callers (server.max_counted_callers)
+        self.counted_by: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline, count):
         self._drop_if_expired()
@@ -90,8 +94,16 @@ class StageServer(Replica):
     async def backward(self, uid, inputs, grad_outputs, targets, deadline=None, count=True):
         """`count` False: the input gradients only, nothing added (a dry backward)."""
         result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline, count)
+        if count and CALLER.get():
+            self._count_caller(CALLER.get(), int(inputs.shape[0]) if inputs is not None and inputs.dim() else 1)
         self._maybe_step()  # queued on the torch thread before this response leaves
         return result
+
+    def _count_caller(self, caller: str, samples: int) -> None:
+        """`samples` of `caller`'s backward were counted here (announced in `counted`: peer.swarm.books)."""
+        self.counted_by[caller] = self.counted_by.pop(caller, 0) + samples
+        while len(self.counted_by) > self.cfg.server.max_counted_callers:
+            self.counted_by.popitem(last=False)
 
     async def on_progress(self) -> None:
         if self.balance and time.monotonic() >= self._next_balance and not self.leaving:
@@ -103,6 +115,7 @@ class StageServer(Replica):
     # ---- balancing ------------------------------------------------------------------------
     def record(self) -> ServerRecord:
         record = super().record()
+        record.counted = dict(self.counted_by)
         if self.claim is not None:
             record.moving_to, record.moving_since = self.claim
         return record

@@ -9,7 +9,12 @@ stages; so the books balance when
 Less than completed: samples were lost; more: some were counted twice. Records lag a little behind
 the work, so the coordinator warns only of books that stay off for `coordinator.books_grace`.
 Trainers are remembered after they leave (by peer id and start), so their samples stay counted; a
-run resumed from a checkpoint counts from the samples its stages had stepped at that checkpoint."""
+run resumed from a checkpoint counts from the samples its stages had stepped at that checkpoint.
+
+What a trainer completed is its own word, and so is what it holds for replay: with admission on, the books
+take it only as far as every stage's servers counted that trainer's backwards (the rows that reached them:
+`ServerRecord.counted`, remembered after the servers go), plus what it holds for replay at that stage. A key
+that claims 10,000 samples and sent nothing completed none."""
 
 from __future__ import annotations
 
@@ -67,18 +72,31 @@ class StageBooks:
 
 
 class Books:
-    def __init__(self, num_stages: int, stepped_before: dict[int, int] | None = None, tolerance: float = TOLERANCE):
+    def __init__(
+        self,
+        num_stages: int,
+        stepped_before: dict[int, int] | None = None,
+        tolerance: float = TOLERANCE,
+        vouched: bool = False,
+        max_entries: int = 4096,
+    ):
         self.num_stages = num_stages
         self.tolerance = tolerance  # how far apart replicas' fingerprints at one step may be (peer.model.fingerprint)
         self.before = stepped_before or {}  # stage -> samples stepped at the resumed checkpoint
         self.trainers: dict[tuple[str, float], int] = {}  # (peer id, start) -> samples it completed
         self.since = 0.0  # time.time() the books have disagreed since; 0 while they balance
+        # with admission on: a trainer's word held to what the stages counted of it (`counted`)
+        self.vouched, self.max_entries = vouched, max_entries
+        # (stage, server peer id, server start) -> {trainer peer id: samples of its backwards that server counted}
+        self.counted: dict[tuple[int, str, float], dict[str, int]] = {}
 
     def observe(self, stages: list[dict[str, ServerRecord]], trainers: dict[str, TrainerRecord]) -> list[StageBooks]:
         for pid, t in trainers.items():
             for key, samples in [((pid, t.started), t.samples), *(((pid, p[0]), int(p[1])) for p in t.predecessors)]:
-                self.trainers[key] = max(self.trainers.get(key, 0), samples)
-        completed = sum(self.trainers.values())
+                if key in self.trainers or len(self.trainers) < self.max_entries:
+                    self.trainers[key] = max(self.trainers.get(key, 0), samples)
+        self._remember_counted(stages)
+        completed, replays = self._completed(trainers)
         inflight = sum(t.inflight for t in trainers.values())
         books = []
         for stage in range(self.num_stages):
@@ -88,7 +106,7 @@ class Books:
                     completed=completed,
                     stepped=max((r.samples_stepped for r in live), default=0) - self.before.get(stage, 0),
                     pending=sum(r.samples + r.samples_averaging for r in live),
-                    replaying=sum(t.replaying[stage] for t in trainers.values() if len(t.replaying) > stage),
+                    replaying=sum(replays[stage].values()),
                     inflight=inflight,
                     servers=len(live),
                     apart=apart([r for r in live if r.state == "serving"], self.tolerance),
@@ -98,18 +116,60 @@ class Books:
         self.since = 0.0 if balanced else (self.since or time.time())
         return books
 
+    def _remember_counted(self, stages: list[dict[str, ServerRecord]]) -> None:
+        """What each stage server says it counted of each trainer's backwards, kept after it goes (the most it
+        said per server start; at most `max_entries` servers)."""
+        for stage, servers in enumerate(stages):
+            for pid, r in servers.items():
+                key = (stage, pid, r.started)
+                if r.stage != stage or r.expert or (key not in self.counted and len(self.counted) >= self.max_entries):
+                    continue
+                mine = self.counted.setdefault(key, {})
+                for trainer, samples in list(r.counted.items())[: self.max_entries]:
+                    mine[trainer] = max(mine.get(trainer, 0), int(samples))
+
+    def _completed(self, trainers: dict[str, TrainerRecord]) -> tuple[int, list[dict[str, int]]]:
+        """Samples the trainers completed, and per stage what each holds for replay: their word, held (with
+        admission on) to what every stage counted of that trainer's backwards plus what it holds for replay there
+        (a replayed backward went dry at its server, peer.trainer.calls)."""
+        said: dict[str, int] = {}
+        for (pid, _), samples in self.trainers.items():
+            said[pid] = said.get(pid, 0) + samples
+        replays = [
+            {pid: t.replaying[stage] for pid, t in trainers.items() if len(t.replaying) > stage}
+            for stage in range(self.num_stages)
+        ]
+        if not self.vouched:
+            return sum(said.values()), replays
+        counted = [dict[str, int]() for _ in range(self.num_stages)]
+        for (stage, _, _), by_trainer in self.counted.items():
+            for pid, samples in by_trainer.items():
+                counted[stage][pid] = counted[stage].get(pid, 0) + samples
+        for pid, samples in said.items():
+            vouched = min(counted[s].get(pid, 0) + replays[s].get(pid, 0) for s in range(self.num_stages))
+            said[pid] = min(samples, vouched)
+            for s in range(self.num_stages):  # what it holds for replay is at most what it completed
+                if pid in replays[s]:
+                    replays[s][pid] = min(replays[s][pid], said[pid])
+        return sum(said.values()), replays
+
     def to_dict(self) -> dict:
         """What a restarted coordinator needs to go on with these books (JSON): the trainers seen, the base."""
         return {
             "before": {str(stage): n for stage, n in self.before.items()},
             "trainers": [[pid, started, samples] for (pid, started), samples in self.trainers.items()],
+            "counted": [[stage, pid, started, by] for (stage, pid, started), by in self.counted.items()],
         }
 
     @classmethod
-    def from_dict(cls, num_stages: int, data: dict, tolerance: float = TOLERANCE) -> Books:
+    def from_dict(cls, num_stages: int, data: dict, tolerance: float = TOLERANCE, **kwargs) -> Books:
         """Books saved by `to_dict`; ValueError (or KeyError, TypeError) if they are not."""
-        books = cls(num_stages, {int(stage): int(n) for stage, n in data["before"].items()}, tolerance)
+        books = cls(num_stages, {int(stage): int(n) for stage, n in data["before"].items()}, tolerance, **kwargs)
         books.trainers = {(str(pid), float(started)): int(samples) for pid, started, samples in data["trainers"]}
+        books.counted = {
+            (int(stage), str(pid), float(started)): {str(t): int(n) for t, n in by.items()}
+            for stage, pid, started, by in data.get("counted", [])
+        }
         return books
 
     def record(self, books: list[StageBooks]) -> BooksRecord:

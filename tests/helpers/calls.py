@@ -100,6 +100,20 @@ def settled_infos(endpoints: list[str], timeout: float = 30.0) -> list:
         time.sleep(0.25)
 
 
+def books_balance(swarm, samples: int, stages: int = 2, timeout: float = 90) -> str:
+    """`peer status` until the coordinator's books balance for every stage at `samples` completed; its output."""
+    deadline, attempt = time.monotonic() + timeout, 0
+    while True:
+        attempt += 1
+        status = swarm.start(f"status{attempt}", ["status", swarm.maddr])
+        assert status.wait(60) == 0, status.output()[-3000:]
+        out = status.output()
+        if "they balance" in out and out.count(f": balanced ({samples} completed;") == stages:
+            return out
+        assert time.monotonic() < deadline, out[-3000:]
+        time.sleep(1.0)
+
+
 def check_books(infos: list, samples: int, stage: int) -> None:
     stepped = infos[0].samples_stepped
     pending = sum(i.samples_accumulated + i.samples_averaging for i in infos)
