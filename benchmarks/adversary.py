@@ -3,8 +3,8 @@
 Two swarms on loopback, each a coordinator (checkpointing every 5 steps), three replicas of stage 0, one server of
 stage 1 and a trainer that validates every 10 steps on the same held-out batches (the same seed on both: the same
 data in the same order), both training through the whole run. On the attacked swarm,
-the third replica of stage 0 is a hostile one, replaced by the next attack once the last was stopped; then a
-hostile trainer key. The attackers are the programs of tests/helpers (each performs the attack against live
+the third replica of stage 0 is a hostile one, replaced by the next attack once the last was stopped; meanwhile
+hostile trainer keys try theirs in turn (one hostile server and one hostile trainer at a time). The attackers are the programs of tests/helpers (each performs the attack against live
 peers):
 
 - far: a replica claiming 1000 steps past its partners (hostile.py); stopped when an honest replica says the
@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -158,17 +159,24 @@ def monotonic_steps(swarm: Swarm, names: list[str]) -> bool:
     return True
 
 
-def books_balance(swarm: Swarm) -> str:
-    """What `peer status` says of the attacked coordinator's books: balance, disagree, or unknown."""
-    status = subprocess.run(
-        [PY, "-m", "peer.cli", "status", swarm.maddr, "--timeout", "30"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
-    found = re.search(r"they (balance|disagree)", status.stdout)
-    return found.group(1) if found else "unknown"
+def books_balance(swarm: Swarm, timeout: float = 60.0) -> str:
+    """What `peer status` says of the attacked coordinator's books once the trainer's last record is in (asked
+    until they balance, at most `timeout` s: the coordinator looks every few seconds): balance, disagree, or
+    unknown."""
+    deadline, said = time.monotonic() + timeout, "unknown"
+    while said != "balance" and time.monotonic() < deadline:
+        status = subprocess.run(
+            [PY, "-m", "peer.cli", "status", swarm.maddr, "--timeout", "30"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+        found = re.search(r"they (balance|disagree)", status.stdout)
+        said = found.group(1) if found else "unknown"
+        if said != "balance":
+            print(f"[books] {status.stdout.strip().splitlines()[-3:]}", flush=True)
+    return said
 
 
 def start_swarm(root: Path, name: str, args, third: bool) -> Swarm:
@@ -192,14 +200,21 @@ def train(swarm: Swarm, args) -> subprocess.Popen:
 
 
 def attacks(attacked: Swarm, args, figures: Figures) -> None:
-    """Every attack in turn on the attacked swarm; the seconds each took to be stopped, in `figures`."""
-    times = {}
+    """Every attack in turn on the attacked swarm, the servers' and the trainer keys' side by side; the seconds
+    each took to be stopped, in `figures`."""
+    times: dict[str, float | None] = {}
+
+    def trainer_keys() -> None:  # its processes die with this thread (tied_to_me): each is stopped before
+        times["report"] = attack_reports(attacked, args.attack_timeout)
+        times["bomb"], figures["bomb_codes"] = attack_bomb(attacked, args.attack_timeout)
+        print(f"[attack] report: {times['report']}, bomb: {times['bomb']} ({figures['bomb_codes']})", flush=True)
+
+    keys = threading.Thread(target=trainer_keys, name="trainer-keys")
+    keys.start()
     for name in SERVER_ATTACKS:
         times[name] = attack_server(attacked, name, args.attack_timeout)
         print(f"[attack] {name}: {times[name]}", flush=True)
-    times["report"] = attack_reports(attacked, args.attack_timeout)
-    times["bomb"], figures["bomb_codes"] = attack_bomb(attacked, args.attack_timeout)
-    print(f"[attack] report: {times['report']}, bomb: {times['bomb']} ({figures['bomb_codes']})", flush=True)
+    keys.join()
     for key, took in times.items():
         figures[f"{key}_s"] = "none" if took is None else f"{took:.1f}"
     figures["stopped"] = f"{sum(t is not None for t in times.values())}/{len(times)}"

@@ -188,7 +188,8 @@ class BooksRecord(Record):
     """The coordinator's books, per stage: the samples trainers completed against what the stage accounts
     (stepped by its rounds, pending in its servers' accumulators and rounds, waiting to be replayed)."""
 
-    stages: list[dict[str, int]] = Field(default_factory=list)  # completed, stepped, pending, replaying, inflight
+    # per stage: completed, stepped, pending, replaying, inflight, servers, lag (peer.swarm.books.StageBooks)
+    stages: list[dict[str, int]] = Field(default_factory=list)
     apart: list[str] = Field(default_factory=list)  # per stage: replicas at one step that differ, in words
     since: float = 0.0  # unix time the books have disagreed since (0: they balance)
     updated: float = 0.0

@@ -228,17 +228,19 @@ def _honest_step_on(endpoints: dict, watched, trainer, steps: int = 10, timeout:
 
 
 @pytest.mark.slow
-def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm):
+@pytest.mark.parametrize("lie", ["stepped", "stepped-ahead"])
+def test_a_member_that_says_it_stepped_every_round_freezes_no_stage(swarm, lie):
     """A third replica of stage 0 answers every partner's Average call that it already stepped that round
     (tests/helpers/liar.py `stepped`), which a member must believe at the time, and never is ahead. Its partners
-    check the word at the next invitation (a replica that stepped is ahead); after averaging.max_failed_rounds false
-    ones in a row it is left out of their rounds for a while, and the honest two step on together."""
+    check the word at the next invitation (a replica that stepped is ahead, and believed so); after
+    averaging.max_failed_rounds false ones in a row it is left out of their rounds for a while, and the honest two
+    step on together. `stepped-ahead` answers that next invitation a step ahead, alone (not followed): as false."""
     swarm.coordinator(SPEC)
     honest = {name: swarm.server(name, 0) for name in ("s0a", "s0b")}
     swarm.endpoint(swarm.server("s1", 1))
     endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
     liar = swarm.start(
-        "liar", [str(HELPERS / "liar.py"), "stepped", *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
+        "liar", [str(HELPERS / "liar.py"), lie, *loopback_join(swarm.maddr, "liar", "--stage", "0")], python=True
     )
     swarm.endpoint(liar)
     trainer = swarm.trainer("t", ["--seed", "0"])

@@ -490,6 +490,15 @@ def test_the_books_hold_a_trainer_s_word_to_what_every_stage_counted_of_its_back
     assert all(b.balanced and b.completed == 40 for b in books.observe(stages, trainers))
     again = Books.from_dict(2, json.loads(json.dumps(books.to_dict())), vouched=True)
     assert all(b.balanced and b.completed == 40 for b in again.observe(stages, trainers))
+    # its record lags the servers' (announced every few seconds): what every stage counted beyond it is the lag,
+    # not samples counted twice; a stage that steps more than every stage counted still is
+    lagging = Books(2, vouched=True)
+    stages = [{"a": server(0, 40, {"t": 40})}, {"c": server(1, 40, {"t": 40})}]
+    (first, second) = lagging.observe(stages, {"t": TrainerRecord(samples=32, started=1.0)})
+    assert first.lag == 8 and first.balanced and second.balanced, (first.words(0), second.words(1))
+    assert "+8 completed since the trainers announced" in first.words(0)
+    stages[1]["c"].samples_stepped = 48
+    assert lagging.observe(stages, {"t": TrainerRecord(samples=32, started=1.0)})[1].extra == 8
     # without admission (callers unknown), a trainer's word stands
     assert Books(2).observe(stages, trainers)[0].completed == 40 + 5 * 10_000
 

@@ -104,21 +104,19 @@ class Rounds:
         """The answers to our invitation to the round for `epoch` that count. A partner that answers ahead of us
         but failed to send that step's state (banned as a donor now, or struck), or that alone is at its step
         (`_backed_only`), is not believed: neither a reason to abort the round nor a member of it. A partner that
-        said it stepped this round must now be ahead (peer.server.round_failures)."""
-        if self.averager is not None:
-            answered = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException)}
-            self.averager.allreduce.failures.check(answered, epoch)
+        said it stepped this round must now be ahead, and believed so (peer.server.round_failures): one that said
+        so and then claims a step alone ahead of the others failed the round on its word like one that did not
+        step (else it could break every other round and never be left out)."""
         now = time.monotonic()
-        answers = {
-            pid: a
-            for pid, a in answers.items()
-            if isinstance(a, BaseException)
-            or not (a.epoch > epoch and (self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now))
-        }
-        ahead = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException) and a.epoch > epoch}
+        said = {pid: a.epoch for pid, a in answers.items() if not isinstance(a, BaseException)}
+        banned = {pid for pid in said if self._struck(pid) or self._donor_strikes.get(pid, (0, 0.0))[1] > now}
+        ahead = {pid: step for pid, step in said.items() if step > epoch and pid not in banned}
         claims = [ServerRecord.model_construct(owner=pid, epoch=step, endpoint=pid) for pid, step in ahead.items()]
-        followed = {r.owner for r in self._backed_only(claims)}
-        return {pid: a for pid, a in answers.items() if pid not in ahead or pid in followed}
+        unbelieved = {pid for pid in said if said[pid] > epoch} - {r.owner for r in self._backed_only(claims)}
+        if self.averager is not None:
+            believed = {pid: epoch if pid in unbelieved else step for pid, step in said.items()}
+            self.averager.allreduce.failures.check(believed, epoch)
+        return {pid: a for pid, a in answers.items() if pid not in unbelieved}
 
     async def _answers(self, partners: dict[str, ServerRecord], epoch: int, timeout: float) -> tuple[dict, float]:
         """The partners' answers to the invitation to the round for `epoch`, and the seconds the first invitations

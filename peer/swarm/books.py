@@ -36,6 +36,9 @@ class StageBooks:
     inflight: int
     servers: int  # live servers of the stage: without any, the stage's pending samples cannot be known
     apart: str = ""  # replicas at one step whose parameters differ, in words; empty: none
+    # samples every stage counted of a trainer that its record does not say it completed yet (its record is
+    # announced every few seconds, the servers' at each step): completed since, by the servers' word
+    lag: int = 0
 
     @property
     def accounted(self) -> int:
@@ -49,7 +52,7 @@ class StageBooks:
     @property
     def extra(self) -> int:
         """Samples the stage accounts beyond what trainers completed or have under way (counted twice)."""
-        return max(0, self.accounted - self.inflight - self.completed)
+        return max(0, self.accounted - self.inflight - self.lag - self.completed)
 
     @property
     def balanced(self) -> bool:
@@ -58,7 +61,9 @@ class StageBooks:
     def words(self, stage: int) -> str:
         sums = (
             f"{self.completed} completed; {self.stepped} stepped + {self.pending} pending + "
-            f"{self.replaying} to replay (+{self.inflight} under way)"
+            f"{self.replaying} to replay (+{self.inflight} under way"
+            + (f", +{self.lag} completed since the trainers announced" if self.lag else "")
+            + ")"
         )
         if self.apart:
             return f"stage {stage}: {self.apart} ({sums})"
@@ -96,7 +101,7 @@ class Books:
                 if key in self.trainers or len(self.trainers) < self.max_entries:
                     self.trainers[key] = max(self.trainers.get(key, 0), samples)
         self._remember_counted(stages)
-        completed, replays = self._completed(trainers)
+        completed, replays, lag = self._completed(trainers)
         inflight = sum(t.inflight for t in trainers.values())
         books = []
         for stage in range(self.num_stages):
@@ -110,6 +115,7 @@ class Books:
                     inflight=inflight,
                     servers=len(live),
                     apart=apart([r for r in live if r.state == "serving"], self.tolerance),
+                    lag=lag,
                 )
             )
         balanced = all(b.balanced for b in books)
@@ -128,10 +134,12 @@ class Books:
                 for trainer, samples in list(r.counted.items())[: self.max_entries]:
                     mine[trainer] = max(mine.get(trainer, 0), int(samples))
 
-    def _completed(self, trainers: dict[str, TrainerRecord]) -> tuple[int, list[dict[str, int]]]:
-        """Samples the trainers completed, and per stage what each holds for replay: their word, held (with
-        admission on) to what every stage counted of that trainer's backwards plus what it holds for replay there
-        (a replayed backward went dry at its server, peer.trainer.calls)."""
+    def _completed(self, trainers: dict[str, TrainerRecord]) -> tuple[int, list[dict[str, int]], int]:
+        """Samples the trainers completed, per stage what each holds for replay, and the lag: their word, held
+        (with admission on) to what every stage counted of that trainer's backwards plus what it holds for replay
+        there (a replayed backward went dry at its server, peer.trainer.calls); what every stage counted beyond
+        its word is the lag (completed since it announced: a trainer completes a micro-batch once every stage
+        counted it)."""
         said: dict[str, int] = {}
         for (pid, _), samples in self.trainers.items():
             said[pid] = said.get(pid, 0) + samples
@@ -140,18 +148,19 @@ class Books:
             for stage in range(self.num_stages)
         ]
         if not self.vouched:
-            return sum(said.values()), replays
+            return sum(said.values()), replays, 0
         counted = [dict[str, int]() for _ in range(self.num_stages)]
         for (stage, _, _), by_trainer in self.counted.items():
             for pid, samples in by_trainer.items():
                 counted[stage][pid] = counted[stage].get(pid, 0) + samples
+        lag = 0
         for pid, samples in said.items():
             vouched = min(counted[s].get(pid, 0) + replays[s].get(pid, 0) for s in range(self.num_stages))
-            said[pid] = min(samples, vouched)
+            said[pid], lag = min(samples, vouched), lag + max(0, vouched - samples)
             for s in range(self.num_stages):  # what it holds for replay is at most what it completed
                 if pid in replays[s]:
                     replays[s][pid] = min(replays[s][pid], said[pid])
-        return sum(said.values()), replays
+        return sum(said.values()), replays, lag
 
     def to_dict(self) -> dict:
         """What a restarted coordinator needs to go on with these books (JSON): the trainers seen, the base."""
@@ -173,7 +182,7 @@ class Books:
         return books
 
     def record(self, books: list[StageBooks]) -> BooksRecord:
-        fields = ("completed", "stepped", "pending", "replaying", "inflight", "servers")
+        fields = ("completed", "stepped", "pending", "replaying", "inflight", "servers", "lag")
         return BooksRecord(
             stages=[{f: getattr(b, f) for f in fields} for b in books],
             apart=[b.apart for b in books],

@@ -22,6 +22,8 @@
 - `stepped`: as an owner in the averaging all-reduce it answers every partner's Average call that it already
   stepped the round (a member must then give its round up: stepping it again would count its gradients twice),
   and it never steps ahead: without a check of that word, every round of its stage would fail;
+- `stepped-ahead`: the same, and it answers the next invitation to a round it said it stepped one step ahead
+  (its word kept consistent; a step it alone claims, which nobody follows);
 - `hoard`: it serves and steps like any replica, but says (in its records and answers) that none of the backwards
   it took is stepped, so that its trainers keep every receipt of it until their receipt budget is full.
 """
@@ -107,15 +109,29 @@ def ahead_in_rounds():
     return ahead
 
 
-def stepped_verdicts():
+def stepped_verdicts(claimed: set | None = None):
     from protocols import averaging_pb2
     from protocols.averaging_frames import message_frame
 
     async def serve(self, header, frames, caller):
+        if claimed is not None:
+            claimed.add(header.epoch)
         verdict = averaging_pb2.AverageVerdict(ok=False, stepped=True, reason=f"already stepped {header.epoch}")
         yield message_frame(averaging_pb2.AverageFrame(verdict=verdict))
 
     return serve
+
+
+def ahead_of_claims(claimed: set):
+    """Round answers one step past a round it said it stepped (`stepped_verdicts`): its word kept consistent."""
+    answer = ServicerBase.Round
+
+    async def ahead(self, request, context):
+        if request.epoch in claimed:
+            return stage_pb2.RoundResponse(joining=False, epoch=request.epoch + 1)
+        return await answer(self, request, context)
+
+    return ahead
 
 
 def far_step():
@@ -153,6 +169,11 @@ if __name__ == "__main__":
         from peer.server.allreduce import AllReduce
 
         AllReduce.serve = stepped_verdicts()
+    elif sys.argv[1] == "stepped-ahead":
+        from peer.server.allreduce import AllReduce
+
+        claims: set[int] = set()
+        AllReduce.serve, ServicerBase.Round = stepped_verdicts(claims), ahead_of_claims(claims)
     else:
         StageServer.backward = wrong_last()
     print(f"LIAR {sys.argv[1]}", flush=True)
