@@ -371,6 +371,27 @@ def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swa
 
 
 @pytest.mark.slow
+def test_a_co_donor_that_spoils_every_transfer_keeps_no_joiner_out(swarm):
+    """Stage 0 has three replicas; the third (tests/helpers/rotten.py --missing) says the honest fingerprint, claims
+    the most throughput (so it leads a joiner's transfer), and leaves a tensor out of every part of its state it
+    sends. The joiner's transfer fails; it tries the lead alone once, which fails too, bans it as a donor for a
+    while (server.donor_ban) and loads the honest replicas' state (before, it tried the same donors for ever)."""
+    swarm.coordinator(SPEC)
+    endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    args = ["--missing", *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
+    endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    settled_infos([endpoints[name] for name in ("s0a", "s0b", "rotten")])
+    joiner = swarm.server("n0", 0)
+    joiner.wait_for(r"once more from its lead alone", 120)
+    joiner.wait_for(r"Loaded the state of stage 0 \(step (\d+)\)", 60)
+    mine, theirs = info(swarm.endpoint(joiner)), info(endpoints["s0a"])
+    assert mine.epoch == theirs.epoch, (mine.epoch, theirs.epoch)
+    assert list(mine.history[-1].values) == pytest.approx(list(theirs.history[-1].values), rel=1e-6)
+
+
+@pytest.mark.slow
 def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped(swarm):
     """Item 6: an admitted replica of stage 0 sends gradients of 1e4 everywhere to every round, and steps the
     poisoned mean itself. The two honest replicas refuse each such mean (its norm is far above those they

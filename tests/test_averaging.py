@@ -357,7 +357,7 @@ def test_a_mean_that_is_not_finite_is_refused_whatever_came_before():
 
 def _lying_owner(member, verdict_of=None, altered=None):
     """Member `member`'s owner side lies: it answers every Average call with `verdict_of(header)` alone, or serves
-    honestly and changes its ok verdicts with `altered(verdict)`."""
+    honestly and changes its ok verdicts with `altered(verdict)` (None from it: the call ends without a verdict)."""
     from protocols.averaging_frames import message_frame, parse_frame
 
     allreduce = member.averager.allreduce
@@ -370,11 +370,16 @@ def _lying_owner(member, verdict_of=None, altered=None):
         async for frame in honest(header, frames, caller):
             kind, body = parse_frame(frame)
             if kind == "verdict" and body.ok:
-                altered(body)
+                if altered(body) is None and altered is _silent:
+                    return
                 frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
             yield frame
 
     allreduce.serve = serve
+
+
+def _silent(verdict):
+    """An owner that ends each call once it reduced (every member's slice went out) without its verdict."""
 
 
 def _three_rounds(members, epoch: int, values=(1.0, 3.0, 5.0), expected=None):
@@ -389,11 +394,12 @@ def _three_rounds(members, epoch: int, values=(1.0, 3.0, 5.0), expected=None):
         return [f.result(timeout=60) for f in futures]
 
 
-@pytest.mark.parametrize("lie", ["you-are-lost", "not-your-group", "own-step", "misreported"])
+@pytest.mark.parametrize("lie", ["you-are-lost", "not-your-group", "own-step", "misreported", "no-verdict"])
 def test_an_owner_whose_verdict_alone_would_end_the_round_is_the_one_left_out(lie):
     """Member 2, as an owner, tells every caller it is lost, or that its group is one without the caller, or fails
-    the attempt naming nobody (its own step), or reports member 0's contribution otherwise than member 0 sent it:
-    each is its word against what the others know, so it is the one lost, and the other two step without it (before,
+    the attempt naming nobody (its own step), or reports member 0's contribution otherwise than member 0 sent it, or
+    ends every call without its verdict once it reduced (after the others' slices went out, a member must give the
+    round up: that owner's silence is then checked like a `stepped` word): each is its word against what the others know, so it is the one lost, and the other two step without it (before,
     a member named lost or outside the group gave its round up: one such owner froze its stage)."""
     spec = RunSpec.from_dict(SPEC)
     with _averagers(3, spec) as (members, servers):
@@ -409,7 +415,7 @@ def test_an_owner_whose_verdict_alone_would_end_the_round_is_the_one_left_out(li
                 if c.peer_id == ids[0]:
                     c.samples += 7
 
-        _lying_owner(servers[2], verdicts.get(lie), misreport if lie == "misreported" else None)
+        _lying_owner(servers[2], verdicts.get(lie), {"misreported": misreport, "no-verdict": _silent}.get(lie))
         # a member whose own slice was averaged when the lie came gives the round up (another member may hold
         # every ok verdict of it); the liar is then checked like a `stepped` word, and left out after
         # max_failed_rounds rounds in a row that it ended (its partners invite it no more: here, not expected)

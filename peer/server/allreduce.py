@@ -164,12 +164,14 @@ class AllReduce:
                 if owned.done and owned.failure is None:
                     # our slice's average and ok verdict already went out: a member holding every owner's ok
                     # verdict may step this attempt, so running another (a second average at this step) must not be
-                    # (whose word ended it is checked like a `stepped` word: a partner that stepped is ahead next)
+                    # (whose word ended it is checked like a `stepped` word: a partner that stepped is ahead next; an
+                    # owner whose call ended without its verdict, broke or went silent is checked alike, else one
+                    # that did so after every slice of ours went out would end every round and never be left out)
                     raise Failed(
                         failure.lost,
                         f"{failure.reason}; our slice was already averaged",
                         stepped=True,
-                        claimants=failure.claimants,
+                        claimants=failure.claimants or failure.lost,
                     )
                 await owned.fail(failure)
                 raise failure

@@ -198,6 +198,15 @@ class StateTransfer:
                 return False
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
                 self.last_load_error = why(e)
+                if isinstance(e, (StateError, ValueError, KeyError)) and len(donors) > 1:
+                    # what came does not load, and whose part it was we cannot tell: the lead alone, once (a
+                    # co-donor's bad part must not fail every load, nor get the lead struck)
+                    logger.warning("%s: the state did not load (%s); once more from its lead alone", self.label, why(e))
+                    return await self._load_from([self._transfer_lead or max(donors, key=_lead_order)], attempts=1)
+                if isinstance(
+                    e, (StateError, ValueError, KeyError)
+                ):  # its own state did not load: not asked for a while
+                    self._strike(donors[0])
                 if self.dht.security is not None:
                     self.dht.security.refused(e)  # refused as not admitted: is this peer revoked? (its list says)
                 logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, why(e))
@@ -247,10 +256,14 @@ class StateTransfer:
     def _donors(self) -> list[ServerRecord]:
         """Serving replicas at or below the step more than half of them are at (peer.swarm.consensus.backed: a step
         one replica alone claims ahead of the others is its own word, and a joiner has no state of its own to bound
-        what it would load); when there is none, the resumed run's checkpoint (an `archive` record)."""
+        what it would load), less those banned as donors for now; when there is none, the resumed run's checkpoint
+        (an `archive` record)."""
         serving = self._credible([r for r in self.peers.values() if r.state == "serving"])
-        step = backed(r.epoch for r in serving)
-        return [r for r in serving if r.epoch <= step] or [r for r in self.peers.values() if r.state == "archive"]
+        step, now = backed(r.epoch for r in serving), time.monotonic()
+        # a donor whose own state did not load lately is not asked again before its ban ends (`_strike`)
+        banned = {pid for pid, (_, until) in self._donor_strikes.items() if until > now}
+        donors = [r for r in serving if r.epoch <= step and r.owner not in banned]
+        return donors or [r for r in self.peers.values() if r.state == "archive"]
 
     def _apart(self, donors: list[ServerRecord]) -> int:
         """This replica's steps since it last stepped in one group with any of `donors` (its history says), or, if

@@ -8,6 +8,9 @@ of negative numbers at its next step: NaN weights for good. Its parameters, fing
 With `--weights`, the state it gives is sound but of other weights: every parameter moved by 1e-2, and the
 fingerprint it gives with them recomputed to match (a state that checks out on its own). Its records, its
 answers and the state it trains with stay honest: only a second replica's word at the same step tells.
+
+With `--missing`, every part of its state it gives lacks its first tensor (a co-donor that spoils every transfer it
+takes part in, while its fingerprint and answers are honest).
 """
 
 from __future__ import annotations
@@ -50,7 +53,18 @@ def other_weights():
     return moved
 
 
+def missing():
+    snapshot = PartState.snapshot
+
+    def lacking(self, *args, **kwargs):
+        metadata, tensors = snapshot(self, *args, **kwargs)
+        tensors.pop(next(iter(tensors)), None)
+        return metadata, tensors
+
+    return lacking
+
+
 if __name__ == "__main__":
-    weights = sys.argv[1] == "--weights"
-    PartState.snapshot = other_weights() if weights else rotting()
-    sys.exit(main(sys.argv[2 if weights else 1 :]))
+    mode = sys.argv[1] if sys.argv[1] in ("--weights", "--missing") else ""
+    PartState.snapshot = {"--weights": other_weights, "--missing": missing}.get(mode, rotting)()
+    sys.exit(main(sys.argv[2 if mode else 1 :]))
