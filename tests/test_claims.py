@@ -91,3 +91,31 @@ def test_a_transfer_is_led_by_the_parameters_most_donors_held_then_by_those_that
     assert lead_first([fast, b], infos, 5, 1e-6) == [b]
     # nobody said what it held then: the fastest leads, all of them send
     assert lead_first([b, fast], [None, NS(history=[])], 5, 1e-6) == [fast, b]
+
+
+def test_a_replica_left_serving_while_its_partner_restarts_is_not_a_majority_for_the_run_s_end():
+    """Of stage 0's two replicas, one restarts (its record says joining, at step 0) while the other claims the run's
+    last step: counted over the part's live replicas, the claim is half, not more: the run's step does not move."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from dht.records import ServerRecord
+    from peer.config import PeerConfig
+    from peer.swarm.router import Router
+
+    def record(epoch: int, state: str) -> ServerRecord:
+        return ServerRecord(stage=0, endpoint="h:1", throughput=1.0, epoch=epoch, step=epoch, state=state)
+
+    found = {"liar": record(10**6, "serving"), "restarting": record(0, "joining")}
+
+    async def aget(key, kind):  # the one slot's records, as a DHT read finds them
+        return dict(found)
+
+    cfg = PeerConfig()
+    router = Router(NS(aget=aget), "run", 1, cfg.trainer, cfg.network)
+    for _ in range(3):
+        asyncio.run(router.refresh())
+    assert router.max_epoch == 0 and not router.reached(1000)
+    found["restarting"] = record(7, "serving")  # back, at the step it loaded: still half
+    asyncio.run(router.refresh())
+    assert router.max_epoch == 7

@@ -879,3 +879,24 @@ def test_claims_about_this_replica_s_own_additions_and_steps_are_held_to_what_it
     )
     assert not Calls._holds_experts(SimpleNamespace(spec=spec), 1)
     assert [Calls._holds_experts(SimpleNamespace(spec=moe), s) for s in (0, 1)] == [False, True]
+
+
+def test_the_books_keep_room_for_honest_trainers_whatever_keys_announce():
+    """A key announcing a new start at every look (or thousands of predecessors), and many keys that claim work and
+    sent nothing, fill the books' tables: a peer keeps only its newest starts, and a full table lets go of keys no
+    stage counted, so an honest trainer that comes later is still counted."""
+    from dht.records import ServerRecord, TrainerRecord
+    from peer.swarm.books import Books
+
+    books = Books(1, vouched=True, max_entries=64)
+    flood = {"liar": TrainerRecord(samples=5, started=0.0, predecessors=[[float(i), 5] for i in range(1, 500)])}
+    flood |= {f"sybil{i}": TrainerRecord(samples=9, started=1.0) for i in range(100)}
+    server = ServerRecord(stage=0, endpoint="h:1", throughput=1.0, samples_stepped=40)
+    server.started, server.counted = 1.0, {"honest": 40}
+    books.observe([{"s": server}], flood)
+    assert len(books.trainers) <= 64 and sum(k[0] == "liar" for k in books.trainers) <= 16
+    alone = Books(1, vouched=True, max_entries=64)
+    alone.observe([{}], {"liar": flood["liar"]})
+    assert sorted(k[1] for k in alone.trainers) == [float(i) for i in range(484, 500)]  # its newest 16 starts
+    (stage,) = books.observe([{"s": server}], {"honest": TrainerRecord(samples=40, started=2.0)})
+    assert ("honest", 2.0) in books.trainers and stage.completed == 40 and stage.balanced, stage.words(0)

@@ -41,6 +41,7 @@ from peer.process.status_lines import say
 from peer.swarm.books import Books
 from peer.swarm.consensus import backed
 from peer.swarm.discovery import publish_spec
+from peer.swarm.router import LIVE
 from peer.swarm.status import gather
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ def swarm_summary(look: dict) -> dict:
         stages.append(
             {
                 "servers": len(serving),
-                "step": backed(r.epoch for r in serving),  # what more than half say (peer.swarm.consensus)
+                # what more than half say (peer.swarm.consensus), those joining or leaving counted at their steps
+                "step": backed(r.epoch for r in servers.values() if r.state in LIVE and r.stage == stage),
                 "throughput": sum(r.throughput for r in serving),
             }
         )

@@ -98,7 +98,7 @@ class Books:
     def observe(self, stages: list[dict[str, ServerRecord]], trainers: dict[str, TrainerRecord]) -> list[StageBooks]:
         for pid, t in trainers.items():
             for key, samples in [((pid, t.started), t.samples), *(((pid, p[0]), int(p[1])) for p in t.predecessors)]:
-                if key in self.trainers or len(self.trainers) < self.max_entries:
+                if key in self.trainers or self._room(self.trainers, key, self._unvouched):
                     self.trainers[key] = max(self.trainers.get(key, 0), samples)
         self._remember_counted(stages)
         completed, replays, lag = self._completed(trainers)
@@ -122,17 +122,49 @@ class Books:
         self.since = 0.0 if balanced else (self.since or time.time())
         return books
 
+    def _room(self, table: dict, key: tuple, idle) -> bool:
+        """Whether `table` (keyed by (..., peer id, start)) takes `key`, making room when it must: a peer keeps its
+        newest `max_entries` / 64 starts (one that announces a new start at every look pushes out only its own
+        oldest), and a full table lets go of the entries `idle()` names (what no stage counted: a key that
+        claims work and sent nothing), else it takes no new key."""
+        peer, start = key[-2], key[-1]
+        own = sorted((k for k in table if k[-2] == peer), key=lambda k: k[-1])
+        if len(own) >= max(16, self.max_entries // 64):
+            if start < own[0][-1]:
+                return False
+            del table[own[0]]
+            return True
+        if len(table) < self.max_entries:
+            return True
+        gone = idle()
+        for k in gone:
+            del table[k]
+        return bool(gone)
+
+    def _unvouched(self) -> list[tuple[str, float]]:
+        """Trainer starts of peers no stage counted a backward of (with admission on; none without)."""
+        if not self.vouched:
+            return []
+        counted = {pid for by in self.counted.values() for pid, n in by.items() if n > 0}
+        return [k for k in self.trainers if k[0] not in counted]
+
     def _remember_counted(self, stages: list[dict[str, ServerRecord]]) -> None:
         """What each stage server says it counted of each trainer's backwards, kept after it goes (the most it
-        said per server start; at most `max_entries` servers)."""
+        said per server start; `_room`; at most max_entries / 16 callers a record)."""
         for stage, servers in enumerate(stages):
             for pid, r in servers.items():
                 key = (stage, pid, r.started)
-                if r.stage != stage or r.expert or (key not in self.counted and len(self.counted) >= self.max_entries):
+                if r.stage != stage or r.expert:
+                    continue
+                if key not in self.counted and not self._room(self.counted, key, self._counted_nothing):
                     continue
                 mine = self.counted.setdefault(key, {})
-                for trainer, samples in list(r.counted.items())[: self.max_entries]:
+                for trainer, samples in list(r.counted.items())[: max(64, self.max_entries // 16)]:
                     mine[trainer] = max(mine.get(trainer, 0), int(samples))
+
+    def _counted_nothing(self) -> list[tuple[int, str, float]]:
+        """Server starts that counted no backward."""
+        return [k for k, by in self.counted.items() if not any(by.values())]
 
     def _completed(self, trainers: dict[str, TrainerRecord]) -> tuple[int, list[dict[str, int]], int]:
         """Samples the trainers completed, per stage what each holds for replay, and the lag: their word, held

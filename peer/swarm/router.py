@@ -20,6 +20,7 @@ from peer.config import ExpertsConfig, NetworkConfig, TrainerConfig
 from peer.net.cadence import lifetime
 from peer.swarm.consensus import agreed, backed
 
+LIVE = ("joining", "serving", "leaving")  # the states of a replica that counts in what most of its part say
 STEP_READS = 3  # refreshes in a row that must all say the run reached its last step before a trainer stops
 SEEN_WINDOW = 10.0  # s a serving record read once still counts in what most replicas of its part say
 
@@ -103,11 +104,12 @@ class Router:
                     self.leaving.discard(pid)
                 present.add(pid)
             self.servers[slot] = self._routable(records, self._counted(slot, records))
-            # the run's progress is what more than half of a part's serving replicas say (all of them, not only
-            # those routed to: of two, the one claiming 10^9 would be the only routable one): one record cannot
-            # end every trainer, even of two replicas
-            serving = [r for pid, r in records.items() if r.state == "serving" and pid not in self.distrusted]
-            step = max(step, backed(self._training_step(r) for r in serving))
+            # the run's progress is what more than half of a part's replicas say (all of them, not only those routed
+            # to: of two, the one claiming 10^9 would be the only routable one; and those joining or leaving at
+            # their steps: of two, the one left serving while the other restarts is not a majority): one record
+            # cannot end every trainer, even of two replicas
+            present = [r for pid, r in records.items() if r.state in LIVE and pid not in self.distrusted]
+            step = max(step, backed(self._training_step(r) for r in present))
         self.max_epoch = max(self.max_epoch, step)
         self.recent_steps.append(step)
         self.present, self.endpoints = present, endpoints
