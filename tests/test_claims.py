@@ -112,7 +112,7 @@ def test_a_replica_left_serving_while_its_partner_restarts_is_not_a_majority_for
         return dict(found)
 
     cfg = PeerConfig()
-    router = Router(NS(aget=aget), "run", 1, cfg.trainer, cfg.network)
+    router = Router(NS(aget=aget), "run", 2, cfg.trainer, cfg.network)  # two stages: each read holds both
     for _ in range(3):
         asyncio.run(router.refresh())
     assert router.max_epoch == 0 and not router.reached(1000)

@@ -108,8 +108,8 @@ class Router:
             # to: of two, the one claiming 10^9 would be the only routable one; and those joining or leaving at
             # their steps: of two, the one left serving while the other restarts is not a majority): one record
             # cannot end every trainer, even of two replicas
-            present = [r for pid, r in records.items() if r.state in LIVE and pid not in self.distrusted]
-            step = max(step, backed(self._training_step(r) for r in present))
+            live = [r for pid, r in records.items() if r.state in LIVE and pid not in self.distrusted]
+            step = max(step, backed(self._training_step(r) for r in live))
         self.max_epoch = max(self.max_epoch, step)
         self.recent_steps.append(step)
         self.present, self.endpoints = present, endpoints
