@@ -499,6 +499,11 @@ def test_the_books_hold_a_trainer_s_word_to_what_every_stage_counted_of_its_back
     assert "+8 completed since the trainers announced" in first.words(0)
     stages[1]["c"].samples_stepped = 48
     assert lagging.observe(stages, {"t": TrainerRecord(samples=32, started=1.0)})[1].extra == 8
+    # a key's server record that says it counted the key itself vouches for nothing; a negative replay claim is 0
+    self_counted = Books(1, vouched=True)
+    forged = server(0, 0, {"liar": 500})
+    (stage,) = self_counted.observe([{"liar": forged}], {"liar": TrainerRecord(samples=500, replaying=[-9], started=1)})
+    assert stage.completed == 0 and stage.replaying == 0 and stage.balanced, stage.words(0)
     # without admission (callers unknown), a trainer's word stands
     assert Books(2).observe(stages, trainers)[0].completed == 40 + 5 * 10_000
 

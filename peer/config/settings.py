@@ -104,8 +104,9 @@ class ServerConfig:
     # a server's announced throughput counts at most this many times the run's median claim when servers choose
     # and weigh stages (one record announcing 10^12 samples/s must not make its stage look served)
     balance_claim_cap: float = 4.0
-    # callers whose counted backward samples a stage server announces (the latest ones): the coordinator's books
-    # count a trainer's claim of completed samples at most as far as each stage counted its backwards
+    # callers whose counted backward samples a stage server announces (the latest ones; it keeps counting for 16
+    # times as many): the coordinator's books count a trainer's claim of completed samples at most as far as each
+    # stage counted its backwards
     max_counted_callers: int = 64
     balance_cooldown: float = 30.0  # s after starting before a server first considers moving
     # s a server waits after announcing that it means to move before it looks again; longer than an
@@ -405,6 +406,10 @@ class PeerConfig:
                 "security.requests_rest_read_period: must be at least security.requests_read_period "
                 f"({self.security.requests_read_period:g} s), got {self.security.requests_rest_read_period:g}"
             )
+        require_positive("server.balance_claim_cap", self.server.balance_claim_cap)
+        require_positive("server.max_counted_callers", self.server.max_counted_callers)
+        require_positive("coordinator.books_max_entries", self.coordinator.books_max_entries)
+        require_positive("trainer.max_unstepped_stage_steps", self.trainer.max_unstepped_stage_steps)
         net = self.network
         require_positive("network.probe_timeout", net.probe_timeout)
         require_positive("network.progress_period", net.progress_period)

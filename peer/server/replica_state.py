@@ -166,7 +166,10 @@ class StateTransfer:
         state = 5 * sum(p.numel() * p.element_size() for p in self.runtime.params)
         return max(1, -(-state // max(self.cfg.server.max_message_bytes // 2, 1)))
 
-    async def _load_from(self, donors: list[ServerRecord], attempts: int = 4) -> bool:
+    async def _load_from(self, donors: list[ServerRecord], attempts: int = 4, strike: bool = True) -> bool:
+        """Load the state of `donors` (tried `attempts` times); True once loaded. A lone donor whose own state does
+        not load is banned as a donor for a while (`_strike`), unless `strike` is False (a resync strikes its
+        donor itself)."""
         for attempt in range(attempts):
             started, self._transfer_lead = time.perf_counter(), None
             try:
@@ -193,20 +196,20 @@ class StateTransfer:
                 self.last_load_error = why(e)
                 lead = self._transfer_lead or max(donors, key=_lead_order)
                 if len(donors) > 1:  # which donor's shards it was is not known: the lead alone, once more
-                    return await self._load_from([lead], attempts=1)
+                    return await self._load_from([lead], attempts=1, strike=strike)
                 self._distrust([lead], str(e))
                 return False
             except Exception as e:  # a donor may fail in any way: tried again, or another donor
                 self.last_load_error = why(e)
-                if isinstance(e, (StateError, ValueError, KeyError)) and len(donors) > 1:
+                unloadable = isinstance(e, (ValueError, KeyError))  # StateError is a ValueError
+                if unloadable and len(donors) > 1:
                     # what came does not load, and whose part it was we cannot tell: the lead alone, once (a
                     # co-donor's bad part must not fail every load, nor get the lead struck)
                     logger.warning("%s: the state did not load (%s); once more from its lead alone", self.label, why(e))
-                    return await self._load_from([self._transfer_lead or max(donors, key=_lead_order)], attempts=1)
-                if isinstance(
-                    e, (StateError, ValueError, KeyError)
-                ):  # its own state did not load: not asked for a while
-                    self._strike(donors[0])
+                    lead = self._transfer_lead or max(donors, key=_lead_order)
+                    return await self._load_from([lead], attempts=1, strike=strike)
+                if unloadable and strike:  # its own state did not load: not asked again for a while (a resync
+                    self._strike(donors[0])  # strikes its donor itself)
                 if self.dht.security is not None:
                     self.dht.security.refused(e)  # refused as not admitted: is this peer revoked? (its list says)
                 logger.warning("%s: could not load the state (try %d): %s", self.label, attempt + 1, why(e))
@@ -262,7 +265,8 @@ class StateTransfer:
         step, now = backed(r.epoch for r in serving), time.monotonic()
         # a donor whose own state did not load lately is not asked again before its ban ends (`_strike`)
         banned = {pid for pid, (_, until) in self._donor_strikes.items() if until > now}
-        donors = [r for r in serving if r.epoch <= step and r.owner not in banned]
+        below = [r for r in serving if r.epoch <= step]
+        donors = [r for r in below if r.owner not in banned] or below  # all banned: asked anyway, never the seed
         return donors or [r for r in self.peers.values() if r.state == "archive"]
 
     def _apart(self, donors: list[ServerRecord]) -> int:
@@ -379,7 +383,7 @@ class StateTransfer:
             before, donors = self.runtime.epoch, [r for r in ahead if r.epoch == leader.epoch]
             # a load counts only if it brought the step claimed: one that answers with an older state than its
             # record's (its own step copied from an honest replica) is a failure like a state that never came
-            if await self._load_from(donors, attempts=1) and self.runtime.epoch >= leader.epoch:
+            if await self._load_from(donors, attempts=1, strike=False) and self.runtime.epoch >= leader.epoch:
                 for r in donors:
                     self._donor_strikes.pop(r.owner, None)
                 if self.runtime.epoch - before > 1:

@@ -100,9 +100,11 @@ class StageServer(Replica):
         return result
 
     def _count_caller(self, caller: str, samples: int) -> None:
-        """`samples` of `caller`'s backward were counted here (announced in `counted`: peer.swarm.books)."""
+        """`samples` of `caller`'s backward were counted here (announced in `counted`: peer.swarm.books). Kept for
+        16 times the callers announced (the latest), so that a caller that called again after others counts on
+        from where it was."""
         self.counted_by[caller] = self.counted_by.pop(caller, 0) + samples
-        while len(self.counted_by) > self.cfg.server.max_counted_callers:
+        while len(self.counted_by) > 16 * self.cfg.server.max_counted_callers:
             self.counted_by.popitem(last=False)
 
     async def on_progress(self) -> None:
@@ -115,7 +117,8 @@ class StageServer(Replica):
     # ---- balancing ------------------------------------------------------------------------
     def record(self) -> ServerRecord:
         record = super().record()
-        record.counted = dict(self.counted_by)
+        latest = list(self.counted_by.items())[-self.cfg.server.max_counted_callers :]
+        record.counted = dict(latest) if self.cfg.server.max_counted_callers > 0 else {}
         if self.claim is not None:
             record.moving_to, record.moving_since = self.claim
         return record

@@ -99,10 +99,10 @@ class Books:
         for pid, t in trainers.items():
             for key, samples in [((pid, t.started), t.samples), *(((pid, p[0]), int(p[1])) for p in t.predecessors)]:
                 if key in self.trainers or self._room(self.trainers, key, self._unvouched):
-                    self.trainers[key] = max(self.trainers.get(key, 0), samples)
+                    self.trainers[key] = max(self.trainers.get(key, 0), samples, 0)
         self._remember_counted(stages)
         completed, replays, lag = self._completed(trainers)
-        inflight = sum(t.inflight for t in trainers.values())
+        inflight = sum(max(t.inflight, 0) for t in trainers.values())  # a negative claim hides nothing
         books = []
         for stage in range(self.num_stages):
             live = [r for r in stages[stage].values() if r.state in LIVE and r.stage == stage and not r.expert]
@@ -160,7 +160,8 @@ class Books:
                     continue
                 mine = self.counted.setdefault(key, {})
                 for trainer, samples in list(r.counted.items())[: max(64, self.max_entries // 16)]:
-                    mine[trainer] = max(mine.get(trainer, 0), int(samples))
+                    if trainer != pid:  # what a key says it counted of itself vouches for nothing
+                        mine[trainer] = max(mine.get(trainer, 0), int(samples))
 
     def _counted_nothing(self) -> list[tuple[int, str, float]]:
         """Server starts that counted no backward."""
@@ -176,7 +177,7 @@ class Books:
         for (pid, _), samples in self.trainers.items():
             said[pid] = said.get(pid, 0) + samples
         replays = [
-            {pid: t.replaying[stage] for pid, t in trainers.items() if len(t.replaying) > stage}
+            {pid: max(t.replaying[stage], 0) for pid, t in trainers.items() if len(t.replaying) > stage}
             for stage in range(self.num_stages)
         ]
         if not self.vouched:
