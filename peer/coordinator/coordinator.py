@@ -41,7 +41,6 @@ from peer.process.status_lines import say
 from peer.swarm.books import Books
 from peer.swarm.consensus import backed
 from peer.swarm.discovery import publish_spec
-from peer.swarm.router import LIVE
 from peer.swarm.status import gather
 
 logger = logging.getLogger(__name__)
@@ -77,8 +76,9 @@ def swarm_summary(look: dict) -> dict:
         stages.append(
             {
                 "servers": len(serving),
-                # what more than half say (peer.swarm.consensus), those joining or leaving counted at their steps
-                "step": backed(r.epoch for r in servers.values() if r.state in LIVE and r.stage == stage),
+                # what more than half of its serving replicas say (peer.swarm.consensus); not those joining (one at
+                # step 0 would hold a stage's `trained` step at 0, and a server joining it would start from the seed)
+                "step": backed(r.epoch for r in serving),
                 "throughput": sum(r.throughput for r in serving),
             }
         )
