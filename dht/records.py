@@ -90,8 +90,8 @@ class ServerRecord(Record):
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
     relay: str = ""  # peer id of the relay that carries its calls (it cannot be dialled: NAT); empty: direct
-    # per parameter, its sum then its sum of squares after step `epoch` (empty: not known): replicas at one
-    # epoch must agree (peer.model.fingerprint)
+    # per parameter, its sum then its sum of squares after step `epoch`, then those of its Adam moments (empty:
+    # not known): replicas at one epoch must agree (peer.model.fingerprint)
     fingerprint: list[float] = Field(default_factory=list)
     # the coordinator's `trained` and `archive` records: it checkpoints a part at once when its last server
     # leaves, and that server waits for it (peer.server.replica_handover)

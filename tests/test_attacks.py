@@ -316,12 +316,16 @@ def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_ag
 
 @pytest.mark.parametrize(
     "rot",
-    [pytest.param("--weights", id="other-weights"), pytest.param("", id="rotten-optimizer", marks=pytest.mark.slow)],
+    [
+        pytest.param("--weights", id="other-weights"),
+        pytest.param("--moments", id="stalling-moments", marks=pytest.mark.slow),
+        pytest.param("", id="rotten-optimizer", marks=pytest.mark.slow),
+    ],
 )
 def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for(swarm, rot):
     """Stage 0 has two replicas; one gives, to whoever asks for its state, either other weights than it trains with
-    (with a fingerprint recomputed to match: a state that checks out on its own) or a rotten optimizer state
-    (tests/helpers/rotten.py), and announces far more throughput, so that the coordinator asks it first. Every
+    or its weights with second moments 1e6 times its own (each with a fingerprint recomputed to match: a state
+    that checks out on its own), or a rotten optimizer state (tests/helpers/rotten.py), and announces far more throughput, so that the coordinator asks it first. Every
     checkpoint's stage 0 is the honest replica's, whose parameters the other replica held at that step too; the
     coordinator says why it took not the first one's."""
     from peer.coordinator import checkpoint
@@ -350,15 +354,21 @@ def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for
         assert all(float(t.min()) >= 0 for n, t in tensors.items() if n.endswith("exp_avg_sq"))
 
 
-def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swarm):
-    """Stage 0 has three replicas; the third (tests/helpers/rotten.py --weights) gives joiners other weights than it
-    trains with, with a fingerprint recomputed to match, and announces the most throughput, so that a joiner taking
-    its state from one donor takes it from that one. The joiner asks the two others whether they held those
-    parameters at that step; they did not: it refuses the state, distrusts its donor, and loads the honest one."""
+@pytest.mark.parametrize(
+    "rot",
+    [pytest.param("--weights", id="other-weights"), pytest.param("--moments", id="stalling-moments")],
+)
+def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swarm, rot):
+    """Stage 0 has three replicas; the third (tests/helpers/rotten.py) gives joiners other weights than it trains
+    with, or its weights with second moments 1e6 times its own (which would stall the joiner's learning for
+    thousands of steps), with a fingerprint recomputed to match, and announces the most throughput, so that a
+    joiner taking its state from one donor takes it from that one. The joiner asks the two others whether they
+    held that state at that step (the fingerprint covers the moments); they did not: it refuses the state,
+    distrusts its donor, and loads the honest one."""
     ids = {name: _identity(swarm.workdir, name) for name in ("rotten", "s0a", "s0b", "s1", "n0")}
     swarm.coordinator(SPEC)
     endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
-    args = ["--weights", *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
+    args = [rot, *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
     endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
     trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
     assert trainer.wait(120) == 0, trainer.output()[-3000:]

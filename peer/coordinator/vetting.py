@@ -24,7 +24,7 @@ from peer.model.part_state import (
     StateError,
     check_moments,
     check_optimizer_slot,
-    tensor_fingerprint,
+    state_fingerprint,
 )
 from peer.model.pretrained import expected_shapes
 
@@ -49,7 +49,7 @@ def part_shapes(spec: RunSpec, stage: int, expert: str) -> dict[str, list[int]]:
 
 
 def vet(spec: RunSpec, stage: int, expert: str, metadata: dict, tensors: dict, limit: int, tolerance: float) -> list:
-    """The fingerprint of a replica's state of a part (its parameters' sums and sums of squares); StateError
+    """The fingerprint of a replica's state of a part (its parameters' and moments' sums and sums of squares); StateError
     (Poisoned for values no honest step leaves) unless it is a sound state of the part at a step no further than
     `limit`, whose parameters match the fingerprint its donor gave with it."""
     epoch = metadata.get("epoch")
@@ -63,15 +63,13 @@ def vet(spec: RunSpec, stage: int, expert: str, metadata: dict, tensors: dict, l
     unknown = sorted(set(tensors) - _known_names(shapes, spec.local_updates))
     if unknown:
         raise StateError(f"its state holds {unknown[0]!r}, which the part has no place for")
-    source = "outer/anchor" if spec.local_updates else "param"
-    values = []
     for name, shape in shapes.items():
         _check_parameter(tensors, name, shape, spec.local_updates)
         if (m := tensors.get(f"optim/{name}/exp_avg")) is not None and (
             v := tensors.get(f"optim/{name}/exp_avg_sq")
         ) is not None:
             check_moments(f"optim/{name}", m, v, spec.training.betas)
-        values += tensor_fingerprint(tensors[f"{source}/{name}"])
+    values = state_fingerprint(tensors, list(shapes), spec.local_updates)
     given = [float(x) for x in metadata.get("fingerprint") or []]
     if given and first_difference(given, values, tolerance) is not None:
         raise StateError(f"its parameters do not match the fingerprint it gave for step {epoch}")

@@ -16,6 +16,7 @@ from peer.model.fingerprint import first_difference
 from peer.model.numerics import all_finite
 
 OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, as a state names it
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the slots a fingerprint covers (a step count is checked for soundness only)
 
 
 class StateError(ValueError):
@@ -35,7 +36,7 @@ class Poisoned(StateError):
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
     samples: int  # samples the step accounted over the whole averaging group
-    values: list[float]  # per parameter: sum, then sum of squares
+    values: list[float]  # per parameter: sum, then sum of squares; then those of its moments (state_fingerprint)
     members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
     # peer id -> (incarnation, seq): the step counted that member's accumulator additions up to seq
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -72,11 +73,8 @@ class PartState:
 
     @torch.no_grad()
     def fingerprint_values(self) -> list[float]:
-        """Per parameter: sum, then sum of squares; of the anchor in local mode (the replicas' common point)."""
-        values = []
-        for p in self.anchor if self.local else self.params:
-            values += tensor_fingerprint(p)
-        return values
+        """This replica's `state_fingerprint`: of the anchor in local mode (the replicas' common point)."""
+        return state_fingerprint(self.state_tensors(), self.param_names, self.local)
 
     def latest_fingerprint(self) -> list[float]:
         """The fingerprint of the parameters at this epoch, if known (empty: not known, e.g. mid-step)."""
@@ -201,12 +199,12 @@ class PartState:
         """The whole parameters a state brings match the fingerprint its donor announced for them (StateError
         if not: shards mixed from replicas that went apart, or damaged). Kept for the history, so that an
         unsplit part's load does not sum its parameters twice (a split one sums its ranks' shards anew)."""
-        parameters = [tensors[f"{source}/{name}"] for name in self.param_names]
-        values = [x for t in parameters for x in tensor_fingerprint(t)]
+        values = state_fingerprint(tensors, self.param_names, source != "param")
         announced = [float(x) for x in metadata.get("fingerprint") or []]
         index = first_difference(announced, values)
         if index is not None:
-            name = self.param_names[index] if index < len(self.param_names) else "?"
+            labels = fingerprint_labels(self.param_names, source != "param")
+            name = labels[index] if index < len(labels) else "?"
             raise StateError(
                 f"the state's {name} does not match the fingerprint its donor announced for step "
                 f"{metadata.get('epoch')} (its shards disagree)"
@@ -283,6 +281,26 @@ class PartState:
         self._stash = None
         self.version += 1
         self._after_load()
+
+
+@torch.no_grad()
+def state_fingerprint(tensors: dict[str, torch.Tensor], names: list[str], local: bool) -> list[float]:
+    """A state's fingerprint (`tensor_fingerprint`s): each parameter's, in `names` order (the anchor's in local
+    mode); then, in gradient mode, each parameter's Adam moments' ([0, 0] where the optimizer holds none yet).
+    Replicas that step together apply the same averaged gradients, so they hold the same moments too: a donor
+    cannot pass the honest weights with moments of its choosing (a huge `exp_avg_sq` stalls learning) where a
+    second replica is asked. Local mode's inner optimizers are each replica's own, and not covered."""
+    values = [x for n in names for x in tensor_fingerprint(tensors[f"{'outer/anchor' if local else 'param'}/{n}"])]
+    for name in [] if local else names:
+        for slot in MOMENTS:
+            t = tensors.get(f"optim/{name}/{slot}")
+            values += [0.0, 0.0] if t is None else tensor_fingerprint(t)
+    return values
+
+
+def fingerprint_labels(names: list[str], local: bool) -> list[str]:
+    """What each [sum, sum of squares] pair of a `state_fingerprint` is of, for messages."""
+    return [*names, *([] if local else [f"{n} {slot}" for n in names for slot in MOMENTS])]
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ import torch
 
 from peer.config import ParallelConfig, RunSpec
 from peer.model.numerics import squared_norm
-from peer.model.part_state import Fingerprint, StateError, shards_by_bytes
+from peer.model.part_state import MOMENTS, Fingerprint, StateError, shards_by_bytes
 from peer.model.runtime import InputError, Late, RankDied, StageRuntime
 from peer.model.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
 from peer.process.lifetime import exit_now, exit_within, tied_to_me
@@ -387,12 +387,16 @@ class ShardedStageRuntime(StageRuntime):
         return shapes
 
     def fingerprint_values(self) -> list[float]:
-        """The unsplit parameters' sums and sums of squares: shards summed over ranks, replicas counted once."""
+        """The unsplit state's fingerprint (peer.model.part_state.state_fingerprint): shards summed over ranks,
+        replicated tensors counted once; the moments are split as their parameters are."""
+        rows = list(zip(self.anchor if self.local else self.params, self.dims, strict=True))
+        for p, d in [] if self.local else zip(self.params, self.dims, strict=True):
+            rows += [(self.optimizer.state.get(p, {}).get(slot), d) for slot in MOMENTS]
         values = []
-        for p, d in zip(self.anchor if self.local else self.params, self.dims, strict=True):
-            x = p.detach().double()
-            keep = d is not None or self.tp.rank == 0
-            values += [x.sum().item() if keep else 0.0, x.pow(2).sum().item() if keep else 0.0]
+        for t, d in rows:
+            keep = t is not None and (d is not None or self.tp.rank == 0)
+            x = t.detach().double() if keep else None
+            values += [x.sum().item(), x.pow(2).sum().item()] if keep else [0.0, 0.0]
         return self.tp.sum(torch.tensor(values, dtype=torch.float64)).cpu().tolist()
 
 

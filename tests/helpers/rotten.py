@@ -9,6 +9,10 @@ With `--weights`, the state it gives is sound but of other weights: every parame
 fingerprint it gives with them recomputed to match (a state that checks out on its own). Its records, its
 answers and the state it trains with stay honest: only a second replica's word at the same step tells.
 
+With `--moments`, the state it gives holds its honest weights with second moments 1e6 times its own (finite, sound
+on their own: a replica that loaded them would hardly move for thousands of steps), the fingerprint it gives with
+them recomputed to match.
+
 With `--missing`, every part of its state it gives lacks its first tensor (a co-donor that spoils every transfer it
 takes part in, while its fingerprint and answers are honest).
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 import sys
 
 from peer.cli.main import main
-from peer.model.part_state import PartState, tensor_fingerprint
+from peer.model.part_state import PartState, state_fingerprint
 
 
 def rotting():
@@ -36,21 +40,27 @@ def rotting():
     return rotten
 
 
-def other_weights():
+def refingerprinted(change):
+    """Snapshots with `change(name, tensor)` applied to each tensor, and, for a whole state (one shard), the
+    fingerprint recomputed to match."""
     snapshot = PartState.snapshot
 
-    def moved(self, *args, **kwargs):
+    def changed(self, *args, **kwargs):
         metadata, tensors = snapshot(self, *args, **kwargs)
-        values = []
-        for name in self.param_names:
-            if f"param/{name}" in tensors:
-                tensors[f"param/{name}"] = tensors[f"param/{name}"] + 1e-2
-                values += tensor_fingerprint(tensors[f"param/{name}"])
-        if len(values) == len(metadata.get("fingerprint") or []):  # a whole state (one shard): its own fingerprint
-            metadata["fingerprint"] = values
+        tensors = {name: change(name, t) for name, t in tensors.items()}
+        if all(f"param/{name}" in tensors for name in self.param_names):
+            metadata["fingerprint"] = state_fingerprint(tensors, self.param_names, self.local)
         return metadata, tensors
 
-    return moved
+    return changed
+
+
+def other_weights():
+    return refingerprinted(lambda name, t: t + 1e-2 if name.startswith("param/") else t)
+
+
+def stalling_moments():
+    return refingerprinted(lambda name, t: t * 1e6 if name.endswith("/exp_avg_sq") else t)
 
 
 def missing():
@@ -65,6 +75,7 @@ def missing():
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1] if sys.argv[1] in ("--weights", "--missing") else ""
-    PartState.snapshot = {"--weights": other_weights, "--missing": missing}.get(mode, rotting)()
+    modes = {"--weights": other_weights, "--moments": stalling_moments, "--missing": missing}
+    mode = sys.argv[1] if sys.argv[1] in modes else ""
+    PartState.snapshot = modes.get(mode, rotting)()
     sys.exit(main(sys.argv[2 if mode else 1 :]))
