@@ -70,6 +70,7 @@ def make_spec(mode: str, args: argparse.Namespace) -> RunSpec:
         "seed": 0,
         "model": {"hidden_size": 192, "num_layers": 4, "num_heads": 6, "intermediate_size": 512, "max_seq_len": 128},
         "stages": {"num_stages": 1},
+        "admission": {"mode": "open"},  # its own peers, started without invite codes
         "training": {
             "micro_batch_size": MICRO_BATCH,
             "seq_len": 128,

@@ -54,6 +54,7 @@ def spec() -> RunSpec:
     s.model.max_seq_len = s.training.seq_len = 64
     s.training.micro_batch_size, s.training.target_batch_size, s.training.total_steps = 8, 32, 100_000
     s.averaging.request_timeout, s.averaging.averaging_timeout = 2.0, 8.0
+    s.admission.mode = "open"  # its own peers, started without invite codes
     return s
 
 

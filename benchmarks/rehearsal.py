@@ -17,7 +17,7 @@ from rich.console import Console
 
 from benchmarks.lab import ROOT, Host, Lab
 from benchmarks.netns import LabError
-from peer.cli.demo import SERVING, spec_to_toml
+from peer.cli.demo import SERVING, admit_own_peers, spec_to_toml
 from peer.config import RunSpec, apply_override
 
 
@@ -80,6 +80,14 @@ def wait_for(what: str, ready, procs: dict[str, subprocess.Popen], work: Path, h
         time.sleep(0.3)
 
 
+def _lab_spec(spec_path: str, overrides: tuple[str, ...]) -> RunSpec:
+    spec = RunSpec.from_toml(spec_path)
+    for item in overrides:
+        apply_override(spec, item)
+    admit_own_peers(spec)  # every peer is the rehearsal's own, in its lab
+    return spec
+
+
 def rehearse(
     spec_path: str,
     servers: int,
@@ -100,9 +108,7 @@ def rehearse(
     `duration` bounds the training time (from the trainers' start; None: until they finish).
     """
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    spec = RunSpec.from_toml(spec_path)
-    for item in overrides:
-        apply_override(spec, item)
+    spec = _lab_spec(spec_path, overrides)
     work = Path(workdir or tempfile.mkdtemp(prefix="swarmtrain-lab-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     (work / "run.toml").write_text(spec_to_toml(spec))

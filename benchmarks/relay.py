@@ -55,6 +55,7 @@ def make_spec(width: int) -> RunSpec:
                 "max_seq_len": 128,
             },
             "stages": {"num_stages": 2},
+            "admission": {"mode": "open"},  # its own peers, started without invite codes
             "training": {
                 "micro_batch_size": 16,
                 "seq_len": 128,

@@ -84,6 +84,7 @@ def run_spec(model: Path, size: dict, steps: int) -> dict:
         "name": "scale",
         "model": {"path": str(model), "max_seq_len": size["seq"]},
         "stages": {"num_stages": 3},
+        "admission": {"mode": "open"},  # its own peers, started without invite codes
         "training": {
             "micro_batch_size": size["micro"],
             "seq_len": size["seq"],

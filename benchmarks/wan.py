@@ -74,6 +74,7 @@ def make_spec(width: int, codec: str, name: str) -> RunSpec:
                 "max_seq_len": 128,
             },
             "stages": {"num_stages": 2},
+            "admission": {"mode": "open"},  # its own peers, started without invite codes
             "training": {
                 "micro_batch_size": 16,
                 "seq_len": 128,

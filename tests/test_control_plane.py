@@ -24,7 +24,10 @@ SPEC = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 16},
     "stages": {"num_stages": 1},
     "training": {"micro_batch_size": 4, "seq_len": 16, "target_batch_size": 8, "total_steps": 1000},
-    "admission": {"refresh": 120.0},  # the revocation list read seldom: what the test counts is the replicas' reads
+    "admission": {
+        "mode": "open",
+        "refresh": 120.0,
+    },  # the revocation list read seldom: what the test counts is the replicas' reads
 }
 QUIET = ["--set", "server.balance_period=120"]  # and the balance checks' reads as seldom
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from helpers.calls import client as admitted_client
-from helpers.swarm import ROOT
+from helpers.swarm import ROOT, admitting_its_peers
 from safetensors.torch import load_file
 
 from peer.config import ConfigError, RunSpec
@@ -297,7 +297,7 @@ def test_a_run_from_pretrained_weights_serves_each_stage_its_tensors_and_exports
     hf, _ = hf_model("llama", directory, stages=2)
     hf.save_pretrained(directory)  # config.json and model.safetensors (float32)
     original = load_file(str(directory / "model.safetensors"))
-    spec = pretrained_run("pretrained", directory, stages=2)
+    spec = admitting_its_peers(pretrained_run("pretrained", directory, stages=2))  # the spec the coordinator runs
     swarm.coordinator(spec)
     swarm.peers[0].wait_for(r"Serving the pretrained weights of \S+ \(F32\)", 30)
     # stage 1's state (about 1.4 MB) must come in shards under a 200 kB message limit

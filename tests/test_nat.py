@@ -29,6 +29,8 @@ pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"NAT hosts cannot be made
 SPEC = """
 name = "nat"
 seed = 7
+[admission]
+mode = "open"
 [model]
 hidden_size = 32
 num_layers = 2

@@ -573,15 +573,18 @@ def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused
     donor, joiner = StageRuntime(spec, 1), StageRuntime(spec, 1)
     donor.apply_step([torch.full_like(p, 0.1) for p in donor.params], 4, 0, ["donor"], {})
     metadata, tensors = donor.snapshot()
-    assert len(metadata["fingerprint"]) == 2 * len(donor.params)
-    name = f"param/{donor.param_names[3]}"
-    damaged = {**tensors, name: tensors[name] + 0.01}
+    assert len(metadata["fingerprint"]) == 6 * len(donor.params)  # each parameter's, then its two moments'
     before = [p.detach().clone() for p in joiner.params]
-    try:
-        joiner.load_state(metadata, damaged, "joiner")
-        raise AssertionError("a state that does not match its fingerprint was loaded")
-    except StateError as e:
-        assert donor.param_names[3] in str(e) and "fingerprint" in str(e)
+    for name, said in (
+        (f"param/{donor.param_names[3]}", donor.param_names[3]),
+        (f"optim/{donor.param_names[2]}/exp_avg_sq", f"{donor.param_names[2]} exp_avg_sq"),
+    ):
+        damaged = {**tensors, name: tensors[name] * 1.5 + 0.01}
+        try:
+            joiner.load_state(metadata, damaged, "joiner")
+            raise AssertionError(f"a state whose {name} does not match its fingerprint was loaded")
+        except StateError as e:
+            assert f"state's {said} does not match" in str(e) and "fingerprint" in str(e), e
     assert joiner.epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, joiner.params, strict=True))
     joiner.load_state(metadata, tensors, "joiner")
     assert joiner.epoch == 1 and joiner.history[-1].values == donor.history[-1].values

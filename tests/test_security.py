@@ -134,21 +134,32 @@ def test_only_admitted_peers_serve_call_publish_and_average_and_revocation_cuts_
     swarm.peers[0].wait_for(rf"Revoked peer {ids['trainer']}", 10)
 
 
-def test_invite_codes_admit_once(swarm):
-    spec = {**SPEC, "admission": {"mode": "invite"}}
-    swarm.coordinator(spec)
-    made = _peer_command(swarm, "coordinator", "invite", "--spec", "run.toml", "--identity", "coordinator.pem")
-    assert made.returncode == 0, made.stderr
-    code = re.search(r"--invite (\S+)", made.stdout).group(1)
+def test_invite_codes_admit_as_many_peers_as_they_say(swarm):
+    """Invite admission is the default: a peer without a code, with a wrong one, or with a code used up is refused;
+    a code of `--uses 2` admits two peers (each its own key) and no third."""
+    swarm.coordinator({**SPEC, "admission": {}})  # the run spec's default (the fixture's is open)
+    assert re.search(r"Admission: invite .*\n.*peer coordinator invite --spec", swarm.peers[0].output())
 
+    def invite(*more: str) -> str:
+        made = _peer_command(
+            swarm, "coordinator", "invite", "--spec", "run.toml", "--identity", "coordinator.pem", *more
+        )
+        assert made.returncode == 0, made.stderr
+        return re.search(r"--invite (\S+)", made.stdout).group(1)
+
+    code, pair = invite(), invite("--uses", "2")
     uninvited = swarm.server("uninvited", 0)
     invited = swarm.server("invited", 0, ["--invite", code])
     wrong = swarm.server("wrong", 1, ["--invite", code.split(".")[0] + ".not-the-secret"])
-    swarm.endpoint(invited)
+    first, second = (swarm.server(name, 1, ["--invite", pair]) for name in ("first", "second"))
+    for peer in (invited, first, second):
+        swarm.endpoint(peer)
     again = swarm.server("again", 1, ["--invite", code])  # another peer with the same code, once it was used
+    third = swarm.server("third", 1, ["--invite", pair])
     assert uninvited.wait(60) != 0 and "admits peers by invite" in uninvited.output()
     assert wrong.wait(60) != 0 and "the code is wrong" in wrong.output()
     assert again.wait(60) != 0 and "was used already" in again.output()
+    assert third.wait(60) != 0 and "was used already (by 2 peers)" in third.output()
 
 
 def _stage_story(swarm, *names) -> str:

@@ -92,10 +92,11 @@ def _admission(args: argparse.Namespace) -> int:
             print(f"note: run '{spec.name}' has admission.mode = {spec.admission.mode!r}; codes count in invite mode")
         roles = [r.strip() for r in args.roles.split(",") if r.strip()]
         try:
-            code = create_invite(invites_file(identity, spec), roles, args.hours)
+            code = create_invite(invites_file(identity, spec), roles, args.hours, args.uses)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        print(f"Invite code (single use, {', '.join(roles)}, valid {args.hours:g} h):\n  {code}")
+        uses = "single use" if args.uses == 1 else f"for {args.uses} peers"
+        print(f"Invite code ({uses}, {', '.join(roles)}, valid {args.hours:g} h):\n  {code}")
         print(f"The invited peer joins with:\n  peer join ADDR --invite {code}")
         return 0
     public_key_from_peer_id(args.peer)  # IdentityError names a malformed peer id

@@ -169,9 +169,17 @@ def _bar(p: dict) -> Table:
     return grid
 
 
+def admit_own_peers(spec: RunSpec) -> None:
+    """A swarm whose every peer this command starts itself (the demo on loopback, a rehearsal in its lab) admits
+    them without invite codes: open admission, unless the spec turns admission off."""
+    if spec.admission.mode != "off":
+        spec.admission.mode = "open"
+
+
 def run_demo(steps: int | None = None, workdir: str = "", spec_path: str = "") -> int:
     console = Console() if Console().is_terminal else Console(width=160)
     spec = RunSpec.from_toml(spec_path or DEMO_SPEC)
+    admit_own_peers(spec)  # every peer is the demo's own, on loopback
     if steps:
         spec.training.total_steps = steps
     interrupt_on_signals()  # SIGTERM, SIGHUP: stop the swarm as Ctrl+C does

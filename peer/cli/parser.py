@@ -78,7 +78,7 @@ def _add_coordinator(sub) -> None:
     )
     _add_peer_flags(p, spec_too=True)
 
-    p = sub.add_parser("coordinator-invite", help="(peer coordinator invite) print a single-use invite code")
+    p = sub.add_parser("coordinator-invite", help="(peer coordinator invite) print an invite code")
     p.add_argument("--spec", required=True, help="the run spec the coordinator runs (names the run)")
     p.add_argument(
         "--roles",
@@ -86,6 +86,7 @@ def _add_coordinator(sub) -> None:
         help="what the invited peer may do (default: server,experts,trainer)",
     )
     p.add_argument("--hours", type=float, default=72.0, help="how long the code can be used (default 72)")
+    p.add_argument("--uses", type=int, default=1, help="how many peers (each its own key) it admits (default 1)")
     p.add_argument("--identity", help="the coordinator's key (default: the user's)")
     p = sub.add_parser("coordinator-revoke", help="(peer coordinator revoke PEER) revoke a peer's credential")
     p.add_argument("peer", help="the peer id to revoke")

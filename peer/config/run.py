@@ -205,10 +205,11 @@ ADMISSION_MODES = ("open", "allowlist", "invite", "off")
 
 @dataclass
 class AdmissionConfig:
-    # who may join: open (anyone, with a credential and TLS like everyone), allowlist (the peer ids
-    # below), invite (codes from `peer coordinator invite`); off: no TLS and no credentials at all,
-    # for a lab on a trusted network and for measuring what security costs
-    mode: str = "open"
+    # who may join: invite (codes from `peer coordinator invite`: the default, since one hostile peer can still
+    # stall or skew some steps, docs/security.md), allowlist (the peer ids below), open (anyone, with a credential
+    # and TLS like everyone: a run of one's own machines, or one that accepts that risk); off: no TLS and no
+    # credentials at all, for a lab on a trusted network and for measuring what security costs
+    mode: str = "invite"
     allowlist: list[str] = field(default_factory=list)  # allowlist mode: peer ids that may join
     credential_ttl: float = (
         3600.0  # s a credential is valid; renewed at half-life: a coordinator may be away half this long

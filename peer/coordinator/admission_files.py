@@ -12,7 +12,7 @@ import secrets
 import time
 from pathlib import Path
 
-from dht.identity import Identity
+from dht.identity import Identity, default_identity_path
 from peer.config import RunSpec
 
 PEER_ROLES = ("server", "experts", "trainer", "relay")  # what a joining peer may ask for (not coordinator)
@@ -23,6 +23,16 @@ def beside_key(configured: str, identity: Identity, spec: RunSpec, suffix: str) 
     if configured:
         return Path(configured)
     return Path(identity.path or ".").resolve().parent / f"{spec.name}.{suffix}"
+
+
+def how_to_invite(identity: Identity) -> str:
+    """The command line that makes invite codes for a coordinator of this key."""
+    default = not identity.path or Path(identity.path).resolve() == default_identity_path().resolve()
+    key = "" if default else f" --identity {identity.path}"
+    return (
+        f"Invite peers with: peer coordinator invite --spec RUN_SPEC{key} [--uses N] "
+        "(it prints the code each passes to peer join with --invite)"
+    )
 
 
 def invites_file(identity: Identity, spec: RunSpec) -> Path:
@@ -57,15 +67,49 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def create_invite(path: Path, roles: list[str], valid_hours: float) -> str:
-    """A new single-use invite code `ID.SECRET`, stored in `path`."""
+MAX_INVITE_USES = 10_000  # peers one code may admit (`peer coordinator invite --uses`)
+
+
+def create_invite(path: Path, roles: list[str], valid_hours: float, uses: int = 1) -> str:
+    """A new invite code `ID.SECRET` that admits up to `uses` peers (each its own key), stored in `path`."""
     bad = [r for r in roles if r not in PEER_ROLES]
     if not roles or bad:
         raise ValueError(f"--roles: must be some of {', '.join(PEER_ROLES)}, got {roles}")
+    if not 1 <= uses <= MAX_INVITE_USES:
+        raise ValueError(f"--uses: must be 1 to {MAX_INVITE_USES}, got {uses}")
     invite_id, secret = secrets.token_hex(4), secrets.token_urlsafe(18)
-    entry = {"secret": secret, "roles": roles, "created": time.time(), "expires": time.time() + valid_hours * 3600}
+    entry = {"secret": secret, "roles": roles, "uses": uses, "created": time.time()}
+    entry["expires"] = time.time() + valid_hours * 3600
     locked_update(path, lambda data: data.setdefault("invites", {}).__setitem__(invite_id, entry))
     return f"{invite_id}.{secret}"
+
+
+def invite_takers(entry: dict) -> list[str]:
+    """The peer ids an invite admitted so far (a code of one use kept one id as a string)."""
+    taken = entry.get("used_by")
+    return [taken] if isinstance(taken, str) else [t for t in taken or [] if isinstance(t, str)]
+
+
+def take_invite(path: Path, invite_id: str, peer_id: str) -> str:
+    """Bind one more peer to an invite, under the file's lock (two joiners may race for its last use); why not
+    ("" once `peer_id` is one of its takers)."""
+    why = []
+
+    def change(data):
+        entry = data.get("invites", {}).get(invite_id)
+        takers = invite_takers(entry) if isinstance(entry, dict) else []
+        if not isinstance(entry, dict) or peer_id in takers:
+            return
+        uses = entry.get("uses", 1)
+        if len(takers) >= uses:
+            why.append(f"invite {invite_id} was used already" + (f" (by {uses} peers)" if uses > 1 else ""))
+        elif time.time() > entry.get("expires", 0):
+            why.append(f"invite {invite_id} expired")  # (a peer it admitted keeps renewing)
+        else:
+            entry["used_by"] = [*takers, peer_id]
+
+    locked_update(path, change)
+    return why[0] if why else ""
 
 
 def pardon(path: Path, peer_id: str) -> bool:

@@ -31,7 +31,7 @@ from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport, TrainerRecord
 from peer.config import PeerConfig, RunSpec
-from peer.coordinator.admission_files import PEER_ROLES, locked_update, read_json, revoke
+from peer.coordinator.admission_files import PEER_ROLES, invite_takers, read_json, revoke, take_invite
 from peer.coordinator.referee import Referee
 from peer.process.status_lines import say
 
@@ -108,7 +108,7 @@ class Authority:
 
     def _check_invite(self, peer_id: str, request: CredentialRequest, tls_der: bytes, nonce: bytes, roles) -> str:
         invites = read_json(self.invites_path).get("invites", {})
-        used = {i: e for i, e in invites.items() if isinstance(e, dict) and e.get("used_by") == peer_id}
+        used = {i: e for i, e in invites.items() if isinstance(e, dict) and peer_id in invite_takers(e)}
         if used and not request.invite:  # a renewal: the invite it joined with still says which roles
             allowed = {r for e in used.values() for r in e.get("roles", [])}
         else:
@@ -117,13 +117,9 @@ class Authority:
                 return "this run admits peers by invite: pass one with --invite CODE (from `peer coordinator invite`)"
             if not hmac.compare_digest(invite_mac(entry["secret"], peer_id, tls_der, nonce), request.invite_mac):
                 return f"invite {request.invite}: the code is wrong"
-            if entry.get("used_by") not in (None, peer_id):
-                return f"invite {request.invite} was used already"
-            if entry.get("used_by") is None and time.time() > entry.get("expires", 0):
-                return f"invite {request.invite} expired"  # (a peer it admitted keeps renewing)
+            if problem := take_invite(self.invites_path, request.invite, peer_id):
+                return problem
             allowed = set(entry.get("roles", []))
-            if entry.get("used_by") is None:
-                locked_update(self.invites_path, lambda data: data["invites"][request.invite].update(used_by=peer_id))
         extra = [r for r in roles if r not in allowed]
         return f"the invite admits roles {sorted(allowed)}, not {extra}" if extra else ""
 

@@ -22,7 +22,7 @@ from dht.node import DHTStartError, SwarmDHT
 from dht.records import TrainerRecord
 from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.coordinator import checkpoint
-from peer.coordinator.admission_files import beside_key, invites_file, revoked_file
+from peer.coordinator.admission_files import beside_key, how_to_invite, invites_file, revoked_file
 from peer.coordinator.archive import Archive
 from peer.coordinator.authority import Authority
 from peer.coordinator.checkpointer import Checkpointer
@@ -161,9 +161,11 @@ def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: Swa
     how = {
         "open": "anyone who asks",
         "allowlist": f"the {len(spec.admission.allowlist)} peer(s) of admission.allowlist",
-        "invite": "peers with an invite code (peer coordinator invite)",
+        "invite": "peers with an invite code",
     }[spec.admission.mode]
     say(f"Admission: {spec.admission.mode} ({how}); every peer needs a credential from this coordinator.")
+    if spec.admission.mode == "invite":
+        say(how_to_invite(identity))
     if spec.admission.mode == "open":
         say(
             "Open admission: any stranger who joins is admitted, and one hostile peer can still stall or skew some "
@@ -318,7 +320,8 @@ def announce(spec: RunSpec, identity: Identity, maddrs: list[str], join: str, in
     say("It listens on:")
     for m in maddrs:
         say(f"  {m}")
-    say(f"To join, run on another machine:\n  {join}\n  {join} --role trainer")
+    code = " --invite CODE" if spec.admission.mode == "invite" else ""
+    say(f"To join, run on another machine:\n  {join}{code}\n  {join}{code} --role trainer")
     say(
         f"(or through any peer of the run, the coordinator named: peer join PEER_MADDR --coordinator {identity.peer_id})"
     )

@@ -58,7 +58,7 @@ def test_credential(endpoint: str) -> TestCredential | None:
     """A credential good for the run `endpoint` belongs to (None when that run has admission off)."""
     workdir = _SERVERS[endpoint][0]
     spec = tomllib.loads((workdir / "run.toml").read_text())
-    if spec.get("admission", {}).get("mode", "open") == "off":
+    if spec.get("admission", {}).get("mode", "invite") == "off":
         return None
     return TestCredential(workdir)
 

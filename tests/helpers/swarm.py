@@ -37,6 +37,12 @@ PEER = [sys.executable, "-m", "peer.cli.main"]
 REAPED = [sys.executable, str(ROOT / "tests" / "helpers" / "reaped.py")]  # a helper program, under a reaper
 
 
+def admitting_its_peers(spec: dict) -> dict:
+    """The run spec a test swarm's coordinator runs: its peers join without invite codes, so open admission unless
+    the test's spec has an admission table (then what it says, with the run spec's defaults for the rest)."""
+    return spec if "admission" in spec else {**spec, "admission": {"mode": "open"}}
+
+
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(dict_to_toml(spec))
     return path
@@ -198,7 +204,7 @@ class Swarm:
         return peer
 
     def coordinator(self, spec: dict, timeout: float = 60, extra: list[str] = ()) -> str:
-        path = write_spec(self.workdir / "run.toml", spec)
+        path = write_spec(self.workdir / "run.toml", admitting_its_peers(spec))
         info = self.workdir / "coordinator.json"
         peer = self.start(
             "coordinator",
