@@ -354,6 +354,19 @@ def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for
         assert all(float(t.min()) >= 0 for n, t in tensors.items() if n.endswith("exp_avg_sq"))
 
 
+def _beside_a_rotten_third(swarm, rot: str) -> dict[str, str]:
+    """A run whose stage 0 has two honest replicas and a third, `rotten.py ROT`, that claims the most throughput
+    (so it leads a joiner's transfer), trained one step (12 micro-batches) and settled; the endpoints by name."""
+    swarm.coordinator(SPEC)
+    endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    args = [rot, *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
+    endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
+    assert trainer.wait(120) == 0, trainer.output()[-3000:]
+    settled_infos([endpoints[name] for name in ("s0a", "s0b", "rotten")])  # one step: the fastest leads a transfer
+    return endpoints
+
+
 @pytest.mark.parametrize(
     "rot",
     [pytest.param("--weights", id="other-weights"), pytest.param("--moments", id="stalling-moments")],
@@ -366,13 +379,7 @@ def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swa
     held that state at that step (the fingerprint covers the moments); they did not: it refuses the state,
     distrusts its donor, and loads the honest one."""
     ids = {name: _identity(swarm.workdir, name) for name in ("rotten", "s0a", "s0b", "s1", "n0")}
-    swarm.coordinator(SPEC)
-    endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
-    args = [rot, *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
-    endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
-    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
-    assert trainer.wait(120) == 0, trainer.output()[-3000:]
-    settled_infos([endpoints[name] for name in ("s0a", "s0b", "rotten")])  # one step: the fastest leads a transfer
+    endpoints = _beside_a_rotten_third(swarm, rot)
     joiner = swarm.server("n0", 0, ["--set", "server.state_donors=1"])
     refused = joiner.wait_for(r"refused the state of (\S+): (.*)", 120)
     assert refused.group(1).rstrip(":") == ids["rotten"], refused.group(0)
@@ -389,13 +396,7 @@ def test_a_co_donor_that_spoils_every_transfer_keeps_no_joiner_out(swarm):
     the most throughput (so it leads a joiner's transfer), and leaves a tensor out of every part of its state it
     sends. The joiner's transfer fails; it tries the lead alone once, which fails too, bans it as a donor for a
     while (server.donor_ban) and loads the honest replicas' state (before, it tried the same donors for ever)."""
-    swarm.coordinator(SPEC)
-    endpoints = {name: swarm.endpoint(swarm.server(name, stage)) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
-    args = ["--missing", *loopback_join(swarm.maddr, "rotten", "--stage", "0"), "--set", "server.throughput=1e6"]
-    endpoints["rotten"] = swarm.endpoint(swarm.start("rotten", [str(HELPERS / "rotten.py"), *args], python=True))
-    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "12"])
-    assert trainer.wait(120) == 0, trainer.output()[-3000:]
-    settled_infos([endpoints[name] for name in ("s0a", "s0b", "rotten")])
+    endpoints = _beside_a_rotten_third(swarm, "--missing")
     joiner = swarm.server("n0", 0)
     joiner.wait_for(r"once more from its lead alone", 120)
     joiner.wait_for(r"Loaded the state of stage 0 \(step (\d+)\)", 60)
