@@ -1,14 +1,23 @@
-"""Typed, versioned DHT records. Unknown fields are ignored so older and newer peers read each other."""
+"""Typed, versioned DHT records. Unknown fields are ignored so older and newer peers read each other.
+
+A record is a peer's word about itself: readers do arithmetic on its numbers (routing weights, expiry times, the
+books), so no float of a record may be NaN or infinite (`allow_inf_nan`), and amounts may not be negative; a
+record that breaks either is ignored like any malformed one (dht.node). Losses alone may be NaN (a run that
+diverged says so).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+Amount = Annotated[float, Field(ge=0)]  # a rate, a count or a duration: finite (as every float here), not negative
+Loss = Annotated[float | None, Field(allow_inf_nan=True)]  # may be NaN: what a diverged run measures
+
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     # the peer id that signed the record, set by the reader (never read from the record's own fields): a caller
     # pins this peer's TLS name when it dials the record's endpoint
@@ -50,8 +59,8 @@ class ServerRecord(Record):
     stage: int  # the stage served; for an expert, the stage whose block holds its layer
     expert: str = ""  # "layer.index" for an expert of a mixture-of-experts layer; empty for a stage
     endpoint: str  # host:port of its gRPC server, as others should dial it
-    throughput: float  # measured samples/s for forward+backward
-    load: float = 0.0  # requests running or queued
+    throughput: Amount  # measured samples/s for forward+backward
+    load: Amount = 0.0  # requests running or queued
     # optimizer steps taken by this part (local averaging mode: outer steps); replicas average at equal epochs
     epoch: int = 0
     step: int = 0  # training steps: the epoch, or in local mode the inner steps of all outer steps so far
@@ -67,7 +76,7 @@ class ServerRecord(Record):
     round_seq: int = 0  # while averaging_epoch >= 0: the additions that round covers if it succeeds
     started: float = 0.0  # unix time the server started
     updated: float = 0.0  # unix time of this announcement
-    ttl: float = 0.0  # s this announcement lives from `updated` (longer at rest: peer.net.cadence); 0: record_ttl
+    ttl: Amount = 0.0  # s this announcement lives from `updated` (longer at rest: peer.net.cadence); 0: record_ttl
     metrics: str = ""  # host:port of its Prometheus metrics (/metrics); empty: none
     requests: int = 0  # requests this peer served (all its parts together)
     errors: int = 0  # of those, the ones answered with an error
@@ -77,7 +86,7 @@ class ServerRecord(Record):
     tp: int = 1  # tensor-parallel ranks the part is split over inside this peer
     devices: list[str] = Field(default_factory=list)  # torch devices it runs on, one per rank
     last_round: int = 0  # members of its last finished step: 1 alone, more averaged together; 0 none yet
-    last_round_seconds: float = 0.0  # how long that step's round took
+    last_round_seconds: Amount = 0.0  # how long that step's round took
     rounds_failed: int = 0  # averaging rounds that failed (their samples waited for the next one)
 
     def writers(self) -> frozenset[str]:
@@ -90,7 +99,7 @@ class ServerRecord(Record):
     moving_to: int = -1  # the stage this server means to move to (load balancing), else -1
     moving_since: float = 0.0  # unix time it announced that; the earliest such claim of a stage goes first
     relay: str = ""  # peer id of the relay that carries its calls (it cannot be dialled: NAT); empty: direct
-    # per parameter, its sum then its sum of squares after step `epoch`, then those of its Adam moments (empty:
+    # per parameter, its sum then its sum of squares after step `epoch`, then those of its optimizer state (empty:
     # not known): replicas at one epoch must agree (peer.model.fingerprint)
     fingerprint: list[float] = Field(default_factory=list)
     # the coordinator's `trained` and `archive` records: it checkpoints a part at once when its last server
@@ -109,13 +118,13 @@ class TrainerRecord(Record):
     inflight: int = 0  # samples of the micro-batches under way (some stages may hold their backwards already)
     # [start time, samples completed] of this peer's earlier starts as a trainer (its journal): one that was
     # killed announced fewer than it completed
-    predecessors: list[list[float]] = Field(default_factory=list)
+    predecessors: list[tuple[float, float]] = Field(default_factory=list)
     replaying: list[int] = Field(default_factory=list)  # per stage: samples whose server went away unstepped
     micro_batches: int = 0
-    samples_per_second: float = 0.0
-    train_loss: float | None = None  # recent mean training loss
-    val_loss: float | None = None  # last validation loss (nats per token), if this trainer evaluates
-    val_bits_per_byte: float | None = None  # the same validation in bits per byte of text (across tokenizers)
+    samples_per_second: Amount = 0.0
+    train_loss: Loss = None  # recent mean training loss
+    val_loss: Loss = None  # last validation loss (nats per token), if this trainer evaluates
+    val_bits_per_byte: Loss = None  # the same validation in bits per byte of text (across tokenizers)
     epoch: int = 0  # highest stage training step seen
     failed_calls: int = 0  # calls that failed (each rerouted)
     bans: int = 0  # servers banned after a failed call, so far

@@ -30,9 +30,9 @@ def _identity(workdir, name: str) -> str:
     return identity.peer_id
 
 
-def _owner(swarm, command: str, peer: str) -> subprocess.CompletedProcess:
-    """`peer coordinator COMMAND PEER` (revoke, pardon), as the run's owner does it."""
-    args = [*PEER, "coordinator", command, peer, "--spec", "run.toml", "--identity", "coordinator.pem"]
+def _owner(swarm, command: str, *more: str) -> subprocess.CompletedProcess:
+    """`peer coordinator COMMAND ...` (revoke PEER, pardon PEER, invite), as the run's owner does it."""
+    args = [*PEER, "coordinator", command, *more, "--spec", "run.toml", "--identity", "coordinator.pem"]
     return subprocess.run(args, cwd=swarm.workdir, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -500,6 +500,26 @@ def test_a_flood_of_credential_requests_delays_neither_joins_nor_revocations(swa
     swarm.peers[0].wait_for(rf"Revoked peer {ids['s1']}", 30)
     first.wait_for(r"credential was revoked", 60)
     print(f"the revoked server learnt it {time.monotonic() - started:.1f} s after the revoke command")
+
+
+def test_malformed_credential_requests_stop_no_admission(swarm):
+    """A stranger (no credential needed to ask for one) stores requests that are well-formed records but malformed
+    for the coordinator: a TLS key of a curve nobody supports, a non-ASCII invite MAC for a real invite, a key that
+    is not DER. Each is refused with its reason, and invited peers are admitted after them (one such request used
+    to end every pass of the coordinator's admission: no join or renewal while it lived, the run over within a
+    credential's life)."""
+    swarm.coordinator({**SPEC, "admission": {}})  # invite, the default
+    made = _owner(swarm, "invite", "--uses", "2")
+    assert made.returncode == 0, made.stderr
+    code = re.search(r"--invite (\S+)", made.stdout).group(1)
+    args = [str(HELPERS / "flood.py"), swarm.maddr, "6", "600", "--malformed", code.split(".")[0]]
+    flood = swarm.start("flood", args, python=True)
+    assert int(flood.wait_for(r"FLOOD stored (\d+)", 120).group(1)) == 6, flood.output()[-2000:]
+    coordinator = swarm.peers[0]
+    for why in ("is not supported", "malformed request", "the code is wrong"):
+        coordinator.wait_for(rf"refused a credential to \S+: .*{why}", 60)
+    for name, stage in (("s0", 0), ("s1", 1)):
+        swarm.endpoint(swarm.server(name, stage, ["--invite", code]), 120)
 
 
 @pytest.mark.slow

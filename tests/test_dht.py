@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from dht import keys
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from dht.records import RevocationList, RunSpecRecord, ServerRecord
+from dht.records import RevocationList, RunSpecRecord, ServerRecord, TrainerRecord
 from peer.config import RunSpec
 from peer.swarm.discovery import RunNotFound, fetch_spec
 from protocols.version import software_version
@@ -54,6 +54,39 @@ def test_signed_records_roundtrip_and_forgeries_are_refused(two_nodes):
     assert not b.store_raw(key, keys.signed_subkey(b.peer_id), forged.model_dump_json().encode(), ttl=30)
     records = a.get(key, ServerRecord)
     assert set(records) == {b.peer_id} and records[b.peer_id].endpoint == "127.0.0.1:1"
+
+
+class _Raw:
+    """A record's JSON as a hostile peer writes it (no pydantic on its side to refuse NaN or a negative load)."""
+
+    software = "hostile"
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def model_dump_json(self) -> str:
+        return self.text
+
+
+def test_a_record_whose_numbers_no_reader_can_do_sums_with_is_ignored(two_nodes):
+    """Routing weighs a server by throughput / (1 + load), expiry adds its ttl, the books add a trainer's earlier
+    starts: a signed, admitted record with a NaN, an infinity or a negative amount there (a trainer's routing raised
+    on every forward; the coordinator's books on an empty start) is ignored like any malformed record."""
+    a, b = two_nodes
+    server, trainer = keys.servers_key("run", 0), keys.trainers_key("run")
+    bad = [
+        (server, ServerRecord, '{"stage": 0, "endpoint": "x:1", "throughput": NaN}'),
+        (server, ServerRecord, '{"stage": 0, "endpoint": "x:1", "throughput": 1e400}'),
+        (server, ServerRecord, '{"stage": 0, "endpoint": "x:1", "throughput": 5, "load": -1}'),
+        (server, ServerRecord, '{"stage": 0, "endpoint": "x:1", "throughput": 5, "ttl": NaN}'),
+        (trainer, TrainerRecord, '{"samples": 5, "predecessors": [[]]}'),
+        (trainer, TrainerRecord, '{"samples": 5, "predecessors": [[0, NaN]]}'),
+    ]
+    for i, (key, kind, text) in enumerate(bad):
+        assert b.store(key, _Raw(text), ttl=30 + i)  # signed by its owner: only what it says is wrong
+        assert a.get(key, kind) == {}, text
+    assert b.store(trainer, _Raw('{"samples": 5, "train_loss": NaN}'), ttl=60)
+    assert a.get(trainer, TrainerRecord)[b.peer_id].samples == 5  # a loss may be NaN: a run that diverged
 
 
 def test_a_node_reads_the_records_it_holds_without_the_network(two_nodes):

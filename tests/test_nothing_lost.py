@@ -573,18 +573,16 @@ def test_a_state_whose_parameters_do_not_match_its_donors_fingerprint_is_refused
     donor, joiner = StageRuntime(spec, 1), StageRuntime(spec, 1)
     donor.apply_step([torch.full_like(p, 0.1) for p in donor.params], 4, 0, ["donor"], {})
     metadata, tensors = donor.snapshot()
-    assert len(metadata["fingerprint"]) == 6 * len(donor.params)  # each parameter's, then its two moments'
+    assert len(metadata["fingerprint"]) == 8 * len(donor.params)  # each parameter's, then its AdamW state's
     before = [p.detach().clone() for p in joiner.params]
-    for name, said in (
-        (f"param/{donor.param_names[3]}", donor.param_names[3]),
-        (f"optim/{donor.param_names[2]}/exp_avg_sq", f"{donor.param_names[2]} exp_avg_sq"),
-    ):
+    names = donor.param_names
+    for name in (f"param/{names[3]}", f"optim/{names[2]}/exp_avg_sq", f"optim/{names[1]}/step"):
         damaged = {**tensors, name: tensors[name] * 1.5 + 0.01}
         try:
             joiner.load_state(metadata, damaged, "joiner")
             raise AssertionError(f"a state whose {name} does not match its fingerprint was loaded")
         except StateError as e:
-            assert f"state's {said} does not match" in str(e) and "fingerprint" in str(e), e
+            assert f"state's {name} does not match" in str(e) and "fingerprint" in str(e), e
     assert joiner.epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, joiner.params, strict=True))
     joiner.load_state(metadata, tensors, "joiner")
     assert joiner.epoch == 1 and joiner.history[-1].values == donor.history[-1].values
@@ -629,7 +627,9 @@ def test_a_state_whose_optimizer_state_or_step_no_adamw_step_leaves_is_refused_a
 def test_the_coordinator_vets_a_pulled_state_before_a_checkpoint_keeps_it():
     """peer.coordinator.vetting: a replica's real state passes, and gives the fingerprint its replica keeps for
     the step; a step past the credible one, a tensor the part has no place for, non-finite parameters, a rotten
-    optimizer slot, parameters other than the fingerprint given with them: each refused, naming what."""
+    optimizer slot, parameters other than the fingerprint given with them, metadata a resume would fail on (another
+    part, a count that is not one, a tensor count other than the tensors, step records that do not parse): each
+    refused, naming what."""
     from peer.config import RunSpec
     from peer.coordinator.vetting import seconds, vet
     from peer.model.part_state import Poisoned, StateError
@@ -654,6 +654,10 @@ def test_the_coordinator_vets_a_pulled_state_before_a_checkpoint_keeps_it():
         (metadata, {**tensors, f"optim/{name}/exp_avg": tensors[f"optim/{name}/exp_avg"] + 1}, 1, Poisoned, "larger"),
         (metadata, moved, 1, StateError, "do not match the fingerprint"),
         ({**metadata, "epoch": "1"}, tensors, 1, Poisoned, "not a step"),
+        ({**metadata, "part": "stage 0"}, tensors, 1, StateError, "not stage 1"),
+        ({**metadata, "samples_stepped": "x"}, tensors, 1, Poisoned, "samples_stepped is 'x', not a count"),
+        ({**metadata, "tensor_count": 999}, tensors, 1, StateError, "says 999 tensors"),
+        ({**metadata, "step_coverage": {"1": {"p": [1]}}}, tensors, 1, Poisoned, "step records are malformed"),
     ]
     for meta, state, limit, kind, words in bad:
         with pytest.raises(kind) as caught:

@@ -25,14 +25,29 @@ def beside_key(configured: str, identity: Identity, spec: RunSpec, suffix: str) 
     return Path(identity.path or ".").resolve().parent / f"{spec.name}.{suffix}"
 
 
-def how_to_invite(identity: Identity) -> str:
-    """The command line that makes invite codes for a coordinator of this key."""
+def admission_notice(spec: RunSpec, identity: Identity) -> list[str]:
+    """What a coordinator says of its admission when it starts: who may join, and how to invite (or a warning)."""
+    mode = spec.admission.mode
+    how = {
+        "open": "anyone who asks",
+        "allowlist": f"the {len(spec.admission.allowlist)} peer(s) of admission.allowlist",
+        "invite": "peers with an invite code",
+    }[mode]
+    lines = [f"Admission: {mode} ({how}); every peer needs a credential from this coordinator."]
     default = not identity.path or Path(identity.path).resolve() == default_identity_path().resolve()
     key = "" if default else f" --identity {identity.path}"
-    return (
-        f"Invite peers with: peer coordinator invite --spec RUN_SPEC{key} [--uses N] "
-        "(it prints the code each passes to peer join with --invite)"
-    )
+    if mode == "invite":
+        lines.append(
+            f"Invite peers with: peer coordinator invite --spec RUN_SPEC{key} [--uses N] "
+            "(it prints the code each passes to peer join with --invite)"
+        )
+    if mode == "open":
+        lines.append(
+            "Open admission: any stranger who joins is admitted, and one hostile peer can still stall or skew some "
+            "steps (docs/security.md, what is not defended); for a run strangers may join, use admission.mode = "
+            "invite (the default)."
+        )
+    return lines
 
 
 def invites_file(identity: Identity, spec: RunSpec) -> Path:
@@ -77,17 +92,36 @@ def create_invite(path: Path, roles: list[str], valid_hours: float, uses: int = 
         raise ValueError(f"--roles: must be some of {', '.join(PEER_ROLES)}, got {roles}")
     if not 1 <= uses <= MAX_INVITE_USES:
         raise ValueError(f"--uses: must be 1 to {MAX_INVITE_USES}, got {uses}")
-    invite_id, secret = secrets.token_hex(4), secrets.token_urlsafe(18)
+    secret, made = secrets.token_urlsafe(18), []
     entry = {"secret": secret, "roles": roles, "uses": uses, "created": time.time()}
     entry["expires"] = time.time() + valid_hours * 3600
-    locked_update(path, lambda data: data.setdefault("invites", {}).__setitem__(invite_id, entry))
-    return f"{invite_id}.{secret}"
+
+    def add(data):
+        invites = data.setdefault("invites", {})
+        invite_id = secrets.token_hex(4)
+        while invite_id in invites:  # an id taken already: another (never an earlier code overwritten)
+            invite_id = secrets.token_hex(4)
+        invites[invite_id] = entry
+        made.append(invite_id)
+
+    locked_update(path, add)
+    return f"{made[0]}.{secret}"
 
 
 def invite_takers(entry: dict) -> list[str]:
     """The peer ids an invite admitted so far (a code of one use kept one id as a string)."""
     taken = entry.get("used_by")
     return [taken] if isinstance(taken, str) else [t for t in taken or [] if isinstance(t, str)]
+
+
+def invite_taken(entry: dict, invite_id: str) -> str:
+    """Why an invite admits no new peer ("" if it does): all its uses taken, or expired."""
+    uses = entry.get("uses", 1)
+    if len(invite_takers(entry)) >= uses:
+        return f"invite {invite_id} was used already" + (f" (by {uses} peers)" if uses > 1 else "")
+    if time.time() > entry.get("expires", 0):
+        return f"invite {invite_id} expired"  # (a peer it admitted keeps renewing)
+    return ""
 
 
 def take_invite(path: Path, invite_id: str, peer_id: str) -> str:
@@ -97,16 +131,13 @@ def take_invite(path: Path, invite_id: str, peer_id: str) -> str:
 
     def change(data):
         entry = data.get("invites", {}).get(invite_id)
-        takers = invite_takers(entry) if isinstance(entry, dict) else []
-        if not isinstance(entry, dict) or peer_id in takers:
-            return
-        uses = entry.get("uses", 1)
-        if len(takers) >= uses:
-            why.append(f"invite {invite_id} was used already" + (f" (by {uses} peers)" if uses > 1 else ""))
-        elif time.time() > entry.get("expires", 0):
-            why.append(f"invite {invite_id} expired")  # (a peer it admitted keeps renewing)
-        else:
-            entry["used_by"] = [*takers, peer_id]
+        if not isinstance(entry, dict):
+            why.append(f"invite {invite_id} is no longer valid")  # taken out of the file meanwhile
+        elif peer_id not in invite_takers(entry):
+            if problem := invite_taken(entry, invite_id):
+                why.append(problem)
+            else:
+                entry["used_by"] = [*invite_takers(entry), peer_id]
 
     locked_update(path, change)
     return why[0] if why else ""

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import load_der_public_key
 
@@ -31,7 +32,7 @@ from dht.identity import Identity
 from dht.node import SwarmDHT
 from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport, TrainerRecord
 from peer.config import PeerConfig, RunSpec
-from peer.coordinator.admission_files import PEER_ROLES, invite_takers, read_json, revoke, take_invite
+from peer.coordinator.admission_files import PEER_ROLES, invite_taken, invite_takers, read_json, revoke, take_invite
 from peer.coordinator.referee import Referee
 from peer.process.status_lines import say
 
@@ -91,37 +92,44 @@ class Authority:
         try:
             tls_der, nonce = bytes.fromhex(request.tls_key), bytes.fromhex(request.nonce)
             tls_key, proof = load_der_public_key(tls_der), bytes.fromhex(request.proof)
-        except ValueError as e:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # a key of an algorithm or curve it has not
             return "", f"malformed request: {e}"
         mode = self.admission.mode
         if mode == "allowlist" and peer_id not in self.admission.allowlist:
             return "", f"peer {peer_id} is not on the run's allowlist (admission.allowlist)"
-        if mode == "invite":
-            problem = self._check_invite(peer_id, request, tls_der, nonce, roles)
-            if problem:
-                return "", problem
+        problem, take = self._check_invite(peer_id, request, tls_der, nonce, roles) if mode == "invite" else ("", "")
+        if problem:
+            return "", problem
         try:
             cert = self.ca.issue(peer_id, tls_key, roles, nonce, proof, self.admission.credential_ttl)
         except CredentialError as e:
             return "", str(e)
+        if take and (problem := take_invite(self.invites_path, take, peer_id)):  # a use is spent on a sound request
+            return "", problem  # only (its last use went to another peer meanwhile)
         return _pem(cert), ""
 
-    def _check_invite(self, peer_id: str, request: CredentialRequest, tls_der: bytes, nonce: bytes, roles) -> str:
+    def _check_invite(self, peer_id: str, request: CredentialRequest, tls_der: bytes, nonce: bytes, roles):
+        """(why not, or "", and the invite to take once the credential is issued: "" when none is due)."""
         invites = read_json(self.invites_path).get("invites", {})
         used = {i: e for i, e in invites.items() if isinstance(e, dict) and peer_id in invite_takers(e)}
-        if used and not request.invite:  # a renewal: the invite it joined with still says which roles
+        take = ""
+        if used and (not request.invite or request.invite in used):  # a renewal or a rejoin: its invite's roles
             allowed = {r for e in used.values() for r in e.get("roles", [])}
         else:
             entry = invites.get(request.invite)
             if not request.invite or not isinstance(entry, dict):
-                return "this run admits peers by invite: pass one with --invite CODE (from `peer coordinator invite`)"
-            if not hmac.compare_digest(invite_mac(entry["secret"], peer_id, tls_der, nonce), request.invite_mac):
-                return f"invite {request.invite}: the code is wrong"
-            if problem := take_invite(self.invites_path, request.invite, peer_id):
-                return problem
-            allowed = set(entry.get("roles", []))
+                return (
+                    "this run admits peers by invite: pass one with --invite CODE (from `peer coordinator invite`)",
+                    "",
+                )
+            mac = invite_mac(entry["secret"], peer_id, tls_der, nonce).encode()
+            if not hmac.compare_digest(mac, str(request.invite_mac).encode("utf-8", "replace")):
+                return f"invite {request.invite}: the code is wrong", ""
+            if problem := invite_taken(entry, request.invite):
+                return problem, ""
+            allowed, take = set(entry.get("roles", [])), request.invite
         extra = [r for r in roles if r not in allowed]
-        return f"the invite admits roles {sorted(allowed)}, not {extra}" if extra else ""
+        return (f"the invite admits roles {sorted(allowed)}, not {extra}", "") if extra else ("", take)
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,7 +222,11 @@ class Authority:
         return moved or bool(waiting)
 
     def _grant(self, peer_id: str, request: CredentialRequest) -> CredentialGrant:
-        certificate, error = self.decide(peer_id, request)
+        try:
+            certificate, error = self.decide(peer_id, request)
+        except Exception as e:  # a request malformed some other way is refused, and answered: never the whole pass
+            logger.exception("a credential request of %s could not be decided", peer_id)
+            certificate, error = "", f"malformed request ({type(e).__name__}: {e})"
         grant = CredentialGrant(nonce=request.nonce, certificate=certificate, error=error)
         if certificate:
             grant.authority = self.ca.pem().decode()

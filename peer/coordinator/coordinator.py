@@ -22,7 +22,7 @@ from dht.node import DHTStartError, SwarmDHT
 from dht.records import TrainerRecord
 from peer.config import ConfigError, PeerConfig, RunSpec
 from peer.coordinator import checkpoint
-from peer.coordinator.admission_files import beside_key, how_to_invite, invites_file, revoked_file
+from peer.coordinator.admission_files import admission_notice, beside_key, invites_file, revoked_file
 from peer.coordinator.archive import Archive
 from peer.coordinator.authority import Authority
 from peer.coordinator.checkpointer import Checkpointer
@@ -158,20 +158,8 @@ def start_authority(spec: RunSpec, cfg: PeerConfig, identity: Identity, dht: Swa
     authority.follow_revocations()  # the gate now exists: it holds the list
     security.start()
     authority.start()
-    how = {
-        "open": "anyone who asks",
-        "allowlist": f"the {len(spec.admission.allowlist)} peer(s) of admission.allowlist",
-        "invite": "peers with an invite code",
-    }[spec.admission.mode]
-    say(f"Admission: {spec.admission.mode} ({how}); every peer needs a credential from this coordinator.")
-    if spec.admission.mode == "invite":
-        say(how_to_invite(identity))
-    if spec.admission.mode == "open":
-        say(
-            "Open admission: any stranger who joins is admitted, and one hostile peer can still stall or skew some "
-            "steps (docs/security.md, what is not defended); for a run strangers may join, use admission.mode = "
-            "invite."
-        )
+    for line in admission_notice(spec, identity):
+        say(line)
     return authority
 
 
@@ -474,9 +462,15 @@ class Coordinator(Custody):
         self.view.clear()
         self.view.update(summary)
         self._marker = resting(look)
-        self._remember_trained(summary)
-        self._take_handovers(look)
-        self._keep_books(look)
+        for what, work in (
+            ("trained steps", lambda: self._remember_trained(summary)),
+            ("handovers", lambda: self._take_handovers(look)),
+            ("books", lambda: self._keep_books(look)),
+        ):
+            try:
+                work()
+            except Exception:  # a peer's malformed word must never take the coordinator down: the next look goes on
+                logger.exception("the coordinator's look at the %s failed", what)
         try:
             self.timeline.observe(look)
             if self.dashboard is not None:

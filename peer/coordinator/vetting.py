@@ -24,6 +24,7 @@ from peer.model.part_state import (
     StateError,
     check_moments,
     check_optimizer_slot,
+    inherited_steps,
     state_fingerprint,
 )
 from peer.model.pretrained import expected_shapes
@@ -63,6 +64,7 @@ def vet(spec: RunSpec, stage: int, expert: str, metadata: dict, tensors: dict, l
     unknown = sorted(set(tensors) - _known_names(shapes, spec.local_updates))
     if unknown:
         raise StateError(f"its state holds {unknown[0]!r}, which the part has no place for")
+    _check_metadata(metadata, tensors, f"expert {expert}" if expert else f"stage {stage}")
     for name, shape in shapes.items():
         _check_parameter(tensors, name, shape, spec.local_updates)
         if (m := tensors.get(f"optim/{name}/exp_avg")) is not None and (
@@ -74,6 +76,24 @@ def vet(spec: RunSpec, stage: int, expert: str, metadata: dict, tensors: dict, l
     if given and first_difference(given, values, tolerance) is not None:
         raise StateError(f"its parameters do not match the fingerprint it gave for step {epoch}")
     return values
+
+
+def _check_metadata(metadata: dict, tensors: dict, part: str) -> None:
+    """What a checkpoint keeps of a state's metadata, and what a resume or a joiner reads of it, is sound: the part,
+    counts that are counts, the tensors it says, step records that parse (else a resume would fail on them)."""
+    if metadata.get("part") != part:
+        raise StateError(f"its state is of {metadata.get('part')!r}, not {part}")
+    for field in ("samples_stepped", "last_step_samples", "tensor_count"):
+        value = metadata.get(field, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise Poisoned(f"its state's {field} is {value!r}, not a count")
+    if metadata.get("tensor_count", len(tensors)) != len(tensors):
+        raise StateError(f"its state says {metadata['tensor_count']} tensors and holds {len(tensors)}")
+    try:
+        inherited_steps(metadata)
+        [float(x) for x in metadata.get("fingerprint") or []]
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
+        raise Poisoned(f"its state's step records are malformed ({type(e).__name__}: {e})") from None
 
 
 def _check_parameter(tensors: dict, name: str, shape: list[int], local: bool) -> None:

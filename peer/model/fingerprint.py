@@ -1,7 +1,7 @@
 """Parameter fingerprints compared: replicas of a part at one step must hold the same parameters.
 
 A fingerprint is, per parameter, its sum and then its sum of squares, in float64, followed by the same of each
-parameter's Adam moments (peer.model.part_state.state_fingerprint).
+parameter's AdamW state, or in local mode of its outer momentum (peer.model.part_state.state_fingerprint).
 Replicas that average every step hold equal parameters up to the rounding of a compressed all-reduce,
 so two fingerprints of one step that differ beyond `TOLERANCE` mean the replicas went apart: one
 started from other weights (the seed beside trained replicas) or stepped on its own. A single step

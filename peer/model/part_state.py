@@ -16,7 +16,6 @@ from peer.model.fingerprint import first_difference
 from peer.model.numerics import all_finite
 
 OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, as a state names it
-MOMENTS = ("exp_avg", "exp_avg_sq")  # the slots a fingerprint covers (a step count is checked for soundness only)
 
 
 class StateError(ValueError):
@@ -36,7 +35,9 @@ class Poisoned(StateError):
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
     samples: int  # samples the step accounted over the whole averaging group
-    values: list[float]  # per parameter: sum, then sum of squares; then those of its moments (state_fingerprint)
+    values: list[
+        float
+    ]  # per parameter: sum, then sum of squares; then those of its optimizer state (state_fingerprint)
     members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
     # peer id -> (incarnation, seq): the step counted that member's accumulator additions up to seq
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -203,8 +204,8 @@ class PartState:
         announced = [float(x) for x in metadata.get("fingerprint") or []]
         index = first_difference(announced, values)
         if index is not None:
-            labels = fingerprint_labels(self.param_names, source != "param")
-            name = labels[index] if index < len(labels) else "?"
+            keys = fingerprint_keys(self.param_names, source != "param")
+            name = keys[index] if index < len(keys) else "?"
             raise StateError(
                 f"the state's {name} does not match the fingerprint its donor announced for step "
                 f"{metadata.get('epoch')} (its shards disagree)"
@@ -285,22 +286,23 @@ class PartState:
 
 @torch.no_grad()
 def state_fingerprint(tensors: dict[str, torch.Tensor], names: list[str], local: bool) -> list[float]:
-    """A state's fingerprint (`tensor_fingerprint`s): each parameter's, in `names` order (the anchor's in local
-    mode); then, in gradient mode, each parameter's Adam moments' ([0, 0] where the optimizer holds none yet).
-    Replicas that step together apply the same averaged gradients, so they hold the same moments too: a donor
-    cannot pass the honest weights with moments of its choosing (a huge `exp_avg_sq` stalls learning) where a
-    second replica is asked. Local mode's inner optimizers are each replica's own, and not covered."""
+    """A state's fingerprint (`tensor_fingerprint`s): each parameter's, in `names` order; then, per parameter, its
+    AdamW state's (`OPTIMIZER_SLOTS`, [0, 0] where the optimizer holds none yet). In local mode the anchor's, then
+    the outer momentum's (each replica's inner optimizer is its own). Replicas that step together apply the same
+    averaged gradients, so they hold the same optimizer state too: a donor cannot pass the honest weights with
+    moments or step counts of its choosing (a huge `exp_avg_sq` stalls learning) where a second replica is asked."""
     values = [x for n in names for x in tensor_fingerprint(tensors[f"{'outer/anchor' if local else 'param'}/{n}"])]
-    for name in [] if local else names:
-        for slot in MOMENTS:
-            t = tensors.get(f"optim/{name}/{slot}")
-            values += [0.0, 0.0] if t is None else tensor_fingerprint(t)
+    for key in fingerprint_keys(names, local)[len(names) :]:
+        t = tensors.get(key)
+        values += [0.0, 0.0] if t is None else tensor_fingerprint(t)
     return values
 
 
-def fingerprint_labels(names: list[str], local: bool) -> list[str]:
-    """What each [sum, sum of squares] pair of a `state_fingerprint` is of, for messages."""
-    return [*names, *([] if local else [f"{n} {slot}" for n in names for slot in MOMENTS])]
+def fingerprint_keys(names: list[str], local: bool) -> list[str]:
+    """The state tensors a `state_fingerprint` covers, in its order (one [sum, sum of squares] pair each)."""
+    if local:
+        return [*(f"outer/anchor/{n}" for n in names), *(f"outer/momentum/{n}" for n in names)]
+    return [*(f"param/{n}" for n in names), *(f"optim/{n}/{slot}" for n in names for slot in OPTIMIZER_SLOTS)]
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ import torch
 
 from peer.config import ParallelConfig, RunSpec
 from peer.model.numerics import squared_norm
-from peer.model.part_state import MOMENTS, Fingerprint, StateError, shards_by_bytes
+from peer.model.part_state import OPTIMIZER_SLOTS, Fingerprint, StateError, shards_by_bytes
 from peer.model.runtime import InputError, Late, RankDied, StageRuntime
 from peer.model.tp import TPGroup, free_port, full_shape, shard_dim, state_dim
 from peer.process.lifetime import exit_now, exit_within, tied_to_me
@@ -388,10 +388,12 @@ class ShardedStageRuntime(StageRuntime):
 
     def fingerprint_values(self) -> list[float]:
         """The unsplit state's fingerprint (peer.model.part_state.state_fingerprint): shards summed over ranks,
-        replicated tensors counted once; the moments are split as their parameters are."""
+        replicated tensors (and step counts) counted once; moments are split as their parameters are."""
         rows = list(zip(self.anchor if self.local else self.params, self.dims, strict=True))
+        rows += list(zip(self.momentum, self.dims, strict=True)) if self.local else []
         for p, d in [] if self.local else zip(self.params, self.dims, strict=True):
-            rows += [(self.optimizer.state.get(p, {}).get(slot), d) for slot in MOMENTS]
+            state = self.optimizer.state.get(p, {})
+            rows += [(state.get(slot), None if slot == "step" else d) for slot in OPTIMIZER_SLOTS]  # a count: whole
         values = []
         for t, d in rows:
             keep = t is not None and (d is not None or self.tp.rank == 0)

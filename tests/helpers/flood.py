@@ -3,6 +3,11 @@
 `flood.py MADDR COUNT SECONDS`: COUNT fresh identities each store a valid credential request (a trainer's,
 with its proof of key) under the run's admission key, to live SECONDS: what anyone can do in open mode at
 no cost. It prints `FLOOD stored N` once they are in.
+
+`flood.py MADDR COUNT SECONDS --malformed INVITE_ID`: the requests are signed and well-formed records, but each is
+malformed for the coordinator in one of the ways that once ended its whole pass (so that no peer was admitted or
+renewed again while they lived): a TLS key of a curve nobody supports, an invite MAC that is not ASCII (for a
+real invite id), a TLS key that is not DER.
 """
 
 from __future__ import annotations
@@ -35,7 +40,21 @@ def request_of(throwaway: Identity) -> CredentialRequest:
     )
 
 
-def main(maddr: str, count: int, seconds: float) -> None:
+P256 = bytes.fromhex("06082A8648CE3D030107")  # the curve's OID in a P-256 key's DER
+
+
+def malformed(throwaway: Identity, i: int, invite: str) -> CredentialRequest:
+    request = request_of(throwaway)
+    if i % 3 == 0:  # a curve of an OID no library has (cryptography raises UnsupportedAlgorithm, not ValueError)
+        request.tls_key = bytes.fromhex(request.tls_key).replace(P256, bytes.fromhex("06082A8648CE3D030109")).hex()
+    elif i % 3 == 1:  # compare_digest refuses str that is not ASCII (TypeError)
+        request.invite, request.invite_mac = invite, "\u00e9" * 64
+    else:
+        request.tls_key = "00ff"
+    return request
+
+
+def main(maddr: str, count: int, seconds: float, invite: str = "") -> None:
     mp.set_start_method("fork", force=True)
     dht = SwarmDHT(Identity.generate(), [maddr], ["/ip4/127.0.0.1/tcp/0"], [], 20.0, 5.0)
     try:
@@ -46,16 +65,27 @@ def main(maddr: str, count: int, seconds: float) -> None:
         for _ in range(count):
             throwaway = Identity.generate()
             subkey, expiration = keys.signed_subkey(throwaway.peer_id), get_dht_time() + seconds
-            payload = request_of(throwaway).model_dump_json().encode()
+            made = malformed(throwaway, len(futures), invite) if invite else request_of(throwaway)
+            payload = made.model_dump_json().encode()
             sealed = envelope.seal(
                 throwaway, key_id, msgpack.packb(subkey, use_bin_type=True), expiration, payload, None
             )
-            futures.append(dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True))
-        stored = sum(bool(f.result(timeout=60)) for f in futures)
+            futures.append(
+                (sealed, expiration, subkey, dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True))
+            )
+        stored = 0
+        for sealed, expiration, subkey, future in futures:
+            done, tries = bool(future.result(timeout=60)), 1
+            while not done and tries < 5:  # a busy node timed out: a stranger stores again, as anyone may
+                done, tries = (
+                    bool(dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True).result(60)),
+                    tries + 1,
+                )
+            stored += done
         print(f"FLOOD stored {stored}", flush=True)
     finally:
         dht.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] if sys.argv[4:5] == ["--malformed"] else "")
