@@ -61,26 +61,27 @@ def main(maddr: str, count: int, seconds: float, invite: str = "") -> None:
         spec = fetch_spec(dht, coordinator_peer_id(maddr), timeout=20.0)
         key = keys.credential_requests_key(spec.name)
         key_id = DHTID.generate(source=key).to_bytes()
-        futures = []
-        for _ in range(count):
-            throwaway = Identity.generate()
-            subkey, expiration = keys.signed_subkey(throwaway.peer_id), get_dht_time() + seconds
-            made = malformed(throwaway, len(futures), invite) if invite else request_of(throwaway)
-            payload = made.model_dump_json().encode()
+
+        def store(throwaway: Identity, payload: bytes, expiration: float):
+            subkey = keys.signed_subkey(throwaway.peer_id)
             sealed = envelope.seal(
                 throwaway, key_id, msgpack.packb(subkey, use_bin_type=True), expiration, payload, None
             )
-            futures.append(
-                (sealed, expiration, subkey, dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True))
-            )
+            return dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True)
+
+        futures = []
+        for i in range(count):
+            throwaway = Identity.generate()
+            payload = (malformed(throwaway, i, invite) if invite else request_of(throwaway)).model_dump_json().encode()
+            expiration = get_dht_time() + seconds
+            futures.append((throwaway, payload, expiration, store(throwaway, payload, expiration)))
         stored = 0
-        for sealed, expiration, subkey, future in futures:
-            done, tries = bool(future.result(timeout=60)), 1
-            while not done and tries < 5:  # a busy node timed out: a stranger stores again, as anyone may
-                done, tries = (
-                    bool(dht.dht.store(key, sealed, expiration, subkey=subkey, return_future=True).result(60)),
-                    tries + 1,
-                )
+        for throwaway, payload, expiration, future in futures:
+            done = bool(future.result(timeout=60))
+            for again in range(1, 5 if invite else 1):  # a busy node did not answer in time: stored again, with a
+                if done:  # later expiration (a node keeps the newest of a subkey: the same one would be refused)
+                    break
+                done = bool(store(throwaway, payload, expiration + again).result(timeout=60))
             stored += done
         print(f"FLOOD stored {stored}", flush=True)
     finally:
