@@ -35,9 +35,8 @@ class Poisoned(StateError):
 class Fingerprint:
     epoch: int  # the optimizer step this fingerprint follows (epoch after the step)
     samples: int  # samples the step accounted over the whole averaging group
-    values: list[
-        float
-    ]  # per parameter: sum, then sum of squares; then those of its optimizer state (state_fingerprint)
+    # per parameter: sum, then sum of squares; then those of its optimizer state (state_fingerprint)
+    values: list[float]
     members: list[str] = field(default_factory=list)  # peer ids of the averaging group; empty: unknown
     # peer id -> (incarnation, seq): the step counted that member's accumulator additions up to seq
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -290,12 +289,25 @@ def state_fingerprint(tensors: dict[str, torch.Tensor], names: list[str], local:
     AdamW state's (`OPTIMIZER_SLOTS`, [0, 0] where the optimizer holds none yet). In local mode the anchor's, then
     the outer momentum's (each replica's inner optimizer is its own). Replicas that step together apply the same
     averaged gradients, so they hold the same optimizer state too: a donor cannot pass the honest weights with
-    moments or step counts of its choosing (a huge `exp_avg_sq` stalls learning) where a second replica is asked."""
-    values = [x for n in names for x in tensor_fingerprint(tensors[f"{'outer/anchor' if local else 'param'}/{n}"])]
-    for key in fingerprint_keys(names, local)[len(names) :]:
-        t = tensors.get(key)
-        values += [0.0, 0.0] if t is None else tensor_fingerprint(t)
-    return values
+    moments or step counts of its choosing (a huge `exp_avg_sq` stalls learning) where a second replica is asked.
+    Read back once per device, not once per tensor (each read waits for the device)."""
+    keys = fingerprint_keys(names, local)
+    pairs = [tensor_fingerprint(tensors[key]) for key in keys[: len(names)]]
+    pairs += [None if (t := tensors.get(key)) is None else tensor_fingerprint(t) for key in keys[len(names) :]]
+    return read_pairs(pairs)
+
+
+def read_pairs(pairs: list[torch.Tensor | None]) -> list[float]:
+    """`tensor_fingerprint` pairs as floats, one after the other ([0, 0] for None), read in one transfer per device."""
+    out: list[list[float]] = [[0.0, 0.0]] * len(pairs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        if pair is not None:
+            by_device.setdefault(pair.device, []).append(i)
+    for indices in by_device.values():
+        for i, values in zip(indices, torch.stack([pairs[i] for i in indices]).tolist(), strict=True):
+            out[i] = values
+    return [x for pair in out for x in pair]
 
 
 def fingerprint_keys(names: list[str], local: bool) -> list[str]:
@@ -306,16 +318,16 @@ def fingerprint_keys(names: list[str], local: bool) -> list[str]:
 
 
 @torch.no_grad()
-def tensor_fingerprint(t: torch.Tensor, block: int = 1 << 20) -> list[float]:
-    """[sum, sum of squares] of `t` in float64, `block` elements at a time, reduced by torch in float64 (no
-    squared temporary: half the time of casting each block and squaring it here)."""
-    total = squares = 0.0
+def tensor_fingerprint(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """[sum, sum of squares] of `t` in float64, on its device (not read back), `block` elements at a time, reduced
+    by torch in float64 (no squared temporary: half the time of casting each block and squaring it here)."""
+    total = squares = torch.zeros((), dtype=torch.float64, device=t.device)
     for part in t.detach().reshape(-1).split(block):
         if not part.is_floating_point():
             part = part.double()  # vector_norm takes floating tensors only
-        total += torch.sum(part, dtype=torch.float64).item()
-        squares += torch.linalg.vector_norm(part, dtype=torch.float64).item() ** 2
-    return [total, squares]
+        total = total + torch.sum(part, dtype=torch.float64)
+        squares = squares + torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+    return torch.stack([total, squares])
 
 
 def whole(t: torch.Tensor) -> bool:

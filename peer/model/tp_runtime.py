@@ -394,12 +394,13 @@ class ShardedStageRuntime(StageRuntime):
         for p, d in [] if self.local else zip(self.params, self.dims, strict=True):
             state = self.optimizer.state.get(p, {})
             rows += [(state.get(slot), None if slot == "step" else d) for slot in OPTIMIZER_SLOTS]  # a count: whole
-        values = []
+        zero = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)
+        pairs = []  # on the device: one sum over ranks and one read back for all, not one per tensor
         for t, d in rows:
             keep = t is not None and (d is not None or self.tp.rank == 0)
-            x = t.detach().double() if keep else None
-            values += [x.sum().item(), x.pow(2).sum().item()] if keep else [0.0, 0.0]
-        return self.tp.sum(torch.tensor(values, dtype=torch.float64)).cpu().tolist()
+            x = t.detach().double().to(zero.device) if keep else None
+            pairs.append(torch.stack([x.sum(), x.pow(2).sum()]) if keep else zero)
+        return self.tp.sum(torch.cat(pairs)).cpu().tolist()
 
 
 __all__ = ["Fingerprint", "RankDied", "Ranks", "ShardedStageRuntime", "tp_devices"]
