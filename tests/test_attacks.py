@@ -320,12 +320,15 @@ def test_a_state_no_honest_replica_holds_is_refused_and_its_donor_never_asked_ag
         pytest.param("--weights", id="other-weights"),
         pytest.param("--moments", id="stalling-moments", marks=pytest.mark.slow),
         pytest.param("", id="rotten-optimizer", marks=pytest.mark.slow),
+        pytest.param("--metadata", id="lying-metadata", marks=pytest.mark.slow),
     ],
 )
 def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for(swarm, rot):
     """Stage 0 has two replicas; one gives, to whoever asks for its state, either other weights than it trains with
     or its weights with second moments 1e6 times its own (each with a fingerprint recomputed to match: a state
-    that checks out on its own), or a rotten optimizer state (tests/helpers/rotten.py), and announces far more throughput, so that the coordinator asks it first. Every
+    that checks out on its own), or a rotten optimizer state, or its honest tensors with metadata that says it
+    stepped -1 samples (tests/helpers/rotten.py), and announces far more throughput, so that the coordinator asks
+    it first. Every
     checkpoint's stage 0 is the honest replica's, whose parameters the other replica held at that step too; the
     coordinator says why it took not the first one's."""
     from peer.coordinator import checkpoint
@@ -346,7 +349,8 @@ def test_the_coordinator_checkpoints_no_state_that_one_replica_alone_vouches_for
         assert time.monotonic() < deadline, swarm.peers[0].output()[-3000:]
         time.sleep(0.5)
     refused = swarm.peers[0].wait_for(rf"the state of stage 0 from \S+ \({ids['rotten']}\) is not taken: (.*)", 30)
-    assert ("held the same parameters" if rot else "exp_avg_sq") in refused.group(1), refused.group(0)
+    why = {"": "exp_avg_sq", "--metadata": "samples_stepped is -1, not a count"}.get(rot, "held the same parameters")
+    assert why in refused.group(1), refused.group(0)
     for path in checkpoint.complete(root):
         manifest = checkpoint.read_manifest(path)
         assert manifest["parts"]["stage 0"]["peer"] == ids["s0b"], (path, manifest["parts"]["stage 0"])

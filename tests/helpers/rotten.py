@@ -13,6 +13,9 @@ With `--moments`, the state it gives holds its honest weights with second moment
 on their own: a replica that loaded them would hardly move for thousands of steps), the fingerprint it gives with
 them recomputed to match.
 
+With `--metadata`, the state it gives holds its honest tensors and fingerprint, and says it stepped -1 samples (a
+checkpoint that kept that metadata would fail every resume from it).
+
 With `--missing`, every part of its state it gives lacks its first tensor (a co-donor that spoils every transfer it
 takes part in, while its fingerprint and answers are honest).
 """
@@ -63,6 +66,17 @@ def stalling_moments():
     return refingerprinted(lambda name, t: t * 1e6 if name.endswith("/exp_avg_sq") else t)
 
 
+def lying_metadata():
+    snapshot = PartState.snapshot
+
+    def lying(self, *args, **kwargs):
+        metadata, tensors = snapshot(self, *args, **kwargs)
+        metadata["samples_stepped"] = -1
+        return metadata, tensors
+
+    return lying
+
+
 def missing():
     snapshot = PartState.snapshot
 
@@ -75,7 +89,12 @@ def missing():
 
 
 if __name__ == "__main__":
-    modes = {"--weights": other_weights, "--moments": stalling_moments, "--missing": missing}
+    modes = {
+        "--weights": other_weights,
+        "--moments": stalling_moments,
+        "--missing": missing,
+        "--metadata": lying_metadata,
+    }
     mode = sys.argv[1] if sys.argv[1] in modes else ""
     PartState.snapshot = modes.get(mode, rotting)()
     sys.exit(main(sys.argv[2 if mode else 1 :]))
