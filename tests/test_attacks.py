@@ -449,6 +449,35 @@ def test_a_replica_that_poisons_its_averaging_rounds_never_gets_its_mean_stepped
 
 
 @pytest.mark.slow
+def test_a_replica_cannot_raise_the_norm_bound_round_by_round(swarm):
+    """Fourth read, finding 6: a third replica of stage 0 sends its honest gradients 1.5x larger each round (and
+    says their true norm). Against a reference of the last means taken, which trailed its newest by 1.5^8 = 26x,
+    under the 100x bound, it was never refused until float overflow. The reference is the lower median of the
+    members' own norms, which the two honest ones hold: they refuse its mean once it is about 100x theirs (its
+    scale in the hundreds: ~660, its 16th round, in the first run), and step on."""
+    swarm.coordinator(SPEC)
+    honest = {name: swarm.server(name, stage) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
+    swarm.trainer("t", ["--seed", "0"])
+    args = [str(HELPERS / "poisoner.py"), "--ratchet", "1.5", *loopback_join(swarm.maddr, "poisoner", "--stage", "0")]
+    poisoner = swarm.start("poisoner", args, python=True)
+    refused = re.compile(r"refused the mean of the averaging group for step (\d+)")
+    deadline = time.monotonic() + 180
+    while not (caught := [m for name in ("s0a", "s0b") for m in refused.findall(honest[name].output())]):
+        assert time.monotonic() < deadline, poisoner.output()[-3000:]
+        time.sleep(0.3)
+    sent = {
+        int(m[0]): float(m[1]) for m in re.findall(r"POISONER sent step (\d+) .* at scale (\S+)", poisoner.output())
+    }
+    assert sent.get(int(caught[0]), math.inf) < 1e4, (caught, sent)
+    at = min(info(endpoints[name]).epoch for name in ("s0a", "s0b"))
+    deadline = time.monotonic() + 90
+    while min(info(endpoints[name]).epoch for name in ("s0a", "s0b")) < at + 5:  # they step on
+        assert time.monotonic() < deadline, honest["s0a"].output()[-3000:]
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
 def test_a_revoked_peer_counts_nowhere_from_the_first_second(swarm):
     """Item 7: with a revocation list read only every 60 s (admission.refresh), a replica that is revoked while
     stopped (it cannot leave by itself; its record lingers) is still left out at once by what starts after the

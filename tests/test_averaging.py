@@ -326,33 +326,52 @@ def test_local_mode_sends_what_the_codec_rounded_off_in_the_next_round(local_pai
     assert missed < 0.5 * unfed, (missed, unfed)
 
 
-def test_a_mean_that_is_not_finite_is_refused_whatever_came_before():
-    """A member that owns a slice of every round can return NaN (or Inf) for it: the group's norm is then NaN,
-    which compares False with any bound, so the plausibility check refuses a norm that is not finite first,
-    before 4 means were taken (no reference yet) as after; a finite mean within the bound is taken."""
+def _judge():
     import collections
     from types import SimpleNamespace
 
     from peer.config.run import AveragingConfig
+
+    return SimpleNamespace(cfg=AveragingConfig(), refused_in_a_row=0, refused_groups=collections.OrderedDict())
+
+
+def test_a_mean_that_is_not_finite_is_refused_whatever_its_members_claim():
+    """A member that owns a slice of every round can return NaN (or Inf) for it: the group's norm is then NaN,
+    which compares False with any bound, so the plausibility check refuses a norm that is not finite first,
+    whatever norms the members claimed (none, or ones that would let anything in); a finite mean within the
+    bound is taken."""
     from peer.server.averaging import GradientAverager
 
-    def judge() -> SimpleNamespace:
-        return SimpleNamespace(
-            cfg=AveragingConfig(),
-            accepted_norms=collections.deque(maxlen=16),
-            refused_in_a_row=0,
-            refused_groups=collections.OrderedDict(),
-        )
-
-    own = [torch.ones(4)]
     for poison in (float("nan"), float("inf")):
-        fresh, settled = judge(), judge()
-        settled.accepted_norms.extend([2.0] * 4)
-        for averager, samples in ((fresh, 0), (fresh, 8), (settled, 8)):
+        for claims in ([], [2.0, 1e30]):
+            averager = _judge()
             mean = [torch.tensor([1.0, poison, 1.0, 1.0])]
-            assert not GradientAverager._plausible(averager, mean, own, samples, 3, ["a", "b"])
+            assert not GradientAverager._plausible(averager, mean, 3, ["a", "b"], claims)
             assert averager.refused_groups[4] == ["a", "b"]
-    assert GradientAverager._plausible(judge(), [torch.ones(4)], own, 8, 3, ["a", "b"])
+    assert GradientAverager._plausible(_judge(), [torch.ones(4)], 3, ["a", "b"], [2.0, 2.0])
+
+
+def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
+    """Fourth read, finding 6: the reference was the median of the last 16 means taken, so a member that made each
+    round's mean 1.5x the last was never refused (the median trails the newest by 1.5^8 = 26x, under the 100x
+    bound), up to float overflow. The reference is now the lower median of the norms the members with samples
+    said they sent: two honest members at norm 1 keep it at 1 whatever the third claims, and the growing mean is
+    refused once it passes 100x. Claims that are not finite numbers >= 0 count as 0 (such a member's rounds are
+    refused, as when it sends poison), and members without samples do not count."""
+    from peer.server.averaging import GradientAverager, claimed_norms
+    from protocols import averaging_pb2
+
+    averager, mean, taken = _judge(), 1.0, 0
+    while GradientAverager._plausible(averager, [torch.tensor([mean])], 3, ["a", "b", "c"], [1.0, 1.0, 3 * mean]):
+        mean, taken = mean * 1.5, taken + 1
+        assert taken < 100, "the bound never held"
+    assert 100 < mean <= 150 and averager.refused_in_a_row == 1
+    gathered = [
+        averaging_pb2.Contribution(peer_id=p, samples=s, norm=n)
+        for p, s, n in (("a", 4, 2.0), ("b", 4, float("nan")), ("c", 0, 5.0), ("d", 4, -1.0), ("e", 4, 1e9))
+    ]
+    assert claimed_norms(gathered) == [2.0, 0.0, 0.0, 1e9]
+    assert not GradientAverager._plausible(_judge(), [torch.tensor([1e-3])], 3, ["a", "b"], [0.0, 1.0])
 
 
 def _lying_owner(member, verdict_of=None, altered=None):
@@ -418,8 +437,10 @@ def test_an_owner_whose_verdict_alone_would_end_the_round_is_the_one_left_out(li
         _lying_owner(servers[2], verdicts.get(lie), {"misreported": misreport, "no-verdict": _silent}.get(lie))
         # a member whose own slice was averaged when the lie came gives the round up (another member may hold
         # every ok verdict of it); the liar is then checked like a `stepped` word, and left out after
-        # max_failed_rounds rounds in a row that it ended (its partners invite it no more: here, not expected)
-        for _ in range(spec.averaging.max_failed_rounds + 1):
+        # max_failed_rounds rounds in a row that it ended (its partners invite it no more: here, not expected).
+        # A member whose slice was not averaged yet loses the liar and goes on, and counts nothing: which of the
+        # two counts a round is a race, so both may need twice as many rounds as one
+        for _ in range(2 * spec.averaging.max_failed_rounds + 1):
             expected = [[p for p in ids if not a.allreduce.failures.left_out(p)] for _, a in members[:2]] + [ids]
             results = _three_rounds(members, 4, expected=expected)
             if results[0] is not None and results[1] is not None:

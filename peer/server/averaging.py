@@ -53,7 +53,6 @@ class GradientAverager:
         # the epoch whose round the residual belongs to: the one after the round it came from. A replica that
         # loaded another's state (it resynced past a step) starts anew: its old rounding is of another trajectory
         self.residual_epoch = -1
-        self.accepted_norms: collections.deque[float] = collections.deque(maxlen=16)  # of the last means taken
         self.refused_in_a_row = 0  # means refused as implausible since the last one taken
         # step after the round -> its group's members, for the last rounds whose mean was refused: a replica
         # that stepped such a group took poison (peer.server.replica_state will not take its state)
@@ -80,7 +79,11 @@ class GradientAverager:
         if self._codec is not None:
             gradients, pending = self._rounded(gradients, epoch)
         me = averaging_pb2.Contribution(
-            peer_id=self.allreduce.peer_id, samples=max(0, samples), incarnation=covers[0], seq=covers[1]
+            peer_id=self.allreduce.peer_id,
+            samples=max(0, samples),
+            incarnation=covers[0],
+            seq=covers[1],
+            norm=_norm(gradients),
         )
         try:
             outcome = self._round(gradients, me, epoch, group)
@@ -96,7 +99,7 @@ class GradientAverager:
             self.unstep(epoch)
             return None
         averaged = outcome.averaged
-        if not self._plausible(averaged, gradients, samples, epoch, members):
+        if not self._plausible(averaged, epoch, members, claimed_norms(outcome.gathered)):
             self.unstep(epoch)  # every member judges alike: the next round at this step is a new one
             return None
         coverage = {c.peer_id: (int(c.incarnation), int(c.seq)) for c in outcome.gathered}
@@ -138,23 +141,23 @@ class GradientAverager:
             residual = torch.zeros(0)
         return _shaped(rounded, gradients), (_shaped(residual, gradients) if residual.numel() else [])
 
-    def _plausible(self, averaged, own, samples: int, epoch: int, members: list[str]) -> bool:
-        """Whether a group's mean may be stepped: its norm within averaging.max_norm_ratio of the median of the
-        last means taken (all replicas that stepped together judge alike), or before 4 of those, of our own."""
+    def _plausible(self, averaged, epoch: int, members: list[str], claims: list[float]) -> bool:
+        """Whether a group's mean may be stepped: finite, and its norm within averaging.max_norm_ratio of the lower
+        median of the norms its members with samples said they sent (`claimed_norms`: every member sees the same
+        claims, so all judge alike). A member can lower that reference (its rounds are refused then, as when it
+        sends poison), never raise it above an honest member's own norm while honest members are at least half
+        of the group: a reference of past means let one member raise it round by round, 100x every ~9 rounds."""
         ratio, norm = self.cfg.max_norm_ratio, _norm(averaged)
-        if len(self.accepted_norms) >= 4:
-            reference = sorted(self.accepted_norms)[len(self.accepted_norms) // 2]
-        else:
-            reference = _norm(own) if samples > 0 else 0.0
+        reference = sorted(claims)[(len(claims) - 1) // 2] if claims else math.inf
         # a mean that is not finite is no honest group's (NaN compares False with everything: checked first)
-        if not math.isfinite(norm) or (ratio > 0 and reference > 0 and norm > ratio * reference):
+        if not math.isfinite(norm) or (ratio > 0 and norm > ratio * reference):
             self.refused_in_a_row += 1
             self.refused_groups[epoch + 1] = members
             while len(self.refused_groups) > 64:
                 self.refused_groups.popitem(last=False)
             logger.warning(
-                "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times the usual "
-                "%.3g (averaging.max_norm_ratio); a member sent poison",
+                "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times %.3g, the "
+                "lower median of its members' own (averaging.max_norm_ratio); a member sent poison",
                 epoch,
                 ", ".join(members),
                 norm,
@@ -163,11 +166,15 @@ class GradientAverager:
             )
             return False
         self.refused_in_a_row = 0
-        self.accepted_norms.append(norm)
         return True
 
     def shutdown(self) -> None:
         self.allreduce.shutdown()
+
+
+def claimed_norms(gathered) -> list[float]:
+    """The norms the members that brought samples said they sent (a claim that is not a finite number >= 0: 0)."""
+    return [float(c.norm) if math.isfinite(c.norm) and c.norm >= 0 else 0.0 for c in gathered if c.samples > 0]
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

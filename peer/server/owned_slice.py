@@ -21,7 +21,7 @@ MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
 
 
 def contribution_key(c: averaging_pb2.Contribution) -> tuple:
-    return c.peer_id, c.samples, c.incarnation, c.seq
+    return c.peer_id, c.samples, c.incarnation, c.seq, c.norm
 
 
 @dataclass

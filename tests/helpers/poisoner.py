@@ -4,6 +4,11 @@
 every averaging round are VALUE everywhere (its weight, its sample count, stays as it was), and it takes
 whatever mean comes back. An admitted replica that does this is what averaging must withstand. It prints
 `POISONER sent step N with S samples` for each round it poisoned (with no samples its values weigh nothing).
+
+`python poisoner.py --ratchet FACTOR peer-arguments...` sends its honest gradients instead, times FACTOR more
+with each round it brings samples to (FACTOR^k at its k-th), and says their true norm: a mean that grows
+round by round, to raise the norm bound's reference with it. It prints `POISONER sent step N with S samples
+at scale X`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import sys
 import torch
 
 from peer.cli.main import main
-from peer.server.averaging import GradientAverager
+from peer.server.averaging import GradientAverager, _norm
 
 
 def poisoning(value: float):
@@ -26,7 +31,24 @@ def poisoning(value: float):
     return poisoned
 
 
+def ratcheting(factor: float):
+    send, scale = GradientAverager._round, [1.0]
+
+    def ratcheted(self, gradients, me, epoch, group):
+        if me.samples > 0:
+            scale[0] *= factor
+        gradients = [g * scale[0] for g in gradients]
+        me.norm = _norm(gradients)  # its true norm: the claim of an honest member
+        print(f"POISONER sent step {epoch} with {me.samples} samples at scale {scale[0]:g}", flush=True)
+        return send(self, gradients, me, epoch, group)
+
+    return ratcheted
+
+
 if __name__ == "__main__":
-    GradientAverager._round = poisoning(float(sys.argv[1]))
+    if sys.argv[1] == "--ratchet":
+        GradientAverager._round, sys.argv[1:3] = ratcheting(float(sys.argv[2])), ["0"]
+    else:
+        GradientAverager._round = poisoning(float(sys.argv[1]))
     GradientAverager._plausible = lambda self, *args: True
     sys.exit(main(sys.argv[2:]))
