@@ -469,7 +469,8 @@ def test_a_replica_cannot_raise_the_norm_bound_round_by_round(swarm):
     sent = {
         int(m[0]): float(m[1]) for m in re.findall(r"POISONER sent step (\d+) .* at scale (\S+)", poisoner.output())
     }
-    assert sent.get(int(caught[0]), math.inf) < 1e4, (caught, sent)
+    # refused at a scale in the hundreds: not at once (a bound that refused every round would), and not never
+    assert 10 <= sent.get(int(caught[0]), math.inf) < 1e4, (caught, sent)
     at = min(info(endpoints[name]).epoch for name in ("s0a", "s0b"))
     deadline = time.monotonic() + 90
     while min(info(endpoints[name]).epoch for name in ("s0a", "s0b")) < at + 5:  # they step on

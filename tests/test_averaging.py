@@ -332,7 +332,12 @@ def _judge():
 
     from peer.config.run import AveragingConfig
 
-    return SimpleNamespace(cfg=AveragingConfig(), refused_in_a_row=0, refused_groups=collections.OrderedDict())
+    return SimpleNamespace(
+        cfg=AveragingConfig(),
+        refused_in_a_row=0,
+        refused_groups=collections.OrderedDict(),
+        references=collections.deque(maxlen=16),
+    )
 
 
 def test_a_mean_that_is_not_finite_is_refused_whatever_its_members_claim():
@@ -356,8 +361,9 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
     round's mean 1.5x the last was never refused (the median trails the newest by 1.5^8 = 26x, under the 100x
     bound), up to float overflow. The reference is now the lower median of the norms the members with samples
     said they sent: two honest members at norm 1 keep it at 1 whatever the third claims, and the growing mean is
-    refused once it passes 100x. Claims that are not finite numbers >= 0 count as 0 (such a member's rounds are
-    refused, as when it sends poison), and members without samples do not count."""
+    refused once it passes 100x. A round with one claimant is held to the references of the last rounds with
+    several (not to its word). A claim of 0 refuses the round (as poison does); members without samples, and
+    claims absent or not finite numbers >= 0, do not count."""
     from peer.server.averaging import GradientAverager, claimed_norms
     from protocols import averaging_pb2
 
@@ -366,11 +372,20 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
         mean, taken = mean * 1.5, taken + 1
         assert taken < 100, "the bound never held"
     assert 100 < mean <= 150 and averager.refused_in_a_row == 1
+    # of two claimants, the lower claim: the other's huge one does not raise it
+    assert not GradientAverager._plausible(_judge(), [torch.tensor([150.0])], 3, ["a", "b"], [1.0, 1e9])
+    # one claimant (it alone brought samples: the mean is its vector) is held to the last references of rounds
+    # with two claimants or more, not to its own word; its round adds no reference
+    assert len(averager.references) == taken
+    assert not GradientAverager._plausible(averager, [torch.tensor([1e6])], 3, ["a", "b"], [1e6])
+    assert GradientAverager._plausible(averager, [torch.tensor([50.0])], 3, ["a", "b"], [50.0])
+    assert len(averager.references) == taken
     gathered = [
         averaging_pb2.Contribution(peer_id=p, samples=s, norm=n)
         for p, s, n in (("a", 4, 2.0), ("b", 4, float("nan")), ("c", 0, 5.0), ("d", 4, -1.0), ("e", 4, 1e9))
     ]
-    assert claimed_norms(gathered) == [2.0, 0.0, 0.0, 1e9]
+    gathered.append(averaging_pb2.Contribution(peer_id="f", samples=4))  # said no norm
+    assert claimed_norms(gathered) == [2.0, 1e9]
     assert not GradientAverager._plausible(_judge(), [torch.tensor([1e-3])], 3, ["a", "b"], [0.0, 1.0])
 
 

@@ -23,6 +23,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.server.allreduce import AllReduce, Limits
+from peer.server.owned_slice import norm_claim
 from peer.server.piece_codec import PieceCodec
 from protocols import averaging_pb2
 
@@ -54,6 +55,9 @@ class GradientAverager:
         # loaded another's state (it resynced past a step) starts anew: its old rounding is of another trajectory
         self.residual_epoch = -1
         self.refused_in_a_row = 0  # means refused as implausible since the last one taken
+        # the references of the last means taken from two claimants or more (`_plausible`): what a round with one
+        # claimant is held to (that one member's word is no reference; these are the lower medians of several)
+        self.references: collections.deque[float] = collections.deque(maxlen=16)
         # step after the round -> its group's members, for the last rounds whose mean was refused: a replica
         # that stepped such a group took poison (peer.server.replica_state will not take its state)
         self.refused_groups: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
@@ -142,13 +146,22 @@ class GradientAverager:
         return _shaped(rounded, gradients), (_shaped(residual, gradients) if residual.numel() else [])
 
     def _plausible(self, averaged, epoch: int, members: list[str], claims: list[float]) -> bool:
-        """Whether a group's mean may be stepped: finite, and its norm within averaging.max_norm_ratio of the lower
-        median of the norms its members with samples said they sent (`claimed_norms`: every member sees the same
-        claims, so all judge alike). A member can lower that reference (its rounds are refused then, as when it
-        sends poison), never raise it above an honest member's own norm while honest members are at least half
-        of the group: a reference of past means let one member raise it round by round, 100x every ~9 rounds."""
+        """Whether a group's mean may be stepped: finite, and its norm within averaging.max_norm_ratio of a reference.
+        With two claims or more (`claimed_norms`: the norms the members with samples said they sent, the same in
+        every member's verdicts), the lower median of the claims: one member can lower it (its rounds are refused
+        then, as when it sends poison), never raise it above an honest claimant's own norm while honest members
+        are at least half of the claimants; a reference of past means let one member raise it round by round,
+        100x every ~9 rounds. With one claim (one member brought samples: the mean is its vector), the median of
+        the last such references (`references`), once there are 4 (before: that claim, as with no history the
+        mean of one member was never checked). Replicas that stepped together hold the same references, so
+        they judge alike."""
         ratio, norm = self.cfg.max_norm_ratio, _norm(averaged)
-        reference = sorted(claims)[(len(claims) - 1) // 2] if claims else math.inf
+        if len(claims) >= 2:
+            reference = sorted(claims)[(len(claims) - 1) // 2]
+        elif len(self.references) >= 4:
+            reference = sorted(self.references)[len(self.references) // 2]
+        else:
+            reference = claims[0] if claims else math.inf
         # a mean that is not finite is no honest group's (NaN compares False with everything: checked first)
         if not math.isfinite(norm) or (ratio > 0 and norm > ratio * reference):
             self.refused_in_a_row += 1
@@ -156,8 +169,9 @@ class GradientAverager:
             while len(self.refused_groups) > 64:
                 self.refused_groups.popitem(last=False)
             logger.warning(
-                "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times %.3g, the "
-                "lower median of its members' own (averaging.max_norm_ratio); a member sent poison",
+                "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times the "
+                "reference %.3g, of the norms its members said they sent (averaging.max_norm_ratio); a member "
+                "sent poison",
                 epoch,
                 ", ".join(members),
                 norm,
@@ -166,6 +180,8 @@ class GradientAverager:
             )
             return False
         self.refused_in_a_row = 0
+        if len(claims) >= 2:
+            self.references.append(reference)
         return True
 
     def shutdown(self) -> None:
@@ -173,8 +189,9 @@ class GradientAverager:
 
 
 def claimed_norms(gathered) -> list[float]:
-    """The norms the members that brought samples said they sent (a claim that is not a finite number >= 0: 0)."""
-    return [float(c.norm) if math.isfinite(c.norm) and c.norm >= 0 else 0.0 for c in gathered if c.samples > 0]
+    """The norms the members that brought samples said they sent; a member that said none, or no finite number
+    >= 0, claims nothing (it cannot lower the reference by leaving its claim out)."""
+    return [x for c in gathered if c.samples > 0 and (x := norm_claim(c)) is not None]
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,16 @@ MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
 
 
 def contribution_key(c: averaging_pb2.Contribution) -> tuple:
-    return c.peer_id, c.samples, c.incarnation, c.seq, c.norm
+    """What owners must report alike of a member's contribution: a member that told them differently is left out."""
+    return c.peer_id, c.samples, c.incarnation, c.seq, norm_claim(c)
+
+
+def norm_claim(c: averaging_pb2.Contribution) -> float | None:
+    """The norm a member says it sent, as the plausibility check reads it (peer.server.averaging): None when it
+    said none, or nothing that is a finite number >= 0."""
+    if not c.HasField("norm") or not math.isfinite(c.norm) or c.norm < 0:
+        return None
+    return float(c.norm)
 
 
 @dataclass
