@@ -380,6 +380,12 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
     assert not GradientAverager._plausible(averager, [torch.tensor([1e6])], 3, ["a", "b"], [1e6])
     assert GradientAverager._plausible(averager, [torch.tensor([50.0])], 3, ["a", "b"], [50.0])
     assert len(averager.references) == taken
+    # a replica that never averaged with two claimants holds its own norms (when it brought samples) as references
+    veteran = _judge()
+    for norm, samples in ((1.0, 4), (2.0, 8), (1e9, 0), (float("nan"), 4), (1.5, 4), (1.0, 4)):
+        GradientAverager.remember_own(veteran, norm, samples)
+    assert list(veteran.references) == [1.0, 2.0, 1.5, 1.0]
+    assert not GradientAverager._plausible(veteran, [torch.tensor([1e6])], 3, ["a", "b"], [1e6])
     gathered = [
         averaging_pb2.Contribution(peer_id=p, samples=s, norm=n)
         for p, s, n in (("a", 4, 2.0), ("b", 4, float("nan")), ("c", 0, 5.0), ("d", 4, -1.0), ("e", 4, 1e9))

@@ -55,8 +55,9 @@ class GradientAverager:
         # loaded another's state (it resynced past a step) starts anew: its old rounding is of another trajectory
         self.residual_epoch = -1
         self.refused_in_a_row = 0  # means refused as implausible since the last one taken
-        # the references of the last means taken from two claimants or more (`_plausible`): what a round with one
-        # claimant is held to (that one member's word is no reference; these are the lower medians of several)
+        # what a round with one claimant is held to (`_plausible`; that one member's word is no reference): the
+        # references of the last rounds taken with two claimants or more, and this replica's own norms when it
+        # brought samples (its own word is honest to itself)
         self.references: collections.deque[float] = collections.deque(maxlen=16)
         # step after the round -> its group's members, for the last rounds whose mean was refused: a replica
         # that stepped such a group took poison (peer.server.replica_state will not take its state)
@@ -89,6 +90,7 @@ class GradientAverager:
             seq=covers[1],
             norm=_norm(gradients),
         )
+        self.remember_own(me.norm, samples)
         try:
             outcome = self._round(gradients, me, epoch, group)
         except Exception as e:  # a failed round must not take the server down
@@ -152,9 +154,10 @@ class GradientAverager:
         then, as when it sends poison), never raise it above an honest claimant's own norm while honest members
         are at least half of the claimants; a reference of past means let one member raise it round by round,
         100x every ~9 rounds. With one claim (one member brought samples: the mean is its vector), the median of
-        the last such references (`references`), once there are 4 (before: that claim, as with no history the
-        mean of one member was never checked). Replicas that stepped together hold the same references, so
-        they judge alike."""
+        `references` (the last such references, and this replica's own norms: `remember_own`) once there are 4;
+        before, that claim (as before, a lone member's mean went unchecked then). Replicas judge such rounds by
+        their own references, which differ a little: one may step a mean another refuses (the refuser never
+        takes the stepper's state: `refused_groups`)."""
         ratio, norm = self.cfg.max_norm_ratio, _norm(averaged)
         if len(claims) >= 2:
             reference = sorted(claims)[(len(claims) - 1) // 2]
@@ -183,6 +186,11 @@ class GradientAverager:
         if len(claims) >= 2:
             self.references.append(reference)
         return True
+
+    def remember_own(self, norm: float, samples: int) -> None:
+        """This replica's own contribution's norm, a reference for rounds with one claimant, when it brought samples."""
+        if samples > 0 and math.isfinite(norm):
+            self.references.append(norm)
 
     def shutdown(self) -> None:
         self.allreduce.shutdown()
