@@ -137,9 +137,9 @@ async def _ours(args: argparse.Namespace, work: Path) -> None:
     from benchmarks.credential import BenchCredential
     from dht.identity import Identity
     from peer.net.client import StageClient, server_options
-    from peer.server.allreduce import first_header
     from peer.server.averaging import GradientAverager
     from protocols import averaging_pb2
+    from protocols.averaging_frames import first_header
 
     identity = Identity.generate()
     credential = BenchCredential(work.parent, identity)
@@ -165,7 +165,7 @@ async def _ours(args: argparse.Namespace, work: Path) -> None:
     endpoints = dict(zip(go["peers"], go["endpoints"], strict=True))
     client = StageClient(1 << 20, 1 << 30, security=credential)
     header = averaging_pb2.AverageHeader(run_id="bench")
-    averager.allreduce.bind(loop, client, identity.peer_id, endpoints.get, header, lambda: _EPOCH[0], bool)
+    averager.allreduce.bind(loop, client, identity, endpoints.get, header, lambda: _EPOCH[0], bool)
     averager.loop = loop
 
     def average(inputs, r):

@@ -5,6 +5,8 @@ The bytes are those protobuf writes: a client built from averaging.proto alone r
 
 from __future__ import annotations
 
+import asyncio
+
 from google.protobuf.message import DecodeError
 
 from protocols import averaging_pb2
@@ -48,3 +50,20 @@ def parse_frame(raw: Buffer) -> tuple[str, object]:
     if kind is None:
         raise FramingError("an AverageFrame with nothing in it")
     return kind, getattr(frame, kind)
+
+
+async def first_header(frames, timeout: float) -> averaging_pb2.AverageHeader:
+    """An Average call's header, read within `timeout`; ValueError naming what came instead."""
+    try:
+        raw = await asyncio.wait_for(frames.__aiter__().__anext__(), timeout)
+    except TimeoutError:
+        raise ValueError(f"no header in {timeout:.1f} s") from None
+    except StopAsyncIteration:
+        raise ValueError("the call ended before its header") from None
+    try:
+        kind, body = parse_frame(raw)
+    except FramingError as e:
+        raise ValueError(f"an Average call must start with its header: {e}") from None
+    if kind != "header":
+        raise ValueError(f"an Average call must start with its header, not a {kind}")
+    return body

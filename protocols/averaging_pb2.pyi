@@ -41,7 +41,7 @@ class AverageHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., expert: _Optional[str] = ..., epoch: _Optional[int] = ..., attempt: _Optional[int] = ..., group: _Optional[_Iterable[str]] = ..., sender: _Optional[_Union[Contribution, _Mapping]] = ..., total_elements: _Optional[int] = ...) -> None: ...
 
 class AverageVerdict(_message.Message):
-    __slots__ = ("ok", "lost", "reason", "gathered", "group", "stepped", "total_elements")
+    __slots__ = ("ok", "lost", "reason", "gathered", "group", "stepped", "total_elements", "digest", "signature")
     OK_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class AverageVerdict(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     STEPPED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     lost: _containers.RepeatedScalarFieldContainer[str]
     reason: str
@@ -56,14 +58,30 @@ class AverageVerdict(_message.Message):
     group: _containers.RepeatedScalarFieldContainer[str]
     stepped: bool
     total_elements: int
-    def __init__(self, ok: _Optional[bool] = ..., lost: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gathered: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., group: _Optional[_Iterable[str]] = ..., stepped: _Optional[bool] = ..., total_elements: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    signature: bytes
+    def __init__(self, ok: _Optional[bool] = ..., lost: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gathered: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., group: _Optional[_Iterable[str]] = ..., stepped: _Optional[bool] = ..., total_elements: _Optional[int] = ..., digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Confirm(_message.Message):
+    __slots__ = ("ok", "digests", "signatures", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    signatures: _containers.RepeatedScalarFieldContainer[bytes]
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., digests: _Optional[_Iterable[bytes]] = ..., signatures: _Optional[_Iterable[bytes]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AverageFrame(_message.Message):
-    __slots__ = ("header", "piece", "verdict")
+    __slots__ = ("header", "piece", "verdict", "confirm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_FIELD_NUMBER: _ClassVar[int]
     header: AverageHeader
     piece: bytes
     verdict: AverageVerdict
-    def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., piece: _Optional[bytes] = ..., verdict: _Optional[_Union[AverageVerdict, _Mapping]] = ...) -> None: ...
+    confirm: Confirm
+    def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., piece: _Optional[bytes] = ..., verdict: _Optional[_Union[AverageVerdict, _Mapping]] = ..., confirm: _Optional[_Union[Confirm, _Mapping]] = ...) -> None: ...

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.allreduce_member import member_identities
 
 from peer.process.lifetime import tied_to_me
 
@@ -65,7 +66,7 @@ def test_a_round_outlives_a_member_killed_or_stopped_mid_round(members, tmp_path
     members([fault, "3"])
     died = float(_lines(tmp_path, MEMBERS - 1, r"DYING t=([\d.]+)", 120)[1])
     detection = 0.0 if fault == "KILL" else READ_TIMEOUT
-    survivors = [f"member-{i}" for i in range(MEMBERS - 1)]
+    survivors = [identity.peer_id for identity in member_identities(MEMBERS)[: MEMBERS - 1]]
     weights = list(range(1, MEMBERS))  # member i holds i + 1 everywhere, from i + 1 samples
     mean = sum(w * w for w in weights) / sum(weights)
     for i in range(MEMBERS - 1):

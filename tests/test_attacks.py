@@ -479,6 +479,47 @@ def test_a_replica_cannot_raise_the_norm_bound_round_by_round(swarm):
 
 
 @pytest.mark.slow
+def test_an_owner_that_sends_members_different_averages_splits_no_replicas(swarm):
+    """Fourth read, finding 5: a third replica of stage 0, as the owner of its slice, sends one partner averages 1.01x
+    the true ones and the other the true ones, each with a verdict signing what that one got
+    (tests/helpers/liar.py `split`). Before, both stepped what they got: two honest replicas with different weights
+    at one step, for good, which spot checks then blamed on one of them. Now each member's confirm shows the other
+    the liar's signature on another digest: nobody steps such a round, the liar is left out at once, and the honest
+    two step on together, with the same weights."""
+    ids = {name: _identity(swarm.workdir, name) for name in ("s0a", "s0b", "s1", "liar")}
+    swarm.coordinator(SPEC)
+    honest = {name: swarm.server(name, stage) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
+    endpoints = {name: swarm.endpoint(peer) for name, peer in honest.items()}
+    swarm.trainer("t", ["--seed", "0"])
+    args = [str(HELPERS / "liar.py"), "split", *loopback_join(swarm.maddr, "liar", "--stage", "0")]
+    liar = swarm.start("liar", args, python=True)
+    deadline = time.monotonic() + 180
+    while "signed two different averages" not in (outputs := honest["s0a"].output() + honest["s0b"].output()):
+        assert time.monotonic() < deadline and liar.proc.poll() is None, liar.output()[-3000:]
+        time.sleep(0.3)
+    split = {int(step) for step in re.findall(r"LIAR split step (\d+)", liar.output())}
+    assert split, liar.output()[-3000:]
+    at = min(info(endpoints[name]).epoch for name in ("s0a", "s0b"))
+    deadline = time.monotonic() + 120
+    while min(info(endpoints[name]).epoch for name in ("s0a", "s0b")) < at + 5:  # they step on, without it
+        assert time.monotonic() < deadline, outputs[-3000:]
+        time.sleep(0.3)
+    histories = {name: info(endpoints[name]).history for name in ("s0a", "s0b")}
+    for name, history in histories.items():  # a round's step is the next one: none of those it split was stepped
+        stepped = [step.epoch for step in history if ids["liar"] in step.members and step.epoch - 1 in split]
+        assert not stepped, (name, stepped, sorted(split))
+    by_epoch = {name: {s.epoch: s for s in history} for name, history in histories.items()}
+    together = [  # steps the two took in one group: the same weights after each
+        e
+        for e in sorted(by_epoch["s0a"].keys() & by_epoch["s0b"].keys())
+        if by_epoch["s0a"][e].members == by_epoch["s0b"][e].members
+    ]
+    assert together, histories
+    for e in together:
+        assert list(by_epoch["s0a"][e].values) == pytest.approx(list(by_epoch["s0b"][e].values), rel=1e-6), e
+
+
+@pytest.mark.slow
 def test_a_revoked_peer_counts_nowhere_from_the_first_second(swarm):
     """Item 7: with a revocation list read only every 60 s (admission.refresh), a replica that is revoked while
     stopped (it cannot leave by itself; its record lingers) is still left out at once by what starts after the

@@ -18,12 +18,13 @@ import grpc
 import pytest
 import torch
 
+from dht.identity import Identity
 from peer.config import RunSpec
 from peer.net.client import StageClient
-from peer.server.allreduce import first_header
 from peer.server.averaging import GradientAverager
 from peer.server.robust import aggregate, fixed_weights
 from protocols import averaging_pb2
+from protocols.averaging_frames import first_header
 from protocols.failures import Reason
 
 SPEC = {"averaging": {"request_timeout": 0.5, "averaging_timeout": 6.0, "group_timeout": 2.0, "read_timeout": 1.0}}
@@ -32,8 +33,9 @@ SPEC = {"averaging": {"request_timeout": 0.5, "averaging_timeout": 6.0, "group_t
 class _Member:
     """One replica's averager with its own gRPC server (the Averaging service alone) on the shared loop."""
 
-    def __init__(self, averager: GradientAverager, peer_id: str):
-        self.averager, self.peer_id, self.server, self.endpoint = averager, peer_id, None, ""
+    def __init__(self, averager: GradientAverager, identity: Identity):
+        self.averager, self.identity, self.server, self.endpoint = averager, identity, None, ""
+        self.peer_id = identity.peer_id
 
     async def Average(self, frames, context):
         header = await first_header(frames, 5.0)
@@ -56,7 +58,8 @@ def _averagers(count: int, spec: RunSpec):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    members = [_Member(GradientAverager(spec), f"peer-{i}") for i in range(count)]
+    identities = sorted((Identity.generate() for _ in range(count)), key=lambda identity: identity.peer_id)
+    members = [_Member(GradientAverager(spec), identity) for identity in identities]  # member i owns slice i
     endpoints = {}
     try:
         for m in members:
@@ -65,7 +68,9 @@ def _averagers(count: int, spec: RunSpec):
         for m in members:
             client = StageClient(1 << 20, 1 << 28)
             header = averaging_pb2.AverageHeader(run_id="test")
-            m.averager.allreduce.bind(loop, client, m.peer_id, endpoints.get, header, lambda: _EPOCH[0], lambda p: True)
+            m.averager.allreduce.bind(
+                loop, client, m.identity, endpoints.get, header, lambda: _EPOCH[0], lambda p: True
+            )
             m.averager.loop = loop
         yield [(m.peer_id, m.averager) for m in members], members
     finally:

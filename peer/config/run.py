@@ -136,8 +136,9 @@ class AveragingConfig:
     piece_bytes: int = 1 << 20  # bytes of float32 per piece the all-reduce streams, reduces and encodes at once
     max_group_size: int = 32  # most replicas averaged in one group
     # a group's mean whose norm is more than this times the lower median of the norms its members with samples
-    # said they sent (with one such member: the median of the last such references) is refused here, a round
-    # that failed (a member sent poison); 0: no check (gross poison: a 1e4-everywhere part is 1e5x)
+    # said they sent (with one such member: the median of the last such references and of this replica's own
+    # norms) is refused here, a round that failed (a member sent poison); 0: no check (gross poison: a
+    # 1e4-everywhere part is 1e5x)
     max_norm_ratio: float = 100.0
     # after this many refused means in a row a replica steps alone with its own gradients: a poisoning
     # member delays the stage's steps, it does not stop them

@@ -6,8 +6,9 @@ codec blocks each), and member i owns slice i. Each member opens one bidirection
 (protocols/averaging.proto) to every other owner and streams its own values of that owner's slice, piece
 by piece (averaging.piece_bytes); the owner reduces each piece as soon as every member's copy of it is in
 (the sample-weighted mean, or a robust aggregate: peer.server.robust), encodes it once, takes its own copy
-from those very bytes, and streams it back to every member on their calls. Reduce-scatter and all-gather
-overlap, piece by piece, and every member ends with bit-equal averages.
+from those very bytes, and streams it back to every member on their calls, with a signed digest of them and,
+once it has every slice, what it got of each (peer.server.slice_word). Reduce-scatter and all-gather overlap,
+piece by piece, and every member that steps holds bit-equal averages: an owner that sent two is caught.
 
 Faults. A member that dies (its connection refused or reset), stops (no bytes within averaging.read_timeout
 once its pieces are due) or sends a piece of the wrong size or with values that are not finite is *lost*:
@@ -17,8 +18,8 @@ from their own tensors (nothing is changed before a round succeeds). A round ste
 (more than half of the group it started with), and only when every owner's verdict reports the same
 contributions: the step counts exactly the samples of the members in it, and trainers replay the rest.
 
-Bounds. An owner allocates pieces by its own tensors' size (a header whose total differs is refused), reads
-at most its slice's pieces from each member, and keeps at most `MAX_ROUNDS` rounds' state."""
+Bounds. An owner allocates pieces by its own tensors' size (a header whose total differs is refused), reads at
+most its slice's pieces from each member, and keeps at most `MAX_ROUNDS` rounds' state."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ import grpc
 import torch
 
 from peer.net.refusal import Refused
-from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key
+from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key, liars_among
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.round_failures import RoundFailures
+from peer.server.slice_word import confirm_of, liar_in, new_digest, read_confirm, signed_by, statement
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
 from protocols.averaging_frames import message_frame, parse_frame, piece_frame
@@ -72,15 +74,17 @@ class AllReduce:
         self.header_base = averaging_pb2.AverageHeader()
         self.epoch_now: Callable[[], int] = lambda: 0
         self.admitted: Callable[[str], bool] = lambda peer: True
+        self.sign: Callable[[bytes], bytes] = lambda data: b""  # this peer's Ed25519 signature (dht.identity)
         self._slices: collections.OrderedDict[tuple[int, int], OwnedSlice] = collections.OrderedDict()
         self._started: dict[tuple[int, int], asyncio.Event] = {}
         # epoch -> the group that stepped it, for the last rounds
         self._stepped: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
 
-    def bind(self, loop, client, peer_id: str, endpoint_of, header: averaging_pb2.AverageHeader, epoch_now, admitted):
-        """Set once the replica serves: its loop, client (TLS pinning), peer id, partners' endpoints, part."""
-        self.loop, self.client, self.peer_id, self.endpoint_of = loop, client, peer_id, endpoint_of
-        self.header_base, self.epoch_now, self.admitted = header, epoch_now, admitted
+    def bind(self, loop, client, identity, endpoint_of, header: averaging_pb2.AverageHeader, epoch_now, admitted):
+        """Set once the replica serves: its loop, client (TLS pinning), identity (dht.identity.Identity: its peer id,
+        and the key its slices' averages are signed with), partners' endpoints, part."""
+        self.loop, self.client, self.peer_id, self.endpoint_of = loop, client, identity.peer_id, endpoint_of
+        self.header_base, self.epoch_now, self.admitted, self.sign = header, epoch_now, admitted, identity.sign
 
     # ---- a round, as a member ------------------------------------------------------------------
     async def round(self, tensors: list[torch.Tensor], me: averaging_pb2.Contribution, epoch: int, group: list[str]):
@@ -131,27 +135,65 @@ class AllReduce:
     async def _attempt(self, run: Attempt) -> list[averaging_pb2.Contribution]:
         bounds = slice_bounds(run.flat.numel, len(run.group), self.block_size)
         mine = run.group.index(self.peer_id)
-        owned = OwnedSlice(run, bounds[mine], self.limits, self.codec, self.pool)
+        owned = OwnedSlice(run, bounds[mine], self.limits, self.codec, self.pool, self._signer(run))
         self._open(run.epoch, run.attempt, owned)
         reducer = asyncio.ensure_future(owned.reduce())
+        loop = asyncio.get_running_loop()
+        ours = loop.create_future()  # our confirm once every verdict is in and agrees; None if the attempt failed
+        verdicts_in = {owner: loop.create_future() for owner in run.group if owner != self.peer_id}
         calls = {
-            owner: asyncio.ensure_future(self._exchange(run, owner, bounds[i]))
+            owner: asyncio.ensure_future(self._exchange(run, owner, bounds[i], verdicts_in[owner], ours))
             for i, owner in enumerate(run.group)
             if owner != self.peer_id
         }
         try:
-            verdicts = await self._verdicts(run, calls, owned, reducer)
+            verdicts = await self._verdicts(run, verdicts_in, owned, reducer)
+            gathered = self._agreed(run, verdicts)
+            confirm = confirm_of(run.group, self._words(owned, verdicts))
+            await owned.set_confirm(confirm)
+            ours.set_result(confirm)
+            self._confirmed(run, confirm, dict(zip(calls, await asyncio.gather(*calls.values()), strict=True)))
+        except Failed as e:
+            await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason=e.reason))
+            raise
         finally:
+            if not ours.done():
+                ours.set_result(None)
             for task in calls.values():
                 task.cancel()
             await owned.fail(Failed(set(), "the attempt is over"))  # nothing, once reduced; else its callers hear
             reducer.cancel()
-        return self._agreed(run, verdicts)
+        return gathered
 
-    async def _verdicts(self, run: Attempt, calls: dict, owned: OwnedSlice, reducer) -> dict[str, object]:
+    def _signer(self, run: Attempt) -> Callable[[bytes], bytes]:
+        prefix = statement(self.header_base, run.epoch, run.attempt, run.group, self.peer_id)
+        return lambda digest: self.sign(prefix + digest)
+
+    def _words(self, owned: OwnedSlice, verdicts: dict) -> dict[str, tuple[bytes, bytes]]:
+        """Every slice's (digest, its owner's signature) as we got it; ours as we sent it."""
+        words = {owner: (v.digest, v.signature) for owner, v in verdicts.items() if owner != self.peer_id}
+        ours = owned.verdict()
+        return {**words, self.peer_id: (ours.digest, ours.signature)}
+
+    def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict) -> None:
+        """Every other member's confirm names our digests, or Failed: nobody steps this attempt (every verdict was
+        ok, so nobody runs another at this step either), and a proven liar is left out of our rounds."""
+        for owner, confirm in confirms.items():
+            if not isinstance(confirm, averaging_pb2.Confirm) or not confirm.ok:
+                why = getattr(confirm, "reason", "none")  # Failed, a failed Confirm, or none at all
+                raise Failed({owner}, f"no confirm: {why}", stepped=True, claimants={owner})
+            caught = liar_in(run.group, ours, owner, confirm, self._prefix(run))
+            if caught is not None:  # (liar, why): proven either way
+                self.failures.caught(*caught)
+                raise Failed({caught[0]}, caught[1], stepped=True)
+
+    def _prefix(self, run: Attempt) -> Callable[[str], bytes]:
+        return lambda owner: statement(self.header_base, run.epoch, run.attempt, run.group, owner)
+
+    async def _verdicts(self, run: Attempt, verdicts_in: dict, owned: OwnedSlice, reducer) -> dict[str, object]:
         """Every owner's verdict (ours too); on the first failure, tell the others whom this attempt lost."""
         verdicts: dict[str, object] = {}
-        pending = {reducer: self.peer_id, **{task: owner for owner, task in calls.items()}}
+        pending = {reducer: self.peer_id, **{future: owner for owner, future in verdicts_in.items()}}
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -185,7 +227,7 @@ class AllReduce:
                 seen[c.peer_id].add(contribution_key(c))
         told_apart = {p for p in run.group if len(seen.get(p, ())) != 1}
         if told_apart:
-            liars = _liars(told_apart, verdicts, self.peer_id)
+            liars = liars_among(told_apart, verdicts, self.peer_id)
             raise Failed(liars, f"owners' verdicts differ on what {sorted(told_apart)} sent; lost: {sorted(liars)}")
         return list(verdicts[self.peer_id].gathered)
 
@@ -201,28 +243,39 @@ class AllReduce:
             return Failed(named, verdict.reason, list(verdict.group) or None, claimants={owner})
         return Failed({owner}, f"{owner}: {verdict.reason}", claimants={owner})
 
-    async def _exchange(self, run: Attempt, owner: str, bounds: tuple[int, int]):
-        """Our pieces of `owner`'s slice out, its averaged pieces in: its verdict, or Failed."""
+    async def _exchange(self, run: Attempt, owner: str, bounds: tuple[int, int], verdict_in, ours):
+        """Our pieces of `owner`'s slice out, its averaged pieces in: its verdict (or Failed) into `verdict_in`;
+        then, once `ours` (our confirm) is set, its confirm, returned (or Failed; None if ours is not to be)."""
         endpoint = self.endpoint_of(owner)
         if not endpoint:
-            return Failed({owner}, f"{owner}: no endpoint known")
+            verdict_in.set_result(Failed({owner}, f"{owner}: no endpoint known"))
+            return None
         call = self.client.average(endpoint, owner, self.limits.round_timeout)
         pieces = piece_bounds(*bounds, self.limits.piece_elements)
         writer = asyncio.ensure_future(self._send(call, run, pieces))
         try:
             result = await self._receive(call, run, owner, pieces)
+            verdict_in.set_result(result)
+            if isinstance(result, Failed):  # the owner did not answer as it should: it hears whom we lost, it too
+                await self._give_up(call, run.lost | result.lost)
+            elif result.ok and await ours is not None:
+                confirm = await read_confirm(call, owner, 4 * self.limits.read_timeout)  # theirs waits 3 at most
+                return confirm if not isinstance(confirm, str) else Failed({owner}, confirm)
+            return None
         except grpc.aio.AioRpcError as e:
-            return Failed({owner}, f"{owner}: {e.code().name}: {e.details()}")
+            failed = Failed({owner}, f"{owner}: {e.code().name}: {e.details()}")
+            if not verdict_in.done():
+                verdict_in.set_result(failed)
+            return failed
         except asyncio.CancelledError:
             # this attempt failed elsewhere: say whom it lost before the call goes, so the owner does not take us
             writer.cancel()
-            await self._give_up(call, run.lost)
+            if not verdict_in.done():
+                await self._give_up(call, run.lost)
             raise
         finally:
             writer.cancel()
-        if isinstance(result, Failed):  # the owner did not answer as it should: it hears whom we lost, it included
-            await self._give_up(call, run.lost | result.lost)
-        return result
+            call.cancel()  # over: its verdict and confirm are in, or not to be
 
     @staticmethod
     async def _give_up(call, lost: set[str]) -> None:
@@ -251,7 +304,7 @@ class AllReduce:
 
     async def _receive(self, call, run: Attempt, owner: str, pieces):
         loop = asyncio.get_running_loop()
-        received, first = 0, True
+        received, first, digest = 0, True, new_digest()
         while True:
             # an owner gets twice the read deadline: its next piece may wait for a stalled member, whom it must be
             # the first to blame (else we blame it, tell it so, and the members' groups come apart)
@@ -278,12 +331,16 @@ class AllReduce:
                 if body.total_elements and body.total_elements != run.flat.numel:
                     # sizes differ: whoever differs from us is the odd one, as far as we can tell
                     return Failed({owner}, f"{owner} holds {body.total_elements} elements, not ours")
+                if body.ok and body.digest != digest.digest():
+                    return Failed({owner}, f"{owner}: its verdict's digest is not that of the pieces it sent")
+                if body.ok and not signed_by(owner, self._prefix(run)(owner), body.digest, body.signature):
+                    return Failed({owner}, f"{owner}: its verdict's signature is not its own")
                 return body
             if kind != "piece" or received >= len(pieces):
                 return Failed({owner}, f"{owner}: sent a frame it should not ({kind})")
             start, end = pieces[received]
             try:
-                await loop.run_in_executor(self.pool, _decode_into, self.codec, body, run.out, start, end)
+                await loop.run_in_executor(self.pool, _decode_into, self.codec, body, run.out, start, end, digest)
             except PieceError as e:
                 return Failed({owner}, f"{owner}: {e}")
             received += 1
@@ -388,7 +445,11 @@ class AllReduce:
                 async with owned.changed:
                     while not owned.done and owned.failure is None:
                         await owned.changed.wait()
-            yield _verdict(owned.verdict())
+            verdict = owned.verdict()
+            yield _verdict(verdict)
+            if verdict.ok:  # what every slice's owner sent us, once our side has it (peer.server.slice_word)
+                confirm = await owned.confirmation(3 * self.limits.read_timeout)
+                yield message_frame(averaging_pb2.AverageFrame(confirm=confirm))
         finally:
             reader.cancel()
 
@@ -424,25 +485,6 @@ class AllReduce:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _liars(told_apart: set[str], verdicts: dict, me: str) -> set[str]:
-    """Whoever told owners apart: for each member whose contribution the owners' verdicts name differently, the
-    member itself, unless its own verdict names what it sent us (we saw it arrive): then the owners that name
-    something else are the liars."""
-    ours = {c.peer_id: contribution_key(c) for c in verdicts[me].gathered}
-    liars = set()
-    for member in told_apart:
-        own = {contribution_key(c) for c in verdicts[member].gathered if c.peer_id == member}
-        if member == me or own == {ours.get(member)}:
-            liars |= {
-                o
-                for o, v in verdicts.items()
-                if any(c.peer_id == member and contribution_key(c) != ours.get(member) for c in v.gathered)
-            }
-        else:
-            liars.add(member)
-    return liars
-
-
 def _failed(verdict) -> bool:
     return isinstance(verdict, averaging_pb2.AverageVerdict) and not verdict.ok
 
@@ -451,23 +493,8 @@ def _verdict(verdict: averaging_pb2.AverageVerdict) -> bytes:
     return message_frame(averaging_pb2.AverageFrame(verdict=verdict))
 
 
-def _decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int) -> None:
-    """On the averaging thread: an owner's averaged piece into our output (PieceError if it is not one)."""
+def _decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int, digest) -> None:
+    """On the averaging thread: an owner's averaged piece into our output (PieceError if it is not one), and into
+    the digest of its slice."""
+    digest.update(data)
     out[start:end] = codec.decode(data, end - start)
-
-
-async def first_header(frames, timeout: float) -> averaging_pb2.AverageHeader:
-    """An Average call's header, read within `timeout`; ValueError naming what came instead."""
-    try:
-        raw = await asyncio.wait_for(frames.__aiter__().__anext__(), timeout)
-    except TimeoutError:
-        raise ValueError(f"no header in {timeout:.1f} s") from None
-    except StopAsyncIteration:
-        raise ValueError("the call ended before its header") from None
-    try:
-        kind, body = parse_frame(raw)
-    except FramingError as e:
-        raise ValueError(f"an Average call must start with its header: {e}") from None
-    if kind != "header":
-        raise ValueError(f"an Average call must start with its header, not a {kind}")
-    return body

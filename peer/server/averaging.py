@@ -106,7 +106,8 @@ class GradientAverager:
             return None
         averaged = outcome.averaged
         if not self._plausible(averaged, epoch, members, claimed_norms(outcome.gathered)):
-            self.unstep(epoch)  # every member judges alike: the next round at this step is a new one
+            # with two claimants or more every member judges alike (with one, each by its own references): the
+            self.unstep(epoch)  # next round at this step is a new one
             return None
         coverage = {c.peer_id: (int(c.incarnation), int(c.seq)) for c in outcome.gathered}
         if pending is not None and samples > 0:  # stepped with our part in it: its rounding goes with the next round

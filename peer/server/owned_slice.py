@@ -13,6 +13,7 @@ import torch
 from peer.model.numerics import all_finite
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.robust import aggregate, fixed_weights
+from peer.server.slice_word import new_digest
 from peer.server.slicing import Flat, Limits, piece_bounds
 from protocols import averaging_pb2
 from protocols.averaging_frames import piece_frame
@@ -68,8 +69,12 @@ class Failed(Exception):
 class OwnedSlice:
     """The slice this member reduces in one attempt: every member's pieces in, the averaged pieces out."""
 
-    def __init__(self, attempt: Attempt, bounds: tuple[int, int], limits: Limits, codec: PieceCodec, pool):
+    def __init__(self, attempt: Attempt, bounds: tuple[int, int], limits: Limits, codec: PieceCodec, pool, sign):
         self.attempt, self.limits, self.codec, self.pool = attempt, limits, codec, pool
+        self.sign = sign  # digest -> our signature of this slice's statement with it (peer.server.slice_word)
+        self.digest = new_digest()  # of the averaged pieces' bytes, in order: what every member gets
+        self._signature: bytes | None = None
+        self.confirm: averaging_pb2.Confirm | None = None  # ours, once our side of the attempt has every verdict
         self.pieces = piece_bounds(*bounds, limits.piece_elements)
         self.others = [p for p in attempt.group if p != attempt.me.peer_id]
         self.queues: dict[str, asyncio.Queue] = {}
@@ -162,6 +167,7 @@ class OwnedSlice:
             else aggregate(parts, weights, self.limits.aggregate)
         )
         encoded = self.codec.encode(result)
+        self.digest.update(encoded)  # pieces are reduced one at a time, in order
         frame = piece_frame(encoded)
         self.attempt.out[start:end] = result if not self.codec.lossy else self.codec.decode(encoded, numel)
         return frame
@@ -179,7 +185,28 @@ class OwnedSlice:
                 ok=False, lost=sorted(self.failure.lost), reason=self.failure.reason, group=self.attempt.group
             )
         gathered = [self.contributions[p] for p in self.attempt.group]
-        return averaging_pb2.AverageVerdict(ok=True, gathered=gathered, group=self.attempt.group)
+        digest = self.digest.digest()
+        if self._signature is None:
+            self._signature = self.sign(digest)
+        return averaging_pb2.AverageVerdict(
+            ok=True, gathered=gathered, group=self.attempt.group, digest=digest, signature=self._signature
+        )
+
+    async def set_confirm(self, confirm: averaging_pb2.Confirm) -> None:
+        """Our confirm (or why there is none), for the members our calls answer."""
+        if self.confirm is None:
+            self.confirm = confirm
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def confirmation(self, timeout: float) -> averaging_pb2.Confirm:
+        """Our confirm once our side has it; a failed one if it did not come within `timeout`."""
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.confirm is not None), timeout)
+            except TimeoutError:
+                return averaging_pb2.Confirm(ok=False, reason=f"our side had not every verdict in {timeout:.1f} s")
+        return self.confirm
 
 
 def _mean(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -192,3 +219,22 @@ def _mean(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         if w > 0:
             out.add_(part, alpha=w / total)
     return out
+
+
+def liars_among(told_apart: set[str], verdicts: dict, me: str) -> set[str]:
+    """Whoever told owners apart: for each member whose contribution the owners' verdicts name differently, the
+    member itself, unless its own verdict names what it sent us (we saw it arrive): then the owners that name
+    something else are the liars."""
+    ours = {c.peer_id: contribution_key(c) for c in verdicts[me].gathered}
+    liars = set()
+    for member in told_apart:
+        own = {contribution_key(c) for c in verdicts[member].gathered if c.peer_id == member}
+        if member == me or own == {ours.get(member)}:
+            liars |= {
+                o
+                for o, v in verdicts.items()
+                if any(c.peer_id == member and contribution_key(c) != ours.get(member) for c in v.gathered)
+            }
+        else:
+            liars.add(member)
+    return liars

@@ -170,7 +170,7 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
             return self.dht.gate is None or (peer in self.peers and peer not in self._distrusted)
 
         averager.allreduce.bind(
-            None, self.client, self.dht.peer_id, endpoint_of, header, lambda: self.runtime.epoch, admitted
+            None, self.client, self.dht.identity, endpoint_of, header, lambda: self.runtime.epoch, admitted
         )
 
     def _init_rest(self) -> None:

@@ -8,7 +8,8 @@ at the next round's invitation. One that answers at the step it claimed to have 
 word; after `max_failed_rounds` of those in a row it is left out of this replica's rounds (not invited, its
 invitations declined, its Average calls refused) for a while, doubling each time. Every other word of a member
 that would end a round (a verdict naming us lost or a group without us, a give-up naming us) makes the member that
-said it the one lost instead (peer.server.allreduce). A round that steps with a partner clears it."""
+said it the one lost instead (peer.server.allreduce). A round that steps with a partner clears it. A partner
+proven to lie (peer.server.slice_word) is left out at once, for the longest ban."""
 
 from __future__ import annotations
 
@@ -60,6 +61,15 @@ class RoundFailures:
             n,
             f"; left out of this replica's rounds for {ban:.0f} s" if ban else "",
         )
+
+    def caught(self, peer: str, why: str) -> None:
+        """A partner proven to lie (two averages of one slice under its signature, or a digest its owner never
+        signed: peer.server.slice_word): left out at once, for `max_ban`."""
+        if peer not in self._failed and len(self._failed) >= MAX_TRACKED:
+            self._failed.pop(next(iter(self._failed)))
+        n = max(self._failed.get(peer, (0, 0.0))[0] + 1, self.max_failed_rounds)
+        self._failed[peer] = (n, time.monotonic() + self.max_ban)
+        logger.warning("averaging: %s; left out of this replica's rounds for %.0f s", why, self.max_ban)
 
     def stepped(self, members: Iterable[str]) -> None:
         """A round stepped with these members: their failures are forgotten."""

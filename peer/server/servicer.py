@@ -22,9 +22,9 @@ from peer.model.part_state import shard_request_error
 from peer.model.runtime import InputError, Late, RankDied
 from peer.net.guard import CALLER
 from peer.net.refusal import Refused, refuse
-from peer.server.allreduce import first_header
 from peer.server.replica import Replica
 from protocols import codec, framing, stage_pb2, stage_pb2_grpc, tensor_pb2
+from protocols.averaging_frames import first_header
 from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)

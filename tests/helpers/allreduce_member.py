@@ -20,12 +20,21 @@ from pathlib import Path
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dht.identity import Identity
 from peer.config import RunSpec
 from peer.net.client import StageClient
-from peer.server.allreduce import first_header
 from peer.server.averaging import GradientAverager
 from protocols import averaging_pb2
+from protocols.averaging_frames import first_header
+
+
+def member_identities(members: int) -> list[Identity]:
+    """The members' identities, the same in every member's process (keys from their index), sorted by peer id: member
+    i owns slice i."""
+    keys = [Ed25519PrivateKey.from_private_bytes(bytes([i + 1]) * 32) for i in range(members)]
+    return sorted((Identity(k) for k in keys), key=lambda identity: identity.peer_id)
 
 
 def _dies_after(averager: GradientAverager, sig: signal.Signals, pieces: int) -> None:
@@ -49,7 +58,8 @@ async def main(work: Path, index: int, members: int, mb: float, read_timeout: fl
     averager = GradientAverager(spec)
     if fault:
         _dies_after(averager, signal.Signals[f"SIG{fault[0]}"], int(fault[1]))
-    ids = [f"member-{i}" for i in range(members)]
+    identities = member_identities(members)
+    ids = [identity.peer_id for identity in identities]
 
     async def average(frames, context):
         header = await first_header(frames, 10.0)
@@ -59,7 +69,9 @@ async def main(work: Path, index: int, members: int, mb: float, read_timeout: fl
     endpoints: dict[str, str] = {}  # filled once every member has written its own
     loop = asyncio.get_running_loop()
     header = averaging_pb2.AverageHeader(run_id="faults")
-    averager.allreduce.bind(loop, StageClient(1 << 20, 1 << 30), ids[index], endpoints.get, header, lambda: 0, bool)
+    averager.allreduce.bind(
+        loop, StageClient(1 << 20, 1 << 30), identities[index], endpoints.get, header, lambda: 0, bool
+    )
     averager.loop = loop  # bound before we serve: a partner's call may come the moment our endpoint is known
     server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(average)

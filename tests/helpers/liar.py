@@ -24,6 +24,9 @@
   and it never steps ahead: without a check of that word, every round of its stage would fail;
 - `stepped-ahead`: the same, and it answers the next invitation to a round it said it stepped one step ahead
   (its word kept consistent; a step it alone claims, which nobody follows);
+- `split`: as an owner in the averaging all-reduce it sends one member (the first other in the group) its slice's
+  averages times 1.01, the others the true ones, each with a verdict that signs the digest of what that member
+  got: replicas that stepped what they got would hold different weights under one step number;
 - `hoard`: it serves and steps like any replica, but says (in its records and answers) that none of the backwards
   it took is stepped, so that its trainers keep every receipt of it until their receipt budget is full.
 """
@@ -134,6 +137,35 @@ def ahead_of_claims(claimed: set):
     return ahead
 
 
+def splitting():
+    from peer.server.allreduce import AllReduce
+    from peer.server.slice_word import new_digest, statement
+    from protocols import averaging_pb2
+    from protocols.averaging_frames import message_frame, parse_frame, piece_frame
+
+    serve = AllReduce.serve
+
+    async def split(self, header, frames, caller):
+        victim = min(p for p in header.group if p != self.peer_id)
+        lying, digest, index = header.sender.peer_id == victim, new_digest(), 0
+        async for frame in serve(self, header, frames, caller):
+            kind, body = parse_frame(frame)
+            if lying and kind == "piece":
+                start, end = self._slices[(header.epoch, header.attempt)].pieces[index]
+                encoded = self.codec.encode(self.codec.decode(body, end - start) * 1.01)
+                digest.update(encoded)
+                frame, index = piece_frame(encoded), index + 1
+            elif lying and kind == "verdict" and body.ok:
+                prefix = statement(self.header_base, header.epoch, header.attempt, list(header.group), self.peer_id)
+                body.digest = digest.digest()
+                body.signature = self.sign(prefix + body.digest)
+                frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
+                print(f"LIAR split step {header.epoch} for {victim}", flush=True)
+            yield frame
+
+    return split
+
+
 def far_step():
     record = Replica.record
 
@@ -165,6 +197,10 @@ if __name__ == "__main__":
         from peer.model.part import PartRuntime
 
         PartRuntime.stepped_seq = property(lambda self: 0, lambda self, value: None)
+    elif sys.argv[1] == "split":
+        from peer.server.allreduce import AllReduce
+
+        AllReduce.serve = splitting()
     elif sys.argv[1] == "stepped":
         from peer.server.allreduce import AllReduce
 

@@ -51,7 +51,7 @@ async def _rounds(dht, spec, identity, averager, params, fake, seconds: float) -
     records: dict[str, ServerRecord] = {}
     client = StageClient.for_server(PeerConfig().server)  # no credential of this run: plaintext, or nothing
     header = averaging_pb2.AverageHeader(run_id=spec.name, stage=0)
-    averager.allreduce.bind(loop, client, identity.peer_id, lambda p: records[p].endpoint, header, lambda: 0, bool)
+    averager.allreduce.bind(loop, client, identity, lambda p: records[p].endpoint, header, lambda: 0, bool)
     averager.loop = loop
     huge = [torch.full_like(p, 1e6) for p in params]
     deadline = time.monotonic() + seconds

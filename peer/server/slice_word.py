@@ -1,0 +1,75 @@
+"""What the members of an averaging attempt hold each other to once the averages are out (peer.server.allreduce).
+
+Each owner signs the digest (SHA-256) of the averaged pieces it sent: the same bytes to every member, or it signed
+two digests of one slice. Each member checks the digest against the pieces it got and the signature against the
+owner's peer id, and, once every verdict is in, tells every other member (its confirm) each slice's digest with its
+owner's signature. A member steps only when every confirm names its own digests. Where two differ, one of two
+things is proven, whoever says it: the slice's owner signed both (it sent members different averages), or the
+member that sent the confirm names a digest its owner never signed (the confirm came over that member's own
+authenticated call). Either way the liar is known for sure, and nobody steps the attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+
+import grpc
+
+from dht.identity import verify
+from protocols import averaging_pb2
+from protocols.averaging_frames import parse_frame
+from protocols.framing import FramingError
+
+DOMAIN = b"swarmtrain/average-slice/v1\0"
+
+
+def new_digest():
+    """The running digest of a slice's averaged pieces, updated with each piece's bytes in order."""
+    return hashlib.sha256()
+
+
+def statement(header: averaging_pb2.AverageHeader, epoch: int, attempt: int, group: list[str], owner: str) -> bytes:
+    """What an owner signs, less the digest itself: the run, the part, the round, the attempt's group and the slice."""
+    fields = (header.run_id, str(header.stage), header.expert, str(epoch), str(attempt), ",".join(group), owner)
+    return DOMAIN + "\0".join(fields).encode() + b"\0"
+
+
+def signed_by(owner: str, prefix: bytes, digest: bytes, signature: bytes) -> bool:
+    return verify(owner, prefix + digest, signature)
+
+
+def confirm_of(group: list[str], words: dict[str, tuple[bytes, bytes]]) -> averaging_pb2.Confirm:
+    """Our confirm: every slice's (digest, signature) as we got it (ours as we sent it), in group order."""
+    return averaging_pb2.Confirm(ok=True, digests=[words[p][0] for p in group], signatures=[words[p][1] for p in group])
+
+
+def liar_in(
+    group: list[str], mine: averaging_pb2.Confirm, sender: str, theirs: averaging_pb2.Confirm, prefix: Callable
+) -> tuple[str, str] | None:
+    """Who lied, if `sender`'s confirm names another digest than ours for any slice, and how; None if it names
+    ours. `prefix(owner)` is the statement of owner's slice."""
+    if len(theirs.digests) != len(group) or len(theirs.signatures) != len(group):
+        return sender, f"{sender} confirmed {len(theirs.digests)} slices of {len(group)}"
+    for i, owner in enumerate(group):
+        if theirs.digests[i] == mine.digests[i]:
+            continue
+        if signed_by(owner, prefix(owner), theirs.digests[i], theirs.signatures[i]):
+            return owner, f"{owner} signed two different averages of its slice (ours and {sender}'s)"
+        return sender, f"{sender} named an average of {owner}'s slice that {owner} never signed"
+    return None
+
+
+async def read_confirm(call, owner: str, wait: float) -> averaging_pb2.Confirm | str:
+    """`owner`'s confirm, the frame after its verdict on our call; why not, if another or none came in `wait` s."""
+    try:
+        frame = await asyncio.wait_for(call.read(), wait)
+    except TimeoutError:
+        return f"{owner}: no confirm in {wait:.1f} s"
+    if frame is grpc.aio.EOF:
+        return f"{owner}: the call ended without a confirm"
+    try:
+        kind, body = parse_frame(frame)
+    except FramingError as e:
+        return f"{owner}: {e}"
+    return body if kind == "confirm" else f"{owner}: sent a {kind}, not its confirm"

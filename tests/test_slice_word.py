@@ -1,0 +1,96 @@
+"""An averaging owner that sends members different averages of its slice (peer.server.slice_word): members step only
+when every other member's confirm names their digests, so an owner's two signed digests are caught and nobody steps
+apart. Before, the members stepped different means under one step number, and the replicas' weights split for good
+(spot checks then found two honest replicas answering differently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_averaging import SPEC, _averagers, _three_rounds
+
+from peer.config import RunSpec
+from peer.server.slice_word import new_digest, statement
+from protocols import averaging_pb2
+from protocols.averaging_frames import message_frame, parse_frame, piece_frame
+
+
+def _equivocating_owner(member, victim: str, how: str):
+    """`member`'s owner side sends `victim` other averages of its slice (each value + 1), with a verdict that signs
+    their digest ("signed"), or with the digest of what it sent the others ("unsigned"): the lie of its verdict is
+    then seen at once. `victim`'s confirm to the others is honest: it is what `victim` got."""
+    allreduce = member.averager.allreduce
+    honest = allreduce.serve
+
+    async def serve(header, frames, caller):
+        lying = header.sender.peer_id == victim
+        digest = new_digest()
+        async for frame in honest(header, frames, caller):
+            kind, body = parse_frame(frame)
+            if lying and kind == "piece":
+                values = allreduce.codec.decode(body, len(body) // 4) + 1.0
+                encoded = allreduce.codec.encode(values)
+                digest.update(encoded)
+                frame = piece_frame(encoded)
+            elif lying and kind == "verdict" and body.ok and how == "signed":
+                prefix = statement(
+                    allreduce.header_base, header.epoch, header.attempt, list(header.group), member.peer_id
+                )
+                body.digest = digest.digest()
+                body.signature = member.identity.sign(prefix + body.digest)
+                frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
+            yield frame
+
+    allreduce.serve = serve
+
+
+@pytest.mark.parametrize("how", ["signed", "unsigned"])
+def test_an_owner_that_sends_members_different_averages_is_caught_and_nobody_steps_apart(how):
+    """Member 2 owns a slice and sends member 1 other averages of it than member 0. With its signature on both
+    ("signed"), members 0 and 1 see two digests it signed in each other's confirms: neither steps, and both leave it
+    out at once. Without ("unsigned"), member 1 finds its verdict's digest is not that of the pieces it got. Either
+    way the next round of members 0 and 1 steps without it, bit-equal."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        _equivocating_owner(servers[2], ids[1], how)
+        results = _three_rounds(members, 3)
+        assert results[0] is None and results[1] is None, results  # nobody honest steps an average apart
+        if how == "signed":
+            assert all(a.allreduce.failures.left_out(ids[2]) for _, a in members[:2])  # proven: out at once
+        assert all(not a.allreduce.failures.left_out(ids[j]) for j, (_, a) in enumerate(members[:2]) for j in (0, 1))
+        expected = [[p for p in ids if not a.allreduce.failures.left_out(p)] for _, a in members[:2]] + [ids]
+        if how == "unsigned":
+            expected = [ids[:2], ids[:2], ids]
+        results = _three_rounds(members, 4, expected=expected)
+    assert results[0] is not None and results[1] is not None, results
+    assert results[0].members == results[1].members == ids[:2]
+    assert torch.equal(results[0].gradients[0], results[1].gradients[0])
+    assert torch.equal(results[0].gradients[0], torch.full((300,), 2.0))
+
+
+def test_a_member_whose_confirm_names_a_digest_never_signed_is_caught():
+    """Member 2 tells the others (its confirm) a digest of member 0's slice that member 0 never signed: a lie only
+    member 2 can have told (the confirm came on its own call). Nobody steps the attempt; members 0 and 1 leave member
+    2 out at once, and step without it."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        allreduce = servers[2].averager.allreduce
+        honest = allreduce.serve
+
+        async def serve(header, frames, caller):
+            async for frame in honest(header, frames, caller):
+                kind, body = parse_frame(frame)
+                if kind == "confirm" and body.ok:
+                    body.digests[0] = bytes(32)
+                    frame = message_frame(averaging_pb2.AverageFrame(confirm=body))
+                yield frame
+
+        allreduce.serve = serve
+        results = _three_rounds(members, 3)
+        assert results[0] is None and results[1] is None, results
+        assert all(a.allreduce.failures.left_out(ids[2]) for _, a in members[:2])
+        results = _three_rounds(members, 4, expected=[ids[:2], ids[:2], ids])
+    assert results[0] is not None and results[1] is not None, results
+    assert torch.equal(results[0].gradients[0], results[1].gradients[0])
