@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/averaging.proto\x12\nswarmtrain\"n\n\x0c\x43ontribution\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x11\n\x04norm\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x07\n\x05_norm\"\xaf\x01\n\rAverageHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\r\n\x05group\x18\x06 \x03(\t\x12(\n\x06sender\x18\x07 \x01(\x0b\x32\x18.swarmtrain.Contribution\x12\x16\n\x0etotal_elements\x18\x08 \x01(\x04\"\xc1\x01\n\x0e\x41verageVerdict\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04lost\x18\x02 \x03(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12*\n\x08gathered\x18\x04 \x03(\x0b\x32\x18.swarmtrain.Contribution\x12\r\n\x05group\x18\x05 \x03(\t\x12\x0f\n\x07stepped\x18\x06 \x01(\x08\x12\x16\n\x0etotal_elements\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x0c\x12\x11\n\tsignature\x18\t \x01(\x0c\"J\n\x07\x43onfirm\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c\x12\x12\n\nsignatures\x18\x03 \x03(\x0c\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xab\x01\n\x0c\x41verageFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.swarmtrain.AverageHeaderH\x00\x12\x0f\n\x05piece\x18\x02 \x01(\x0cH\x00\x12-\n\x07verdict\x18\x03 \x01(\x0b\x32\x1a.swarmtrain.AverageVerdictH\x00\x12&\n\x07\x63onfirm\x18\x04 \x01(\x0b\x32\x13.swarmtrain.ConfirmH\x00\x42\x06\n\x04\x62ody2N\n\tAveraging\x12\x41\n\x07\x41verage\x12\x18.swarmtrain.AverageFrame\x1a\x18.swarmtrain.AverageFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/averaging.proto\x12\nswarmtrain\"}\n\x0c\x43ontribution\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x11\n\x04norm\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x42\x07\n\x05_norm\"\xaf\x01\n\rAverageHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\r\n\x05group\x18\x06 \x03(\t\x12(\n\x06sender\x18\x07 \x01(\x0b\x32\x18.swarmtrain.Contribution\x12\x16\n\x0etotal_elements\x18\x08 \x01(\x04\"\xc1\x01\n\x0e\x41verageVerdict\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04lost\x18\x02 \x03(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12*\n\x08gathered\x18\x04 \x03(\x0b\x32\x18.swarmtrain.Contribution\x12\r\n\x05group\x18\x05 \x03(\t\x12\x0f\n\x07stepped\x18\x06 \x01(\x08\x12\x16\n\x0etotal_elements\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x0c\x12\x11\n\tsignature\x18\t \x01(\x0c\"J\n\x07\x43onfirm\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c\x12\x12\n\nsignatures\x18\x03 \x03(\x0c\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xab\x01\n\x0c\x41verageFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.swarmtrain.AverageHeaderH\x00\x12\x0f\n\x05piece\x18\x02 \x01(\x0cH\x00\x12-\n\x07verdict\x18\x03 \x01(\x0b\x32\x1a.swarmtrain.AverageVerdictH\x00\x12&\n\x07\x63onfirm\x18\x04 \x01(\x0b\x32\x13.swarmtrain.ConfirmH\x00\x42\x06\n\x04\x62ody2N\n\tAveraging\x12\x41\n\x07\x41verage\x12\x18.swarmtrain.AverageFrame\x1a\x18.swarmtrain.AverageFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocols.averaging_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONTRIBUTION']._serialized_start=41
-  _globals['_CONTRIBUTION']._serialized_end=151
-  _globals['_AVERAGEHEADER']._serialized_start=154
-  _globals['_AVERAGEHEADER']._serialized_end=329
-  _globals['_AVERAGEVERDICT']._serialized_start=332
-  _globals['_AVERAGEVERDICT']._serialized_end=525
-  _globals['_CONFIRM']._serialized_start=527
-  _globals['_CONFIRM']._serialized_end=601
-  _globals['_AVERAGEFRAME']._serialized_start=604
-  _globals['_AVERAGEFRAME']._serialized_end=775
-  _globals['_AVERAGING']._serialized_start=777
-  _globals['_AVERAGING']._serialized_end=855
+  _globals['_CONTRIBUTION']._serialized_end=166
+  _globals['_AVERAGEHEADER']._serialized_start=169
+  _globals['_AVERAGEHEADER']._serialized_end=344
+  _globals['_AVERAGEVERDICT']._serialized_start=347
+  _globals['_AVERAGEVERDICT']._serialized_end=540
+  _globals['_CONFIRM']._serialized_start=542
+  _globals['_CONFIRM']._serialized_end=616
+  _globals['_AVERAGEFRAME']._serialized_start=619
+  _globals['_AVERAGEFRAME']._serialized_end=790
+  _globals['_AVERAGING']._serialized_start=792
+  _globals['_AVERAGING']._serialized_end=870
 # @@protoc_insertion_point(module_scope)

@@ -33,9 +33,9 @@ def _equivocating_owner(member, victim: str, how: str):
                 digest.update(encoded)
                 frame = piece_frame(encoded)
             elif lying and kind == "verdict" and body.ok and how == "signed":
-                prefix = statement(
-                    allreduce.header_base, header.epoch, header.attempt, list(header.group), member.peer_id
-                )
+                nonces = [c.nonce for c in body.gathered]
+                group, me = list(header.group), member.peer_id
+                prefix = statement(allreduce.header_base, header.epoch, header.attempt, group, me, nonces)
                 body.digest = digest.digest()
                 body.signature = member.identity.sign(prefix + body.digest)
                 frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
@@ -94,3 +94,34 @@ def test_a_member_whose_confirm_names_a_digest_never_signed_is_caught():
         results = _three_rounds(members, 4, expected=[ids[:2], ids[:2], ids])
     assert results[0] is not None and results[1] is not None, results
     assert torch.equal(results[0].gradients[0], results[1].gradients[0])
+
+
+def test_an_owner_s_signature_from_an_earlier_round_at_the_same_step_frames_nobody():
+    """A round at step 3 ends, then another round at step 3 runs (the first one's mean was refused, say), with
+    other gradients. Member 2 names in its confirm what owner 0 signed in the first round: without the members'
+    nonces in what owners sign, that signature would hold for the second round's statement too, and members would
+    leave the honest owner 0 out as a proven liar. The nonces make it another statement: member 2 is the liar."""
+    spec = RunSpec.from_dict(SPEC)
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        allreduce, honest, seen = servers[2].averager.allreduce, servers[2].averager.allreduce.serve, []
+
+        async def serve(header, frames, caller):
+            async for frame in honest(header, frames, caller):
+                kind, body = parse_frame(frame)
+                if kind == "confirm" and body.ok:
+                    if not seen:
+                        seen.append((body.digests[0], body.signatures[0]))  # owner 0's word, first round
+                    else:
+                        body.digests[0], body.signatures[0] = seen[0]
+                        frame = message_frame(averaging_pb2.AverageFrame(confirm=body))
+                yield frame
+
+        allreduce.serve = serve
+        assert all(r is not None for r in _three_rounds(members, 3))
+        for _, a in members:
+            a.unstep(3)  # as if its mean were refused: the next round at step 3 is a new one
+        results = _three_rounds(members, 3, values=(2.0, 4.0, 6.0))
+        assert results[0] is None and results[1] is None, results
+        assert all(a.allreduce.failures.left_out(ids[2]) for _, a in members[:2])
+        assert not any(a.allreduce.failures.left_out(ids[0]) for _, a in members[1:])

@@ -35,10 +35,10 @@ import grpc
 import torch
 
 from peer.net.refusal import Refused
+from peer.server import slice_word
 from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key, liars_among
 from peer.server.piece_codec import PieceCodec, PieceError
 from peer.server.round_failures import RoundFailures
-from peer.server.slice_word import confirm_of, liar_in, new_digest, read_confirm, signed_by, statement
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
 from protocols.averaging_frames import message_frame, parse_frame, piece_frame
@@ -149,10 +149,11 @@ class AllReduce:
         try:
             verdicts = await self._verdicts(run, verdicts_in, owned, reducer)
             gathered = self._agreed(run, verdicts)
-            confirm = confirm_of(run.group, self._words(owned, verdicts))
+            confirm = slice_word.confirm_of(run.group, verdicts)
             await owned.set_confirm(confirm)
             ours.set_result(confirm)
-            self._confirmed(run, confirm, dict(zip(calls, await asyncio.gather(*calls.values()), strict=True)))
+            confirms = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
+            self._confirmed(run, confirm, confirms, self._prefix(run, [c.nonce for c in gathered]))
         except Failed as e:
             await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason=e.reason))
             raise
@@ -165,30 +166,21 @@ class AllReduce:
             reducer.cancel()
         return gathered
 
-    def _signer(self, run: Attempt) -> Callable[[bytes], bytes]:
-        prefix = statement(self.header_base, run.epoch, run.attempt, run.group, self.peer_id)
-        return lambda digest: self.sign(prefix + digest)
+    def _signer(self, run: Attempt) -> Callable[[list[bytes], bytes], bytes]:
+        return lambda nonces, digest: self.sign(self._prefix(run, nonces)(self.peer_id) + digest)
 
-    def _words(self, owned: OwnedSlice, verdicts: dict) -> dict[str, tuple[bytes, bytes]]:
-        """Every slice's (digest, its owner's signature) as we got it; ours as we sent it."""
-        words = {owner: (v.digest, v.signature) for owner, v in verdicts.items() if owner != self.peer_id}
-        ours = owned.verdict()
-        return {**words, self.peer_id: (ours.digest, ours.signature)}
-
-    def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict) -> None:
+    def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict, prefix) -> None:
         """Every other member's confirm names our digests, or Failed: nobody steps this attempt (every verdict was
         ok, so nobody runs another at this step either), and a proven liar is left out of our rounds."""
-        for owner, confirm in confirms.items():
-            if not isinstance(confirm, averaging_pb2.Confirm) or not confirm.ok:
-                why = getattr(confirm, "reason", "none")  # Failed, a failed Confirm, or none at all
-                raise Failed({owner}, f"no confirm: {why}", stepped=True, claimants={owner})
-            caught = liar_in(run.group, ours, owner, confirm, self._prefix(run))
-            if caught is not None:  # (liar, why): proven either way
-                self.failures.caught(*caught)
-                raise Failed({caught[0]}, caught[1], stepped=True)
+        found = slice_word.confirms_failure(run.group, ours, confirms, prefix)
+        if found is not None:
+            whom, why, proven = found
+            if proven:
+                self.failures.caught(whom, why)
+            raise Failed({whom}, why, stepped=True, claimants=set() if proven else {whom})
 
-    def _prefix(self, run: Attempt) -> Callable[[str], bytes]:
-        return lambda owner: statement(self.header_base, run.epoch, run.attempt, run.group, owner)
+    def _prefix(self, run: Attempt, nonces: list[bytes]) -> Callable[[str], bytes]:
+        return lambda owner: slice_word.statement(self.header_base, run.epoch, run.attempt, run.group, owner, nonces)
 
     async def _verdicts(self, run: Attempt, verdicts_in: dict, owned: OwnedSlice, reducer) -> dict[str, object]:
         """Every owner's verdict (ours too); on the first failure, tell the others whom this attempt lost."""
@@ -259,7 +251,8 @@ class AllReduce:
             if isinstance(result, Failed):  # the owner did not answer as it should: it hears whom we lost, it too
                 await self._give_up(call, run.lost | result.lost)
             elif result.ok and await ours is not None:
-                confirm = await read_confirm(call, owner, 4 * self.limits.read_timeout)  # theirs waits 3 at most
+                wait = 4 * self.limits.read_timeout  # an owner waits 3 at most for its own side's verdicts
+                confirm = await slice_word.read_confirm(call, owner, wait)
                 return confirm if not isinstance(confirm, str) else Failed({owner}, confirm)
             return None
         except grpc.aio.AioRpcError as e:
@@ -304,7 +297,7 @@ class AllReduce:
 
     async def _receive(self, call, run: Attempt, owner: str, pieces):
         loop = asyncio.get_running_loop()
-        received, first, digest = 0, True, new_digest()
+        received, first, digest = 0, True, slice_word.new_digest()
         while True:
             # an owner gets twice the read deadline: its next piece may wait for a stalled member, whom it must be
             # the first to blame (else we blame it, tell it so, and the members' groups come apart)
@@ -333,7 +326,8 @@ class AllReduce:
                     return Failed({owner}, f"{owner} holds {body.total_elements} elements, not ours")
                 if body.ok and body.digest != digest.digest():
                     return Failed({owner}, f"{owner}: its verdict's digest is not that of the pieces it sent")
-                if body.ok and not signed_by(owner, self._prefix(run)(owner), body.digest, body.signature):
+                signed = self._prefix(run, [c.nonce for c in body.gathered])(owner)
+                if body.ok and not slice_word.signed_by(owner, signed, body.digest, body.signature):
                     return Failed({owner}, f"{owner}: its verdict's signature is not its own")
                 return body
             if kind != "piece" or received >= len(pieces):
@@ -406,6 +400,9 @@ class AllReduce:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not this one's", WRONG_RUN)
         if (header.stage, header.expert) != (self.header_base.stage, self.header_base.expert):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {header.stage} {header.expert!r}: not ours")
+        if len(header.sender.nonce) != slice_word.NONCE_BYTES:
+            why = f"sender.nonce: must be {slice_word.NONCE_BYTES} bytes, not {len(header.sender.nonce)}"
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why, BAD)
 
     async def serve(self, header: averaging_pb2.AverageHeader, frames, caller: str):
         """A partner's Average call (its header read, `frames` the rest): its pieces of our slice in, the averaged

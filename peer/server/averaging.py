@@ -16,6 +16,7 @@ import asyncio
 import collections
 import logging
 import math
+import os
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from peer.config import RunSpec
 from peer.server.allreduce import AllReduce, Limits
 from peer.server.owned_slice import norm_claim
 from peer.server.piece_codec import PieceCodec
+from peer.server.slice_word import NONCE_BYTES
 from protocols import averaging_pb2
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class GradientAverager:
             incarnation=covers[0],
             seq=covers[1],
             norm=_norm(gradients),
+            nonce=os.urandom(NONCE_BYTES),  # this round's alone (peer.server.slice_word)
         )
         self.remember_own(me.norm, samples)
         try:

@@ -24,7 +24,7 @@ MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
 
 def contribution_key(c: averaging_pb2.Contribution) -> tuple:
     """What owners must report alike of a member's contribution: a member that told them differently is left out."""
-    return c.peer_id, c.samples, c.incarnation, c.seq, norm_claim(c)
+    return c.peer_id, c.samples, c.incarnation, c.seq, norm_claim(c), bytes(c.nonce)
 
 
 def norm_claim(c: averaging_pb2.Contribution) -> float | None:
@@ -71,7 +71,7 @@ class OwnedSlice:
 
     def __init__(self, attempt: Attempt, bounds: tuple[int, int], limits: Limits, codec: PieceCodec, pool, sign):
         self.attempt, self.limits, self.codec, self.pool = attempt, limits, codec, pool
-        self.sign = sign  # digest -> our signature of this slice's statement with it (peer.server.slice_word)
+        self.sign = sign  # (nonces, digest) -> our signature of this slice's statement (peer.server.slice_word)
         self.digest = new_digest()  # of the averaged pieces' bytes, in order: what every member gets
         self._signature: bytes | None = None
         self.confirm: averaging_pb2.Confirm | None = None  # ours, once our side of the attempt has every verdict
@@ -187,7 +187,7 @@ class OwnedSlice:
         gathered = [self.contributions[p] for p in self.attempt.group]
         digest = self.digest.digest()
         if self._signature is None:
-            self._signature = self.sign(digest)
+            self._signature = self.sign([c.nonce for c in gathered], digest)
         return averaging_pb2.AverageVerdict(
             ok=True, gathered=gathered, group=self.attempt.group, digest=digest, signature=self._signature
         )

@@ -22,6 +22,7 @@ from protocols.averaging_frames import parse_frame
 from protocols.framing import FramingError
 
 DOMAIN = b"swarmtrain/average-slice/v1\0"
+NONCE_BYTES = 16  # of each member's fresh nonce per round (Contribution.nonce)
 
 
 def new_digest():
@@ -29,19 +30,36 @@ def new_digest():
     return hashlib.sha256()
 
 
-def statement(header: averaging_pb2.AverageHeader, epoch: int, attempt: int, group: list[str], owner: str) -> bytes:
-    """What an owner signs, less the digest itself: the run, the part, the round, the attempt's group and the slice."""
-    fields = (header.run_id, str(header.stage), header.expert, str(epoch), str(attempt), ",".join(group), owner)
-    return DOMAIN + "\0".join(fields).encode() + b"\0"
+def statement(header, epoch: int, attempt: int, group: list[str], owner: str, nonces: list[bytes]) -> bytes:
+    """What an owner signs, less the digest itself: the run, the part (`header`'s), the round, the attempt's group, the
+    members' nonces for this round (in group order: the round is no other, even at the same step) and the slice. An
+    honest owner signs one digest per statement: two of one statement prove it sent two averages."""
+    nonce_list = ",".join(bytes(n).hex() for n in nonces)
+    fields = (header.run_id, str(header.stage), header.expert, str(epoch), str(attempt), ",".join(group), nonce_list)
+    return DOMAIN + "\0".join((*fields, owner)).encode() + b"\0"
 
 
 def signed_by(owner: str, prefix: bytes, digest: bytes, signature: bytes) -> bool:
     return verify(owner, prefix + digest, signature)
 
 
-def confirm_of(group: list[str], words: dict[str, tuple[bytes, bytes]]) -> averaging_pb2.Confirm:
-    """Our confirm: every slice's (digest, signature) as we got it (ours as we sent it), in group order."""
-    return averaging_pb2.Confirm(ok=True, digests=[words[p][0] for p in group], signatures=[words[p][1] for p in group])
+def confirm_of(group: list[str], verdicts: dict[str, averaging_pb2.AverageVerdict]) -> averaging_pb2.Confirm:
+    """Our confirm: every slice's digest and signature from its owner's verdict (ours too), in group order."""
+    return averaging_pb2.Confirm(
+        ok=True, digests=[verdicts[p].digest for p in group], signatures=[verdicts[p].signature for p in group]
+    )
+
+
+def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -> tuple[str, str, bool] | None:
+    """(whom, why, proven) for the first of the other members' confirms (sender -> Confirm, or anything else when
+    none came) that does not name our digests; None when all do."""
+    for sender, confirm in confirms.items():
+        if not isinstance(confirm, averaging_pb2.Confirm) or not confirm.ok:
+            return sender, f"no confirm: {getattr(confirm, 'reason', 'none')}", False
+        caught = liar_in(group, ours, sender, confirm, prefix)
+        if caught is not None:
+            return (*caught, True)
+    return None
 
 
 def liar_in(

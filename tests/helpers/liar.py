@@ -156,7 +156,8 @@ def splitting():
                 digest.update(encoded)
                 frame, index = piece_frame(encoded), index + 1
             elif lying and kind == "verdict" and body.ok:
-                prefix = statement(self.header_base, header.epoch, header.attempt, list(header.group), self.peer_id)
+                nonces, group = [c.nonce for c in body.gathered], list(header.group)
+                prefix = statement(self.header_base, header.epoch, header.attempt, group, self.peer_id, nonces)
                 body.digest = digest.digest()
                 body.signature = self.sign(prefix + body.digest)
                 frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
