@@ -80,6 +80,12 @@ def revocations_key(run_id: str) -> str:
     return f"swarmtrain/run/{run_id}/admission/revoked"
 
 
+def proofs_key(run_id: str) -> str:
+    """Replicas' proofs that a partner signed two different averages of one slice (dht.records.LieProofs), a subkey
+    per replica."""
+    return f"swarmtrain/run/{run_id}/admission/proofs"
+
+
 def reports_key(run_id: str) -> str:
     """Trainers' reports of servers whose answers their spot checks found wrong, a subkey per trainer."""
     return f"swarmtrain/run/{run_id}/admission/reports"

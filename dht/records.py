@@ -202,3 +202,42 @@ class BooksRecord(Record):
     apart: list[str] = Field(default_factory=list)  # per stage: replicas at one step that differ, in words
     since: float = 0.0  # unix time the books have disagreed since (0: they balance)
     updated: float = 0.0
+
+
+class SignedDigest(BaseModel):
+    """One digest of a slice's averages and the owner's signature of its statement with it (hex)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    digest: str = Field(max_length=64)
+    signature: str = Field(max_length=128)
+
+
+class AverageLie(BaseModel):
+    """What an averaging owner signed twice with two different digests: the statement of its slice (the run, the
+    part, the round's step, attempt, group and members' nonces: peer.server.slice_word) and both signed digests.
+    Anyone holding the liar's peer id can check it; an honest owner signs one digest per statement."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    liar: str = Field(max_length=128)
+    run_id: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    expert: str = Field(default="", max_length=64)
+    epoch: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    group: list[str] = Field(max_length=64)
+    nonces: list[str] = Field(max_length=64)  # hex, in group order
+    words: list[SignedDigest] = Field(min_length=2, max_length=2)
+    caught: float = 0.0  # unix time the replica saw it
+
+
+class LieProofs(Record):
+    """A replica's proofs that partners signed two different averages of one slice of a round: the coordinator checks
+    each signature itself and revokes the liar on one replica's proof (peer.coordinator.authority)."""
+
+    proofs: list[AverageLie] = Field(default_factory=list, max_length=16)
+    updated: float = 0.0
+
+    def writers(self) -> frozenset[str]:
+        return frozenset({"server", "experts"})

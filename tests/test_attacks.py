@@ -484,8 +484,8 @@ def test_an_owner_that_sends_members_different_averages_splits_no_replicas(swarm
     the true ones and the other the true ones, each with a verdict signing what that one got
     (tests/helpers/liar.py `split`). Before, both stepped what they got: two honest replicas with different weights
     at one step, for good, which spot checks then blamed on one of them. Now each member's confirm shows the other
-    the liar's signature on another digest: nobody steps such a round, the liar is left out at once, and the honest
-    two step on together, with the same weights."""
+    the liar's signature on another digest: nobody steps such a round, the liar is left out at once, the honest
+    two step on together, with the same weights, and their proof (the liar's two signatures) gets it revoked."""
     ids = {name: _identity(swarm.workdir, name) for name in ("s0a", "s0b", "s1", "liar")}
     swarm.coordinator(SPEC)
     honest = {name: swarm.server(name, stage) for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1))}
@@ -499,6 +499,10 @@ def test_an_owner_that_sends_members_different_averages_splits_no_replicas(swarm
         time.sleep(0.3)
     split = {int(step) for step in re.findall(r"LIAR split step (\d+)", liar.output())}
     assert split, liar.output()[-3000:]
+    # the replicas' proof (its two signatures) reaches the coordinator, which checks it and revokes the liar alone
+    swarm.peers[0].wait_for(rf"authority: revoked {ids['liar']}: it signed two different averages", 60)
+    liar.wait_for(r"credential was revoked", 60)
+    assert not any(f"revoked {ids[name]}" in swarm.peers[0].output() for name in ("s0a", "s0b", "s1"))
     at = min(info(endpoints[name]).epoch for name in ("s0a", "s0b"))
     deadline = time.monotonic() + 120
     while min(info(endpoints[name]).epoch for name in ("s0a", "s0b")) < at + 5:  # they step on, without it

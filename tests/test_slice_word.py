@@ -9,8 +9,9 @@ import pytest
 import torch
 from test_averaging import SPEC, _averagers, _three_rounds
 
+from dht.records import LieProofs, SignedDigest
 from peer.config import RunSpec
-from peer.server.slice_word import new_digest, statement
+from peer.server.slice_word import new_digest, proves_a_lie, statement
 from protocols import averaging_pb2
 from protocols.averaging_frames import message_frame, parse_frame, piece_frame
 
@@ -58,6 +59,7 @@ def test_an_owner_that_sends_members_different_averages_is_caught_and_nobody_ste
         assert results[0] is None and results[1] is None, results  # nobody honest steps an average apart
         if how == "signed":
             assert all(a.allreduce.failures.left_out(ids[2]) for _, a in members[:2])  # proven: out at once
+            _check_proofs([a.allreduce.proofs for _, a in members[:2]], ids[2])
         assert all(not a.allreduce.failures.left_out(ids[j]) for j, (_, a) in enumerate(members[:2]) for j in (0, 1))
         expected = [[p for p in ids if not a.allreduce.failures.left_out(p)] for _, a in members[:2]] + [ids]
         if how == "unsigned":
@@ -67,6 +69,29 @@ def test_an_owner_that_sends_members_different_averages_is_caught_and_nobody_ste
     assert results[0].members == results[1].members == ids[:2]
     assert torch.equal(results[0].gradients[0], results[1].gradients[0])
     assert torch.equal(results[0].gradients[0], torch.full((300,), 2.0))
+
+
+def _check_proofs(kept, liar: str) -> None:
+    """Each honest member kept a proof the coordinator accepts (its two signatures), and nothing else passes as one:
+    another run, one digest twice, a signature changed, another peer named, bad hex, a round's nonces changed."""
+    assert all(len(proofs) == 1 for proofs in kept), kept
+    lie = kept[0][0]
+    assert lie.liar == liar and proves_a_lie(lie, "test") and proves_a_lie(kept[1][0], "test")
+    assert LieProofs.model_validate_json(LieProofs(proofs=[lie]).model_dump_json()).proofs[0] == lie
+    one_digest = [lie.words[0], lie.words[0]]
+    other_signature = [lie.words[0], SignedDigest(digest=lie.words[1].digest, signature=lie.words[0].signature)]
+    for change in (
+        {"run_id": "other"},
+        {"words": one_digest},
+        {"words": other_signature},
+        {"liar": lie.group[0]},
+        {"nonces": [n[::-1] for n in lie.nonces]},
+        {"nonces": ["zz"] * len(lie.nonces)},
+        {"epoch": lie.epoch + 1},
+    ):
+        assert not proves_a_lie(lie.model_copy(update=change), "test"), change
+    with pytest.raises(ValueError):
+        LieProofs(proofs=[lie] * 17)  # at most 16 a record: what the coordinator checks is bounded
 
 
 def test_a_member_whose_confirm_names_a_digest_never_signed_is_caught():
@@ -91,6 +116,7 @@ def test_a_member_whose_confirm_names_a_digest_never_signed_is_caught():
         results = _three_rounds(members, 3)
         assert results[0] is None and results[1] is None, results
         assert all(a.allreduce.failures.left_out(ids[2]) for _, a in members[:2])
+        assert not any(a.allreduce.proofs for _, a in members)  # its word on its own call: nothing anyone can check
         results = _three_rounds(members, 4, expected=[ids[:2], ids[:2], ids])
     assert results[0] is not None and results[1] is not None, results
     assert torch.equal(results[0].gradients[0], results[1].gradients[0])

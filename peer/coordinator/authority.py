@@ -7,7 +7,9 @@ own key. Invite codes and revocations live in files beside the coordinator's ide
 by the running coordinator (every `security.reports_period` s), which publishes the revocation list every
 half `admission.refresh` (at most as often as it looks).
 Trainers' spot-check reports count toward revoking a server (`admission.revoke_after_reports`); the coordinator
-revokes it only once its own probe finds its answers wrong (peer.coordinator.referee).
+revokes it only once its own probe finds its answers wrong (peer.coordinator.referee). A replica's proof that a
+peer signed two different averages of one slice (dht.records.LieProofs) revokes that peer at once: the coordinator
+checks both signatures itself (peer.server.slice_word.proves_a_lie).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from dht import keys
 from dht.credential import CredentialError, RunAuthority, invite_mac, ownership_proof
 from dht.identity import Identity
 from dht.node import SwarmDHT
-from dht.records import CredentialGrant, CredentialRequest, RevocationList, SpotCheckReport, TrainerRecord
+from dht.records import CredentialGrant, CredentialRequest, LieProofs, RevocationList, SpotCheckReport, TrainerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator.admission_files import PEER_ROLES, invite_taken, invite_takers, read_json, revoke, take_invite
 from peer.coordinator.referee import Referee
 from peer.process.status_lines import say
+from peer.server.slice_word import proves_a_lie
 
 logger = logging.getLogger(__name__)
 GRANT_STORES = 8  # answers stored in the DHT at once
@@ -68,6 +71,8 @@ class Authority:
         self._probed: dict[str, float] = {}  # reported peer -> when (monotonic) it may be probed again
         self._requests_every = 0.0  # s between full reads of requests now: grows at rest (security.requests_*)
         self._arrived = False  # a record came under the requests key since the last pass (SwarmDHT.touched)
+        self._proofs_due = 0.0  # monotonic: the next read of replicas' proofs (at once when one arrives)
+        self._proofs_read: dict[str, float] = {}  # reporter -> its proofs record's time, as last checked
 
     # ---- the coordinator's own credential ------------------------------------------------------
     def issue_own(self, security) -> tuple[str, str]:
@@ -148,7 +153,7 @@ class Authority:
                 (
                     "authority-revocations",
                     self.cfg.security.reports_period,
-                    (self.follow_revocations, self.read_reports),
+                    (self.follow_revocations, self.read_reports, self.read_proofs),
                     0.0,
                     None,
                 ),
@@ -307,6 +312,35 @@ class Authority:
             if len(who) >= needed and peer not in self.revoked and peer != self.identity.peer_id:
                 self._judge(peer, len(who))
         self.follow_revocations()
+
+    def read_proofs(self) -> None:
+        """Revoke a peer that signed two different averages of one slice, on one replica's proof
+        (dht.records.LieProofs): both signatures are checked here (peer.server.slice_word.proves_a_lie), so no
+        replica's word is taken. A proof older than the run owner's pardon of the liar counts no more."""
+        key = keys.proofs_key(self.spec.name)
+        touched = self.dht.touched(key)
+        if time.monotonic() < self._proofs_due and not (touched is not None and touched.is_set()):
+            return
+        if touched is not None:
+            touched.clear()
+        self._proofs_due = time.monotonic() + self.cfg.coordinator.rest_period
+        records = self.dht.get(key, LieProofs) or {}
+        if len(self._proofs_read) > ANSWERED_KEPT:
+            self._proofs_read.clear()
+        for reporter, record in records.items():
+            if self._proofs_read.get(reporter) == record.updated:
+                continue  # checked as it is
+            self._proofs_read[reporter] = record.updated
+            for lie in record.proofs:
+                liar = lie.liar
+                if liar in self.revoked or liar == self.identity.peer_id or not proves_a_lie(lie, self.spec.name):
+                    continue
+                if min(lie.caught, time.time()) < float(self.pardoned.get(liar, 0.0)):
+                    continue
+                why = f"it signed two different averages of its slice at step {lie.epoch} (proof from {reporter})"
+                revoke(self.revoked_path, liar, why)
+                logger.warning("authority: revoked %s: %s", liar, why)
+                self.follow_revocations()
 
     def _judge(self, peer: str, reporters: int) -> None:
         """Revoke a server that enough trainers reported only if the coordinator's own probe finds it wrong

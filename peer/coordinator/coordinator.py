@@ -192,7 +192,7 @@ def start_dht(
     # the authority hears of credential requests and spot-check reports as they reach this node, and the coordinator
     # of a peer that joins (a record under a part's or the trainers' key from an owner new there: MEMBERS)
     watched = {
-        "watched": [keys.credential_requests_key(spec.name), keys.reports_key(spec.name)],
+        "watched": [keys.credential_requests_key(spec.name), keys.reports_key(spec.name), keys.proofs_key(spec.name)],
         "arrivals": {MEMBERS: member_keys(spec)},
     }
     # remembered peers that no longer answer at all are left out at once, not waited for (rejoin_timeout)

@@ -37,7 +37,7 @@ import torch
 from peer.net.refusal import Refused
 from peer.server import slice_word
 from peer.server.owned_slice import Attempt, Failed, OwnedSlice, contribution_key, liars_among
-from peer.server.piece_codec import PieceCodec, PieceError
+from peer.server.piece_codec import PieceCodec, PieceError, decode_into
 from peer.server.round_failures import RoundFailures
 from peer.server.slicing import Flat, Limits, piece_bounds, slice_bounds
 from protocols import averaging_pb2
@@ -79,6 +79,7 @@ class AllReduce:
         self._started: dict[tuple[int, int], asyncio.Event] = {}
         # epoch -> the group that stepped it, for the last rounds
         self._stepped: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
+        self.proofs: collections.deque = collections.deque(maxlen=16)  # dht.records.AverageLie, newest last
 
     def bind(self, loop, client, identity, endpoint_of, header: averaging_pb2.AverageHeader, epoch_now, admitted):
         """Set once the replica serves: its loop, client (TLS pinning), identity (dht.identity.Identity: its peer id,
@@ -153,7 +154,7 @@ class AllReduce:
             await owned.set_confirm(confirm)
             ours.set_result(confirm)
             confirms = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
-            self._confirmed(run, confirm, confirms, self._prefix(run, [c.nonce for c in gathered]))
+            self._confirmed(run, confirm, confirms, [c.nonce for c in gathered])
         except Failed as e:
             await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason=e.reason))
             raise
@@ -169,15 +170,19 @@ class AllReduce:
     def _signer(self, run: Attempt) -> Callable[[list[bytes], bytes], bytes]:
         return lambda nonces, digest: self.sign(self._prefix(run, nonces)(self.peer_id) + digest)
 
-    def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict, prefix) -> None:
+    def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict, nonces: list[bytes]) -> None:
         """Every other member's confirm names our digests, or Failed: nobody steps this attempt (every verdict was
-        ok, so nobody runs another at this step either), and a proven liar is left out of our rounds."""
-        found = slice_word.confirms_failure(run.group, ours, confirms, prefix)
-        if found is not None:
-            whom, why, proven = found
-            if proven:
-                self.failures.caught(whom, why)
-            raise Failed({whom}, why, stepped=True, claimants=set() if proven else {whom})
+        ok, so nobody runs another at this step either); a proven liar is left out of our rounds, and an owner's two
+        signed digests kept as a proof for the coordinator (`proofs`: peer.server.lie_reports)."""
+        fault = slice_word.confirms_failure(run.group, ours, confirms, self._prefix(run, nonces))
+        if fault is not None:
+            if fault.proven:
+                self.failures.caught(fault.whom, fault.why)
+            if fault.theirs is not None:
+                self.proofs.append(
+                    slice_word.lie_of(self.header_base, run.epoch, run.attempt, run.group, nonces, fault)
+                )
+            raise Failed({fault.whom}, fault.why, stepped=True, claimants=set() if fault.proven else {fault.whom})
 
     def _prefix(self, run: Attempt, nonces: list[bytes]) -> Callable[[str], bytes]:
         return lambda owner: slice_word.statement(self.header_base, run.epoch, run.attempt, run.group, owner, nonces)
@@ -334,7 +339,7 @@ class AllReduce:
                 return Failed({owner}, f"{owner}: sent a frame it should not ({kind})")
             start, end = pieces[received]
             try:
-                await loop.run_in_executor(self.pool, _decode_into, self.codec, body, run.out, start, end, digest)
+                await loop.run_in_executor(self.pool, decode_into, self.codec, body, run.out, start, end, digest)
             except PieceError as e:
                 return Failed({owner}, f"{owner}: {e}")
             received += 1
@@ -488,10 +493,3 @@ def _failed(verdict) -> bool:
 
 def _verdict(verdict: averaging_pb2.AverageVerdict) -> bytes:
     return message_frame(averaging_pb2.AverageFrame(verdict=verdict))
-
-
-def _decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int, digest) -> None:
-    """On the averaging thread: an owner's averaged piece into our output (PieceError if it is not one), and into
-    the digest of its slice."""
-    digest.update(data)
-    out[start:end] = codec.decode(data, end - start)

@@ -108,3 +108,10 @@ class PieceCodec:
     def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
         """What a receiver decodes of `flat`: the codec's rounding applied (float32, flat, its own memory)."""
         return self.decode(self.encode(flat), flat.numel()).clone()
+
+
+def decode_into(codec: PieceCodec, data, out: torch.Tensor, start: int, end: int, digest) -> None:
+    """On the averaging thread: an owner's averaged piece into our output (PieceError if it is not one), and into
+    the digest of its slice (peer.server.slice_word)."""
+    digest.update(data)
+    out[start:end] = codec.decode(data, end - start)

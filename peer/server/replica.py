@@ -52,6 +52,7 @@ from peer.net.client import StageClient
 from peer.net.refusal import Refused
 from peer.process.failpoints import Failpoints
 from peer.server.averaging import GradientAverager
+from peer.server.lie_reports import LieReports
 from peer.server.replica_belief import StepBelief
 from peer.server.replica_handover import Handover
 from peer.server.replica_push import Pushing
@@ -196,6 +197,7 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
         self._seen: dict[str, float] = {}  # peer -> when its record was last read (bounded by record_ttl)
         self._first_seen: dict[str, int] = {}  # peer -> this replica's step when it first read its record
         self._distrusted: set[str] = set()  # peers whose state claimed a step its weights could not be at
+        self.lies = LieReports(self)  # partners its rounds proved to lie, told the coordinator
         # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
         self._donor_strikes: dict[str, tuple[int, float]] = {}
         self._transfer_lead: ServerRecord | None = None  # the donor that led the transfer tried last
@@ -462,6 +464,7 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
                     await self._announced_while(self._rejoin(group))
                 self._maybe_step()
             await self.publish()
+            await self.lies.report()  # partners its rounds proved to lie, for the coordinator (peer.server.lie_reports)
             await self.on_progress()
 
     async def on_progress(self) -> None:

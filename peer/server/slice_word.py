@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from dht.identity import verify
+from dht.records import AverageLie, SignedDigest
 from protocols import averaging_pb2
 from protocols.averaging_frames import parse_frame
 from protocols.framing import FramingError
@@ -50,32 +53,65 @@ def confirm_of(group: list[str], verdicts: dict[str, averaging_pb2.AverageVerdic
     )
 
 
-def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -> tuple[str, str, bool] | None:
-    """(whom, why, proven) for the first of the other members' confirms (sender -> Confirm, or anything else when
-    none came) that does not name our digests; None when all do."""
-    for sender, confirm in confirms.items():
-        if not isinstance(confirm, averaging_pb2.Confirm) or not confirm.ok:
-            return sender, f"no confirm: {getattr(confirm, 'reason', 'none')}", False
-        caught = liar_in(group, ours, sender, confirm, prefix)
-        if caught is not None:
-            return (*caught, True)
+@dataclass
+class Fault:
+    """Why an attempt's confirms fail it: whose word, why, whether the lie is proven (left out at once), and where
+    the slice's owner signed two digests, both (digest, signature) pairs: a proof anyone can check (`lie_of`)."""
+
+    whom: str
+    why: str
+    proven: bool = False
+    mine: tuple[bytes, bytes] | None = None
+    theirs: tuple[bytes, bytes] | None = None
+
+
+def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -> Fault | None:
+    """The fault of the first of the other members' confirms (sender -> Confirm, or anything else when none came)
+    that does not name our digests; None when all do. `prefix(owner)` is the statement of owner's slice."""
+    for sender, theirs in confirms.items():
+        if not isinstance(theirs, averaging_pb2.Confirm) or not theirs.ok:
+            return Fault(sender, f"no confirm: {getattr(theirs, 'reason', 'none')}")
+        if len(theirs.digests) != len(group) or len(theirs.signatures) != len(group):
+            return Fault(sender, f"{sender} confirmed {len(theirs.digests)} slices of {len(group)}", proven=True)
+        for i, owner in enumerate(group):
+            if theirs.digests[i] == ours.digests[i]:
+                continue
+            word = (theirs.digests[i], theirs.signatures[i])
+            if signed_by(owner, prefix(owner), *word):
+                why = f"{owner} signed two different averages of its slice (ours and {sender}'s)"
+                return Fault(owner, why, True, (ours.digests[i], ours.signatures[i]), word)
+            return Fault(sender, f"{sender} named an average of {owner}'s slice that {owner} never signed", True)
     return None
 
 
-def liar_in(
-    group: list[str], mine: averaging_pb2.Confirm, sender: str, theirs: averaging_pb2.Confirm, prefix: Callable
-) -> tuple[str, str] | None:
-    """Who lied, if `sender`'s confirm names another digest than ours for any slice, and how; None if it names
-    ours. `prefix(owner)` is the statement of owner's slice."""
-    if len(theirs.digests) != len(group) or len(theirs.signatures) != len(group):
-        return sender, f"{sender} confirmed {len(theirs.digests)} slices of {len(group)}"
-    for i, owner in enumerate(group):
-        if theirs.digests[i] == mine.digests[i]:
-            continue
-        if signed_by(owner, prefix(owner), theirs.digests[i], theirs.signatures[i]):
-            return owner, f"{owner} signed two different averages of its slice (ours and {sender}'s)"
-        return sender, f"{sender} named an average of {owner}'s slice that {owner} never signed"
-    return None
+def lie_of(header: averaging_pb2.AverageHeader, epoch: int, attempt: int, group, nonces, fault: Fault) -> AverageLie:
+    """The proof of an owner's two signed digests of one slice, as the coordinator reads it (`proves_a_lie`)."""
+    return AverageLie(
+        liar=fault.whom,
+        run_id=header.run_id,
+        stage=header.stage,
+        expert=header.expert,
+        epoch=epoch,
+        attempt=attempt,
+        group=list(group),
+        nonces=[bytes(n).hex() for n in nonces],
+        words=[SignedDigest(digest=d.hex(), signature=s.hex()) for d, s in (fault.mine, fault.theirs)],
+        caught=time.time(),
+    )
+
+
+def proves_a_lie(lie: AverageLie, run_id: str) -> bool:
+    """Whether `lie` holds two different digests of one slice of `run_id`, each signed by its owner, `lie.liar`."""
+    try:
+        nonces = [bytes.fromhex(n) for n in lie.nonces]
+        words = [(bytes.fromhex(w.digest), bytes.fromhex(w.signature)) for w in lie.words]
+    except ValueError:
+        return False
+    if lie.run_id != run_id or lie.liar not in lie.group or len(nonces) != len(lie.group) or words[0][0] == words[1][0]:
+        return False
+    header = averaging_pb2.AverageHeader(run_id=lie.run_id, stage=lie.stage, expert=lie.expert)
+    prefix = statement(header, lie.epoch, lie.attempt, list(lie.group), lie.liar, nonces)
+    return all(signed_by(lie.liar, prefix, digest, signature) for digest, signature in words)
 
 
 async def read_confirm(call, owner: str, wait: float) -> averaging_pb2.Confirm | str:
