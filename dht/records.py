@@ -205,12 +205,16 @@ class BooksRecord(Record):
 
 
 class SignedDigest(BaseModel):
-    """One digest of a slice's averages and the owner's signature of its statement with it (hex)."""
+    """One digest of a slice's averages (SHA-256) and the owner's signature (Ed25519) of its statement with it, hex."""
 
     model_config = ConfigDict(extra="ignore")
 
-    digest: str = Field(max_length=64)
-    signature: str = Field(max_length=128)
+    digest: str = Field(min_length=64, max_length=64)
+    signature: str = Field(min_length=128, max_length=128)
+
+
+PeerName = Annotated[str, Field(max_length=128)]
+Nonce = Annotated[str, Field(min_length=32, max_length=32)]  # 16 bytes, hex
 
 
 class AverageLie(BaseModel):
@@ -220,14 +224,14 @@ class AverageLie(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    liar: str = Field(max_length=128)
+    liar: PeerName
     run_id: str = Field(max_length=128)
     stage: int = Field(ge=0)
     expert: str = Field(default="", max_length=64)
     epoch: int = Field(ge=0)
     attempt: int = Field(ge=0)
-    group: list[str] = Field(max_length=64)
-    nonces: list[str] = Field(max_length=64)  # hex, in group order
+    group: list[PeerName] = Field(max_length=1023)  # averaging.max_group_size at most
+    nonces: list[Nonce] = Field(max_length=1023)  # in group order
     words: list[SignedDigest] = Field(min_length=2, max_length=2)
     caught: float = 0.0  # unix time the replica saw it
 

@@ -139,6 +139,11 @@ def test_close_kills_processes_and_removes_everything_twice():
         wan.add_host("late")
 
 
+DEFAULT_SIGINT_EXEC = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
     text, deadline = "", time.monotonic() + timeout
     while marker not in text:
@@ -152,12 +157,14 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_hold_cleans_up_on_signal(sig):
     # as from a terminal: SIGINT delivered (a background job of a script, as CI may run this, inherits
-    # it ignored, and lab.py then keeps ignoring it, as nohup wants)
+    # it ignored, and lab.py then keeps ignoring it, as nohup wants). Reset by a small program that then execs
+    # lab.py, not by a preexec_fn: Python code run in a child forked from this many-threaded process (the threads
+    # gRPC and torch left from earlier tests) is unsafe, and in one full-suite run the child died with SIGABRT
+    # before lab.py printed anything
     proc = subprocess.Popen(
-        [*LAB, "hold", "--hosts", "2", "--rate", "50"],
+        [sys.executable, "-c", DEFAULT_SIGINT_EXEC, *LAB, "hold", "--hosts", "2", "--rate", "50"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         text = _read_until(proc, "holding", 20)

@@ -73,6 +73,7 @@ class Authority:
         self._arrived = False  # a record came under the requests key since the last pass (SwarmDHT.touched)
         self._proofs_due = 0.0  # monotonic: the next read of replicas' proofs (at once when one arrives)
         self._proofs_read: dict[str, float] = {}  # reporter -> its proofs record's time, as last checked
+        self._proofs_seen: dict[tuple, float] = {}  # a proof's round -> when this coordinator first saw it
 
     # ---- the coordinator's own credential ------------------------------------------------------
     def issue_own(self, security) -> tuple[str, str]:
@@ -316,7 +317,8 @@ class Authority:
     def read_proofs(self) -> None:
         """Revoke a peer that signed two different averages of one slice, on one replica's proof
         (dht.records.LieProofs): both signatures are checked here (peer.server.slice_word.proves_a_lie), so no
-        replica's word is taken. A proof older than the run owner's pardon of the liar counts no more."""
+        replica's word is taken. A proof this coordinator first saw before the run owner pardoned the liar counts no
+        more (by when it saw it, not by the reporter's word on when; after a restart, a proof stored again counts)."""
         key = keys.proofs_key(self.spec.name)
         touched = self.dht.touched(key)
         if time.monotonic() < self._proofs_due and not (touched is not None and touched.is_set()):
@@ -325,8 +327,8 @@ class Authority:
             touched.clear()
         self._proofs_due = time.monotonic() + self.cfg.coordinator.rest_period
         records = self.dht.get(key, LieProofs) or {}
-        if len(self._proofs_read) > ANSWERED_KEPT:
-            self._proofs_read.clear()
+        if len(self._proofs_read) > ANSWERED_KEPT or len(self._proofs_seen) > ANSWERED_KEPT:
+            self._proofs_read.clear(), self._proofs_seen.clear()
         for reporter, record in records.items():
             if self._proofs_read.get(reporter) == record.updated:
                 continue  # checked as it is
@@ -335,7 +337,8 @@ class Authority:
                 liar = lie.liar
                 if liar in self.revoked or liar == self.identity.peer_id or not proves_a_lie(lie, self.spec.name):
                     continue
-                if min(lie.caught, time.time()) < float(self.pardoned.get(liar, 0.0)):
+                seen = self._proofs_seen.setdefault((liar, lie.stage, lie.expert, lie.epoch, *lie.nonces), time.time())
+                if seen < float(self.pardoned.get(liar, 0.0)):
                     continue
                 why = f"it signed two different averages of its slice at step {lie.epoch} (proof from {reporter})"
                 revoke(self.revoked_path, liar, why)

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ class AllReduce:
             await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason=e.reason))
             raise
         finally:
+            await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason="the attempt ended"))  # unless set
             if not ours.done():
                 ours.set_result(None)
             for task in calls.values():
@@ -171,17 +173,16 @@ class AllReduce:
         return lambda nonces, digest: self.sign(self._prefix(run, nonces)(self.peer_id) + digest)
 
     def _confirmed(self, run: Attempt, ours: averaging_pb2.Confirm, confirms: dict, nonces: list[bytes]) -> None:
-        """Every other member's confirm names our digests, or Failed: nobody steps this attempt (every verdict was
-        ok, so nobody runs another at this step either); a proven liar is left out of our rounds, and an owner's two
-        signed digests kept as a proof for the coordinator (`proofs`: peer.server.lie_reports)."""
+        """Every other member's confirm names our digests (or says it does not step), or Failed: we do not step (nor
+        run another attempt: every verdict was ok). A proven liar is left out of our rounds, and an owner's two signed
+        digests kept as a proof for the coordinator (`proofs`: peer.server.lie_reports). A confirm that never came is
+        a word like a verdict that never came: checked at the next invitation (claimants)."""
         fault = slice_word.confirms_failure(run.group, ours, confirms, self._prefix(run, nonces))
         if fault is not None:
             if fault.proven:
                 self.failures.caught(fault.whom, fault.why)
             if fault.theirs is not None:
-                self.proofs.append(
-                    slice_word.lie_of(self.header_base, run.epoch, run.attempt, run.group, nonces, fault)
-                )
+                self.proofs.append(slice_word.lie_of(self.header_base, run, nonces, fault))
             raise Failed({fault.whom}, fault.why, stepped=True, claimants=set() if fault.proven else {fault.whom})
 
     def _prefix(self, run: Attempt, nonces: list[bytes]) -> Callable[[str], bytes]:
@@ -274,6 +275,8 @@ class AllReduce:
         finally:
             writer.cancel()
             call.cancel()  # over: its verdict and confirm are in, or not to be
+            if not verdict_in.done():  # ended otherwise (a channel closed under it, say): the attempt must not wait
+                verdict_in.set_result(Failed({owner}, f"{owner}: the call ended ({type(sys.exc_info()[1]).__name__})"))
 
     @staticmethod
     async def _give_up(call, lost: set[str]) -> None:
@@ -331,6 +334,8 @@ class AllReduce:
                     return Failed({owner}, f"{owner} holds {body.total_elements} elements, not ours")
                 if body.ok and body.digest != digest.digest():
                     return Failed({owner}, f"{owner}: its verdict's digest is not that of the pieces it sent")
+                if body.ok and not slice_word.in_group_order(body.gathered, run.group):
+                    return Failed({owner}, f"{owner}: its verdict's contributions are not the group's, in its order")
                 signed = self._prefix(run, [c.nonce for c in body.gathered])(owner)
                 if body.ok and not slice_word.signed_by(owner, signed, body.digest, body.signature):
                     return Failed({owner}, f"{owner}: its verdict's signature is not its own")

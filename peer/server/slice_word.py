@@ -67,9 +67,14 @@ class Fault:
 
 def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -> Fault | None:
     """The fault of the first of the other members' confirms (sender -> Confirm, or anything else when none came)
-    that does not name our digests; None when all do. `prefix(owner)` is the statement of owner's slice."""
+    that does not name our digests; None when all do. `prefix(owner)` is the statement of owner's slice. A confirm
+    that says its sender does not step (its own attempt failed late, perhaps because another member lied to it alone)
+    binds nobody: what we step, it does not, and any two that step have checked each other's digests. Its sender is
+    not blamed for it, so a liar cannot get an honest member struck by failing that member alone."""
     for sender, theirs in confirms.items():
-        if not isinstance(theirs, averaging_pb2.Confirm) or not theirs.ok:
+        if isinstance(theirs, averaging_pb2.Confirm) and not theirs.ok:
+            continue
+        if not isinstance(theirs, averaging_pb2.Confirm):
             return Fault(sender, f"no confirm: {getattr(theirs, 'reason', 'none')}")
         if len(theirs.digests) != len(group) or len(theirs.signatures) != len(group):
             return Fault(sender, f"{sender} confirmed {len(theirs.digests)} slices of {len(group)}", proven=True)
@@ -84,8 +89,16 @@ def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -
     return None
 
 
-def lie_of(header: averaging_pb2.AverageHeader, epoch: int, attempt: int, group, nonces, fault: Fault) -> AverageLie:
-    """The proof of an owner's two signed digests of one slice, as the coordinator reads it (`proves_a_lie`)."""
+def in_group_order(gathered, group: list[str]) -> bool:
+    """Whether a verdict's contributions are the group's members, in group order, each with a nonce of its size:
+    the statement its owner signed is then the one every member checks (and no bigger)."""
+    return [c.peer_id for c in gathered] == list(group) and all(len(c.nonce) == NONCE_BYTES for c in gathered)
+
+
+def lie_of(header: averaging_pb2.AverageHeader, run, nonces, fault: Fault) -> AverageLie:
+    """The proof of an owner's two signed digests of one slice of `run` (an attempt), as the coordinator reads it
+    (`proves_a_lie`)."""
+    epoch, attempt, group = run.epoch, run.attempt, run.group
     return AverageLie(
         liar=fault.whom,
         run_id=header.run_id,
