@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 from helpers.calls import info
 
 from dht.records import ServerRecord
@@ -115,6 +116,7 @@ FREE = [
 ]
 
 
+@pytest.mark.slow  # ~35 s of the README suite's 10 minutes on 2 cores; its plan is unit-tested above
 def test_a_server_moves_to_the_weak_stage_and_only_one_does(swarm):
     swarm.coordinator(SPEC)
     pinned = [swarm.server("s0", 0, SAME), swarm.server("s1", 1, SAME)]

@@ -27,7 +27,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -276,7 +275,7 @@ class AllReduce:
             writer.cancel()
             call.cancel()  # over: its verdict and confirm are in, or not to be
             if not verdict_in.done():  # ended otherwise (a channel closed under it, say): the attempt must not wait
-                verdict_in.set_result(Failed({owner}, f"{owner}: the call ended ({type(sys.exc_info()[1]).__name__})"))
+                verdict_in.set_result(Failed({owner}, f"{owner}: the call ended without its verdict"))
 
     @staticmethod
     async def _give_up(call, lost: set[str]) -> None:
