@@ -205,7 +205,7 @@ class BooksRecord(Record):
 
 
 class SignedDigest(BaseModel):
-    """One digest of a slice's averages (SHA-256) and the owner's signature (Ed25519) of its statement with it, hex."""
+    """One digest of a slice's averages (BLAKE3) and the owner's signature (Ed25519) of its statement with it, hex."""
 
     model_config = ConfigDict(extra="ignore")
 
