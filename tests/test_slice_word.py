@@ -5,6 +5,8 @@ apart. Before, the members stepped different means under one step number, and th
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from test_averaging import SPEC, _averagers, _three_rounds
@@ -220,3 +222,43 @@ def test_a_member_that_says_it_does_not_step_holds_nobody_back_and_is_not_struck
         for _, a in members[:2]:
             a.allreduce.failures.check({ids[2]: 3}, 3)  # at the step it did not take: no false word
             assert not a.allreduce.failures._failed, a.allreduce.failures._failed
+
+
+def test_a_member_that_told_others_it_does_not_step_does_not_step():
+    """Owner 2 holds its averages back until members 0 and 1 have told each other that they do not step (their own
+    sides had not every verdict within 3 read timeouts), then sends member 1 other averages than member 0, each with
+    its signature, and names to each, in its confirm, the digest that one got. Members 0 and 1 skipped each other's
+    digests on the word that neither steps, so both must keep that word: before, both stepped, apart."""
+    spec = RunSpec.from_dict(SPEC)  # read_timeout 1 s: a confirm waits 3 s; a first piece is awaited 4 s
+    with _averagers(3, spec) as (members, servers):
+        ids = [pid for pid, _ in members]
+        member = servers[2]
+        allreduce, honest = member.averager.allreduce, member.averager.allreduce.serve
+
+        async def serve(header, frames, caller):
+            lying, digest, first, prefix = header.sender.peer_id == ids[1], new_digest(), True, None
+            async for frame in honest(header, frames, caller):
+                kind, body = parse_frame(frame)
+                if kind == "piece" and first:
+                    first = False
+                    await asyncio.sleep(3.4)  # past the others' confirms, within their wait for our first piece
+                if lying and kind == "piece":
+                    encoded = allreduce.codec.encode(allreduce.codec.decode(body, len(body) // 4) + 1.0)
+                    digest.update(encoded)
+                    frame = piece_frame(encoded)
+                elif lying and kind == "verdict" and body.ok:
+                    nonces, group = [c.nonce for c in body.gathered], list(header.group)
+                    prefix = statement(allreduce.header_base, header.epoch, header.attempt, group, ids[2], nonces)
+                    body.digest, body.signature = digest.digest(), member.identity.sign(prefix + digest.digest())
+                    frame = message_frame(averaging_pb2.AverageFrame(verdict=body))
+                elif lying and kind == "confirm" and body.ok and prefix is not None:
+                    body.digests[2], body.signatures[2] = (
+                        digest.digest(),
+                        member.identity.sign(prefix + digest.digest()),
+                    )
+                    frame = message_frame(averaging_pb2.AverageFrame(confirm=body))
+                yield frame
+
+        allreduce.serve = serve
+        results = _three_rounds(members, 3)
+    assert results[0] is None and results[1] is None, results

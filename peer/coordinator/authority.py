@@ -335,10 +335,11 @@ class Authority:
             self._proofs_read[reporter] = record.updated
             for lie in record.proofs:
                 liar = lie.liar
-                if liar in self.revoked or liar == self.identity.peer_id or not proves_a_lie(lie, self.spec.name):
-                    continue
+                # when this coordinator first saw it, revoked or not: a pardon voids what was seen before it
                 seen = self._proofs_seen.setdefault((liar, lie.stage, lie.expert, lie.epoch, *lie.nonces), time.time())
-                if seen < float(self.pardoned.get(liar, 0.0)):
+                if liar in self.revoked or liar == self.identity.peer_id or seen < float(self.pardoned.get(liar, 0.0)):
+                    continue
+                if not proves_a_lie(lie, self.spec.name):
                     continue
                 why = f"it signed two different averages of its slice at step {lie.epoch} (proof from {reporter})"
                 revoke(self.revoked_path, liar, why)

@@ -152,14 +152,13 @@ class AllReduce:
             gathered = self._agreed(run, verdicts)
             confirm = slice_word.confirm_of(run.group, verdicts)
             await owned.set_confirm(confirm)
+            if owned.confirm is not confirm:  # a member already heard that we do not step: we do not
+                raise Failed(set(), f"we confirmed no step: {owned.confirm.reason}", stepped=True)
             ours.set_result(confirm)
             confirms = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
             self._confirmed(run, confirm, confirms, [c.nonce for c in gathered])
-        except Failed as e:
-            await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason=e.reason))
-            raise
-        finally:
-            await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason="the attempt ended"))  # unless set
+        finally:  # unless set: members we answer hear that we do not step
+            await owned.set_confirm(averaging_pb2.Confirm(ok=False, reason="our side of the attempt failed"))
             if not ours.done():
                 ours.set_result(None)
             for task in calls.values():

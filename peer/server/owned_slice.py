@@ -200,12 +200,15 @@ class OwnedSlice:
             self.changed.notify_all()
 
     async def confirmation(self, timeout: float) -> averaging_pb2.Confirm:
-        """Our confirm once our side has it; a failed one if it did not come within `timeout`."""
+        """Our confirm once our side has it; a failed one if it did not come within `timeout`, which is then ours for
+        good: a member told that we do not step checks nothing of ours, so we must not step (AllReduce._attempt)."""
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.confirm is not None), timeout)
             except TimeoutError:
-                return averaging_pb2.Confirm(ok=False, reason=f"our side had not every verdict in {timeout:.1f} s")
+                if self.confirm is None:
+                    why = f"our side had not every verdict in {timeout:.1f} s"
+                    self.confirm = averaging_pb2.Confirm(ok=False, reason=why)
         return self.confirm
 
 

@@ -73,11 +73,13 @@ def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -
     that says its sender does not step (its own attempt failed late, perhaps because another member lied to it alone)
     binds nobody: what we step, it does not, and any two that step have checked each other's digests. Its sender is
     not blamed for it, so a liar cannot get an honest member struck by failing that member alone."""
+    missing = None  # a proven lie in a later confirm goes first: one missing must not hide it
     for sender, theirs in confirms.items():
         if isinstance(theirs, averaging_pb2.Confirm) and not theirs.ok:
             continue
         if not isinstance(theirs, averaging_pb2.Confirm):
-            return Fault(sender, f"no confirm: {getattr(theirs, 'reason', 'none')}")
+            missing = missing or Fault(sender, f"no confirm: {getattr(theirs, 'reason', 'none')}")
+            continue
         if len(theirs.digests) != len(group) or len(theirs.signatures) != len(group):
             return Fault(sender, f"{sender} confirmed {len(theirs.digests)} slices of {len(group)}", proven=True)
         for i, owner in enumerate(group):
@@ -88,7 +90,7 @@ def confirms_failure(group: list[str], ours, confirms: dict, prefix: Callable) -
                 why = f"{owner} signed two different averages of its slice (ours and {sender}'s)"
                 return Fault(owner, why, True, (ours.digests[i], ours.signatures[i]), word)
             return Fault(sender, f"{sender} named an average of {owner}'s slice that {owner} never signed", True)
-    return None
+    return missing
 
 
 def in_group_order(gathered, group: list[str]) -> bool:
