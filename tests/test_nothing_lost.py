@@ -103,6 +103,25 @@ def test_a_trainer_started_again_while_a_replica_holding_its_backwards_hangs_cou
     books_balance(swarm, samples)
 
 
+def test_a_backward_whose_answer_never_came_goes_to_its_server_again_and_counts_once(swarm):
+    """Replica a of stage 1 adds its first two backwards but answers them only after the trainer's deadline (a
+    failpoint: as if SIGSTOPped just after adding them). The trainer sends each to a again, which answers with
+    the first addition and adds nothing. Sent to replica b instead (as any failed call is), each would sit in
+    both replicas' accumulators: counted twice (benchmarks/chaos.py found it so, a donor frozen mid-answer)."""
+    swarm.coordinator(SPEC)
+    first = swarm.endpoint(swarm.server("s0", 0))
+    late = swarm.server("s1a", 1, env={"SWARMTRAIN_FAILPOINTS": "backward.unanswered=2"})
+    ends = [swarm.endpoint(late), swarm.endpoint(swarm.server("s1b", 1))]
+    trainer = swarm.trainer("t", ["--seed", "0", "--max-micro-batches", "16"])
+    assert trainer.wait(180) == 0, trainer.output()[-3000:]
+    late.wait_for(r"failpoint backward.unanswered: failing on purpose \(\w+\); 0 more", 5)
+    assert len(re.findall(r"stage 1 backward on \S+ failed after [\d.]+ s \(DEADLINE_EXCEEDED", trainer.output())) >= 2
+    samples = completed(swarm, ["t"])
+    check_books([info(first)], samples, 0)
+    check_books([info(e) for e in ends], samples, 1)
+    books_balance(swarm, samples)
+
+
 def _ran_again(event: dict) -> bool:
     """A log line of a micro-batch an earlier start left: completed before (recovered) or not (index -1)."""
     return event["type"] == "recovered" or (event["type"] == "micro_batch" and event["index"] == -1)
@@ -292,6 +311,59 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
     names = ("live", "missed", "dead", "expired", "left", "liar", "unseen", "resting", "boaster")
     lost = {p for p in names if Router.lost(router, p)}
     assert lost == {"dead", "expired", "left", "liar", "unseen", "boaster"}
+
+
+def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
+    """A backward a server gave no answer for (no refusal of its own) goes to that server only, which may hold it,
+    until `trainer.unanswered_wait` s went by; then to another replica. One the server refused with a reason, and
+    a dry one (which adds nothing anywhere), go on to another replica at once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from peer.config.settings import TrainerConfig
+    from peer.trainer.calls import Calls
+    from protocols import stage_pb2
+
+    record = SimpleNamespace(endpoint="127.0.0.1:1", incarnation=1)
+
+    class Tries(Calls):
+        def __init__(self, unanswered: bool) -> None:
+            self.tcfg, self.unanswered, self.tried = TrainerConfig(unanswered_wait=0.5), unanswered, []
+            self._no_server_since, self.journal = {}, SimpleNamespace(sent=lambda *a: None)
+            self.router = SimpleNamespace(
+                servers=[{"hung": record, "other": record}],
+                lost=lambda pid: False,
+                only=lambda stage, pid: (pid, record),
+                choose=lambda stage, exclude, prefer, kind: ("hung" if "hung" not in exclude else "other", record),
+                deadline=lambda *a: 1.0,
+            )
+
+        def _call_bytes(self, *a) -> int:
+            return 0
+
+        def _count_bytes(self, *a) -> None:
+            pass
+
+        async def _attempt(self, stage, method, request, payloads, pid, record, timeout, kind):
+            self.tried.append(pid)
+            if pid == "hung":
+                return None, "DEADLINE_EXCEEDED", True, self.unanswered
+            return (None, {}, pid), "", True, False
+
+        async def _failed(self, *a) -> bool:
+            await asyncio.sleep(0.05)
+            return True
+
+    def tries(unanswered: bool, dry: bool = False) -> tuple[list[str], float]:
+        calls, started = Tries(unanswered), time.monotonic()
+        request = stage_pb2.BackwardRequest(uid="u", dry=dry)
+        assert asyncio.run(calls._call(0, "backward", request))[2] == "other"
+        return calls.tried, time.monotonic() - started
+
+    tried, took = tries(unanswered=True)
+    assert tried[0] == tried[-2] == "hung" and len(tried) > 3 and took >= 0.5
+    assert tries(unanswered=False)[0] == ["hung", "other"]
+    assert tries(unanswered=True, dry=True)[0] == ["hung", "other"]
 
 
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:

@@ -426,6 +426,8 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         grad_inputs, loss, epoch, seq, incarnation, stepped_seq = await self.server.backward(
             request.uid, inputs, grad_outputs, targets, deadline, count=not request.dry
         )
+        if seq and deadline is not None and self.server.failpoints.fails("backward.unanswered"):
+            await asyncio.sleep(max(deadline - time.monotonic(), 0.0) + 0.5)  # counted; the answer comes too late
         response = stage_pb2.BackwardResponse(epoch=epoch, seq=seq, incarnation=incarnation, stepped_seq=stepped_seq)
         out = {}
         if grad_inputs is not None:

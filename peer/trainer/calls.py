@@ -82,21 +82,19 @@ class Calls:
     ):
         """One forward or backward on some replica of `stage`; returns (response, payloads, peer id).
 
-        `exclude`: (peer id, incarnation) of processes not to use (a replay avoids the one that lost the
-        backward; the same peer restarted with the same key is a new incarnation, and welcome).
-        `insist`: the only server to use while it lives (one that may hold this backward already: it answers
-        it again without adding it), however long it is banned or behind; anywhere once it died or left.
-        Forwards give up after max_retries failures; backwards never do (a later stage has counted
-        the micro-batch already), they wait for a replica instead.
-        """
-        tried, refusers, attempts, pause = set(), set(), 0, 0.25  # refusers: servers that put the fault on us
+        `exclude`: (peer id, incarnation) of processes not to use (a replay avoids the one that lost the backward;
+        the same peer restarted with the same key is a new incarnation, and welcome). `insist`: the only server to
+        use while it lives (one that may hold this backward already: it answers it again without adding it),
+        however long it is banned or behind (`_still_insisting`). A backward a server gave no answer for (a
+        deadline that passed, a broken stream) is insisted on alike. Forwards give up after max_retries failures;
+        backwards never do (a later stage has counted the micro-batch already), they wait for a replica instead."""
+        tried, refusers, attempts, pause, insisted = set(), set(), 0, 0.25, time.monotonic()  # refusers: blamed us
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
         sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
         moved = self._call_bytes(stage, method, request, sent)
         while True:
-            if insist is not None and self.router.lost(insist):
-                insist = None  # what it held went with it: the backward counts anywhere
+            insist = self._still_insisting(stage, insist, insisted)
             avoid = {pid for pid, r in self.router.servers[stage].items() if (pid, r.incarnation) in (exclude or ())}
             try:
                 if insist is not None:
@@ -115,10 +113,10 @@ class Calls:
                 timeout += self.spec.training.sync_wait
             if method == "backward":  # before the call: a start after a kill sends it here again first
                 self.journal.sent(request.uid, stage, pid)
-            started = time.monotonic()
+            started, unanswered = time.monotonic(), False
             self._count_bytes("sent", sent)
             try:
-                answer, reason, blame = await self._attempt(
+                answer, reason, blame, unanswered = await self._attempt(
                     stage, method, request, payloads, pid, record, timeout, kind
                 )
             except CallerFault as e:
@@ -127,9 +125,27 @@ class Calls:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
                 tried.add(pid)
+            if insist is None and unanswered and method == "backward" and not request.dry:
+                insist, insisted = pid, time.monotonic()  # it may have added it: its answer again, or nobody's
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
+
+    def _still_insisting(self, stage: int, insist: str | None, since: float) -> str | None:
+        """The server a backward still goes to only (`insist`, since `since`): None once it is lost (what it held
+        went with it: the backward counts anywhere) or trainer.unanswered_wait s went by (a server that never
+        answers holds no micro-batch for good)."""
+        if insist is None or self.router.lost(insist):
+            return None
+        if time.monotonic() - since <= self.tcfg.unanswered_wait:
+            return insist
+        logger.warning(
+            "stage %d: %s did not answer a backward it may hold for %.0f s; sending it to another replica",
+            stage,
+            insist[-8:],
+            self.tcfg.unanswered_wait,
+        )
+        return None
 
     def _refused_by(
         self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault, insist: str | None
@@ -149,8 +165,9 @@ class Calls:
         return any(layer in blocks for layer in self.spec.moe_layers())
 
     async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
-        """One try on one server: ((response, payloads, pid), "", _) on success, else (None, reason, blame):
-        blame is False when the failure is not the server's own (its MoE layer's experts did not answer)."""
+        """One try on one server: ((response, payloads, pid), "", _, _) on success, else (None, reason, blame,
+        unanswered): blame is False when the failure is not the server's own (its MoE layer's experts did not
+        answer); unanswered is True when no refusal of the server's came back (it may have done the work)."""
         started = time.monotonic()
         try:
             call = self.client.forward if method == "forward" else self.client.backward
@@ -161,7 +178,7 @@ class Calls:
             if method == "backward":
                 self.router.report_answer(pid, response.incarnation, response.stepped_seq)
             self._write_call(stage, method, pid, record.endpoint, started, None, request.uid)
-            return (response, returned, pid), "", True
+            return (response, returned, pid), "", True, False
         except grpc.aio.AioRpcError as e:
             if e.code() in _CALLER_FAULTS:
                 raise CallerFault(f"{e.code().name}: {e.details()}") from None
@@ -172,9 +189,9 @@ class Calls:
                 blame = False  # every replica of the stage would fail alike: wait for the experts instead
             elif reason is None and await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
                 self.router.report_dead(pid)
-            return None, f"{e.code().name}: {e.details()}", blame
+            return None, f"{e.code().name}: {e.details()}", blame, reason is None
         except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
-            return None, str(e), True
+            return None, str(e), True, False
 
     async def _failed(
         self, stage: int, method: str, pid: str, endpoint: str, started: float, reason: str, blame: bool, uid: str = ""
