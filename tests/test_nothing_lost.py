@@ -315,8 +315,9 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
 
 def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
     """A backward a server gave no answer for (no refusal of its own) goes to that server only, which may hold it,
-    until `trainer.unanswered_wait` s went by; then to another replica. One the server refused with a reason, and
-    a dry one (which adds nothing anywhere), go on to another replica at once."""
+    while it answers nothing (frozen), until `trainer.unanswered_wait` s went by; then to another replica. A server
+    that answers other calls but not this backward again (withholding) is banned and the backward goes on. One the
+    server refused with a reason, and a dry one (which adds nothing anywhere), go on to another replica at once."""
     import asyncio
     from types import SimpleNamespace
 
@@ -327,7 +328,7 @@ def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
     record = SimpleNamespace(endpoint="127.0.0.1:1", incarnation=1)
 
     class Tries(Calls):
-        def __init__(self, unanswered: bool) -> None:
+        def __init__(self, unanswered: bool, answers_others: bool) -> None:
             self.tcfg, self.unanswered, self.tried = TrainerConfig(unanswered_wait=0.5), unanswered, []
             self._no_server_since, self.journal = {}, SimpleNamespace(sent=lambda *a: None)
             self.router = SimpleNamespace(
@@ -336,6 +337,8 @@ def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
                 only=lambda stage, pid: (pid, record),
                 choose=lambda stage, exclude, prefer, kind: ("hung" if "hung" not in exclude else "other", record),
                 deadline=lambda *a: 1.0,
+                answered_since=lambda pid, since: answers_others,
+                ban=lambda pid: None,
             )
 
         def _call_bytes(self, *a) -> int:
@@ -354,8 +357,8 @@ def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
             await asyncio.sleep(0.05)
             return True
 
-    def tries(unanswered: bool, dry: bool = False) -> tuple[list[str], float]:
-        calls, started = Tries(unanswered), time.monotonic()
+    def tries(unanswered: bool, dry: bool = False, answers_others: bool = False) -> tuple[list[str], float]:
+        calls, started = Tries(unanswered, answers_others), time.monotonic()
         request = stage_pb2.BackwardRequest(uid="u", dry=dry)
         assert asyncio.run(calls._call(0, "backward", request))[2] == "other"
         return calls.tried, time.monotonic() - started
@@ -363,6 +366,7 @@ def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
     tried, took = tries(unanswered=True)
     assert tried[0] == tried[-2] == "hung" and len(tried) > 3 and took >= 0.5
     assert tries(unanswered=False)[0] == ["hung", "other"]
+    assert tries(unanswered=True, answers_others=True)[0] == ["hung", "hung", "other"]
     assert tries(unanswered=True, dry=True)[0] == ["hung", "other"]
 
 

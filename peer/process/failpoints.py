@@ -8,8 +8,9 @@ environment once, when it is made; nothing is shared between the objects that ho
 The places: `round.announce`, a replica's publish of the record that says what its round covers
 (peer.server.replica_round): the DHT refuses it, while everything else works; `round.invite`, a replica's
 invitations to a round of its own (peer.server.replica_round): none reaches a partner, as if none answered;
-`backward.unanswered`, a stage server's answer to a backward it counted (peer.server.servicer): it is held until
-the caller's deadline has passed, as when the server is frozen (SIGSTOP) between adding a backward and answering.
+`backward.unanswered`, a stage server's first answer to a backward it counted (peer.server.servicer): it is held
+until the caller's deadline has passed, as when the server is frozen (SIGSTOP) between adding a backward and
+answering.
 """
 
 from __future__ import annotations

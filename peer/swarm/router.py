@@ -32,6 +32,7 @@ UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, 
 class _Health:
     failures: int = 0  # failures in a row
     banned_until: float = 0.0  # time.monotonic()
+    answered: float = 0.0  # time.monotonic() of its last good answer
 
 
 class NoServer(RuntimeError):
@@ -251,7 +252,11 @@ class Router:
         self.latency[key] = seconds if old is None else LATENCY_DECAY * old + (1 - LATENCY_DECAY) * seconds
         health = self.health.setdefault(peer_id, _Health())
         health.failures = 0  # forgiven: it answers again
-        health.banned_until = 0.0
+        health.banned_until, health.answered = 0.0, time.monotonic()
+
+    def answered_since(self, peer_id: str, since: float) -> bool:
+        """Whether `peer_id` gave a good answer after `since` (time.monotonic()): it is not frozen."""
+        return self.health.get(peer_id, _Health()).answered > since
 
     def banned_endpoints(self, limit: int = 16) -> list[str]:
         """Endpoints of the servers banned right now (at most `limit`), for the trainer's announcement."""

@@ -125,8 +125,8 @@ class Calls:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
                 tried.add(pid)
-            if insist is None and unanswered and method == "backward" and not request.dry:
-                insist, insisted = pid, time.monotonic()  # it may have added it: its answer again, or nobody's
+            if unanswered and method == "backward" and not request.dry:  # it may have added it
+                insist, insisted = self._unanswered_by(stage, pid, insist, insisted)
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
@@ -146,6 +146,19 @@ class Calls:
             self.tcfg.unanswered_wait,
         )
         return None
+
+    def _unanswered_by(self, stage: int, pid: str, insist: str | None, since: float) -> tuple[str | None, float]:
+        """(the server to insist on, since when) after `pid` gave a backward no answer: `pid`, from now, as it may
+        have added it (its answer again, or nobody's). Unless we insist on it already and it answered other calls
+        meanwhile: not frozen, but withholding (or too slow for it), it is banned for max_ban s and the backward
+        goes to another replica (where a server that answers only much later has it counted twice)."""
+        if insist is None:
+            return pid, time.monotonic()
+        if insist == pid and self.router.answered_since(pid, since):
+            logger.warning("stage %d: %s answers other calls but not a backward it may hold; sending it on", stage, pid)
+            self.router.ban(pid)
+            return None, since
+        return insist, since
 
     def _refused_by(
         self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault, insist: str | None
