@@ -313,32 +313,38 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
     assert lost == {"dead", "expired", "left", "liar", "unseen", "boaster"}
 
 
-def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
-    """A backward a server gave no answer for (no refusal of its own) goes to that server only, which may hold it,
-    while it answers nothing (frozen), until `trainer.unanswered_wait` s went by; then to another replica. A server
-    that answers other calls but not this backward again (withholding) is banned and the backward goes on. One the
-    server refused with a reason, and a dry one (which adds nothing anywhere), go on to another replica at once."""
+def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
+    """A backward a server gave no answer for (no refusal of its own) goes to that server only, which may hold it:
+    while its record is not refreshed (frozen) the backward waits, until the server is lost; once refreshed, it gets
+    one more try, and a failure again (no answer, or one that blames us) has it avoided and the backward goes on. A
+    refusal with a reason, and a dry backward (which adds nothing anywhere), go on to another replica at once.
+    peer.trainer.insistence"""
     import asyncio
     from types import SimpleNamespace
 
+    from peer.config import NetworkConfig
     from peer.config.settings import TrainerConfig
-    from peer.trainer.calls import Calls
+    from peer.trainer.calls import CallerFault, Calls
     from protocols import stage_pb2
 
     record = SimpleNamespace(endpoint="127.0.0.1:1", incarnation=1)
 
     class Tries(Calls):
-        def __init__(self, unanswered: bool, answers_others: bool) -> None:
-            self.tcfg, self.unanswered, self.tried = TrainerConfig(unanswered_wait=0.5), unanswered, []
-            self._no_server_since, self.journal = {}, SimpleNamespace(sent=lambda *a: None)
+        def __init__(self, answers: list, refreshed_after: float = 0.0, lost_after: float = 1e9) -> None:
+            self.tcfg, self.answers, self.tried, self.avoided = TrainerConfig(unanswered_wait=0.5), answers, [], []
+            self.cfg = SimpleNamespace(network=NetworkConfig(record_ttl=0.2, rest_announce_period=2.0))
+            self._no_server_since, self.journal, began = {}, SimpleNamespace(sent=lambda *a: None), time.time()
             self.router = SimpleNamespace(
                 servers=[{"hung": record, "other": record}],
-                lost=lambda pid: False,
-                only=lambda stage, pid: (pid, record),
-                choose=lambda stage, exclude, prefer, kind: ("hung" if "hung" not in exclude else "other", record),
+                lost=lambda pid: time.time() - began > lost_after,
+                only=lambda stage, pid, mind_bans=True: (pid, record),
+                choose=lambda stage, exclude, prefer, kind: (
+                    "hung" if "hung" not in exclude and not self.router.lost("hung") else "other",
+                    record,
+                ),
                 deadline=lambda *a: 1.0,
-                answered_since=lambda pid, since: answers_others,
-                ban=lambda pid: None,
+                refreshed_since=lambda pid, since: time.time() - began > refreshed_after,
+                ban=self.avoided.append,
             )
 
         def _call_bytes(self, *a) -> int:
@@ -347,27 +353,36 @@ def test_an_unanswered_backward_goes_to_its_server_only_until_unanswered_wait():
         def _count_bytes(self, *a) -> None:
             pass
 
+        async def _wait_for_server(self, *a) -> None:
+            await asyncio.sleep(0.05)
+
         async def _attempt(self, stage, method, request, payloads, pid, record, timeout, kind):
             self.tried.append(pid)
-            if pid == "hung":
-                return None, "DEADLINE_EXCEEDED", True, self.unanswered
+            answer = self.answers.pop(0) if pid == "hung" else "answer"
+            if answer == "blame":
+                raise CallerFault("INVALID_ARGUMENT: says it is ours")
+            if answer != "answer":
+                return None, "DEADLINE_EXCEEDED", True, answer == "none"
             return (None, {}, pid), "", True, False
 
         async def _failed(self, *a) -> bool:
-            await asyncio.sleep(0.05)
             return True
 
-    def tries(unanswered: bool, dry: bool = False, answers_others: bool = False) -> tuple[list[str], float]:
-        calls, started = Tries(unanswered, answers_others), time.monotonic()
+    def tries(answers: list, dry: bool = False, **when) -> Tries:
+        calls = Tries(answers, **when)
         request = stage_pb2.BackwardRequest(uid="u", dry=dry)
-        assert asyncio.run(calls._call(0, "backward", request))[2] == "other"
-        return calls.tried, time.monotonic() - started
+        calls.answer = asyncio.run(calls._call(0, "backward", request))[2]
+        return calls
 
-    tried, took = tries(unanswered=True)
-    assert tried[0] == tried[-2] == "hung" and len(tried) > 3 and took >= 0.5
-    assert tries(unanswered=False)[0] == ["hung", "other"]
-    assert tries(unanswered=True, answers_others=True)[0] == ["hung", "hung", "other"]
-    assert tries(unanswered=True, dry=True)[0] == ["hung", "other"]
+    thawed = tries(["none", "answer"], refreshed_after=0.3)  # frozen, then it announces again: asked again
+    assert (thawed.answer, thawed.tried, thawed.avoided) == ("hung", ["hung", "hung"], [])
+    for again in ("none", "blame"):  # it lives but withholds (or says the fault is ours): avoided, and on
+        withheld = tries(["none", again])
+        assert (withheld.answer, withheld.tried, withheld.avoided) == ("other", ["hung", "hung", "other"], ["hung"])
+    gone = tries(["none"], refreshed_after=1e9, lost_after=0.3)  # frozen until its record expired: anywhere
+    assert (gone.answer, gone.tried, gone.avoided) == ("other", ["hung", "other"], [])
+    assert tries(["refused"]).tried == ["hung", "other"]  # a refusal with a reason added nothing
+    assert tries(["none"], dry=True).tried == ["hung", "other"]
 
 
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:

@@ -161,9 +161,9 @@ class TrainerConfig:
     # two, but its record, read every refresh_period, may name a step many steps old while a stage steps fast
     unstepped_grace: float = 30.0
     drain_timeout: float = 30.0  # s at the end to settle receipts (replaying those of servers that went away)
-    # s a backward whose server gave no answer (its deadline passed, the stream broke) goes to that server only,
-    # while it lives: it may have added it (and answers it again without adding it), and another replica would
-    # count it twice. Past this, it goes anywhere (a server that never answers holds no micro-batch for good)
+    # s at most that a backward whose server gave no answer (its deadline passed, the stream broke) goes to that
+    # server only, while it lives: it may have added it (and answers it again without adding it), and another
+    # replica would count it twice (peer.trainer.insistence). Never less than a record's longest life
     unanswered_wait: float = 60.0
     # where the trainer keeps its micro-batches not yet settled, so a start after a kill finishes them once;
     # empty: KEY.RUN.journal.jsonl beside its identity key

@@ -31,8 +31,11 @@ UNMEASURED = 0.5  # s assumed for a kind of call a server has not answered yet, 
 @dataclass
 class _Health:
     failures: int = 0  # failures in a row
-    banned_until: float = 0.0  # time.monotonic()
-    answered: float = 0.0  # time.monotonic() of its last good answer
+    banned_until: float = 0.0  # time.monotonic(); a good answer ends it
+    avoided_until: float = 0.0  # time.monotonic(); a good answer does not end it (`Router.ban`)
+
+    def banned(self, now: float) -> bool:
+        return max(self.banned_until, self.avoided_until) > now
 
 
 class NoServer(RuntimeError):
@@ -203,7 +206,7 @@ class Router:
         candidates = [
             (pid, r)
             for pid, r in self.servers[stage].items()
-            if pid not in exclude and self.health.get(pid, _Health()).banned_until <= now
+            if pid not in exclude and not self.health.get(pid, _Health()).banned(now)
         ]
         if not candidates:
             raise NoServer(f"no live server for stage {stage}")
@@ -213,10 +216,11 @@ class Router:
         weights = [self.weight(pid, r, kind) for pid, r in candidates]
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
-    def only(self, stage: int, peer_id: str) -> tuple[str, ServerRecord]:
-        """Server `peer_id` of `stage`, if it can take a call now (routable, not banned); else NoServer."""
-        record = self.servers[stage].get(peer_id)
-        if record is None or self.health.get(peer_id, _Health()).banned_until > time.monotonic():
+    def only(self, stage: int, peer_id: str, mind_bans: bool = True) -> tuple[str, ServerRecord]:
+        """Server `peer_id` of `stage`, if it can take a call now (routable, not banned unless `mind_bans` is False;
+        avoided in any case); else NoServer."""
+        record, health, now = self.servers[stage].get(peer_id), self.health.get(peer_id, _Health()), time.monotonic()
+        if record is None or (health.banned(now) if mind_bans else health.avoided_until > now):
             raise NoServer(f"server {peer_id} of stage {stage} cannot take a call now")
         return peer_id, record
 
@@ -252,16 +256,17 @@ class Router:
         self.latency[key] = seconds if old is None else LATENCY_DECAY * old + (1 - LATENCY_DECAY) * seconds
         health = self.health.setdefault(peer_id, _Health())
         health.failures = 0  # forgiven: it answers again
-        health.banned_until, health.answered = 0.0, time.monotonic()
+        health.banned_until = 0.0
 
-    def answered_since(self, peer_id: str, since: float) -> bool:
-        """Whether `peer_id` gave a good answer after `since` (time.monotonic()): it is not frozen."""
-        return self.health.get(peer_id, _Health()).answered > since
+    def refreshed_since(self, peer_id: str, since: float) -> bool:
+        """Whether `peer_id`'s newest record was refreshed after `since` (time.time()): it lives, not frozen."""
+        record = self.latest.get(peer_id)
+        return record is not None and record.updated > since
 
     def banned_endpoints(self, limit: int = 16) -> list[str]:
         """Endpoints of the servers banned right now (at most `limit`), for the trainer's announcement."""
         now = time.monotonic()
-        banned = [pid for pid, h in self.health.items() if h.banned_until > now]
+        banned = [pid for pid, h in self.health.items() if h.banned(now)]
         return sorted({self.latest[pid].endpoint for pid in banned if pid in self.latest})[:limit]
 
     def report_failure(self, peer_id: str, escalate_while_banned: bool = True) -> float:
@@ -279,9 +284,10 @@ class Router:
         return ban
 
     def ban(self, peer_id: str) -> None:
-        """Avoid a server for max_ban s, whatever its record says (peer.trainer.ledger.overdue)."""
+        """Avoid a server for max_ban s, whatever its record says or it answers meanwhile (peer.trainer.ledger.overdue,
+        peer.trainer.insistence)."""
         health = self.health.setdefault(peer_id, _Health())
-        health.banned_until = max(health.banned_until, time.monotonic() + self.cfg.max_ban)
+        health.avoided_until = max(health.avoided_until, time.monotonic() + self.cfg.max_ban)
 
     def stage_step(self, stage: int) -> int:
         """The step most of `stage`'s serving replicas were at over the last reads (peer.swarm.consensus.agreed);

@@ -15,8 +15,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from peer.model.numerics import all_finite
+from peer.net.cadence import longest_ttl
 from peer.net.client import gone_after
 from peer.swarm.router import NoServer
+from peer.trainer.insistence import Insist
 from peer.trainer.ledger import Receipt
 from protocols import codec, framing, tensor_pb2
 from protocols.failures import Reason, reason_of
@@ -84,89 +86,107 @@ class Calls:
 
         `exclude`: (peer id, incarnation) of processes not to use (a replay avoids the one that lost the backward;
         the same peer restarted with the same key is a new incarnation, and welcome). `insist`: the only server to
-        use while it lives (one that may hold this backward already: it answers it again without adding it),
-        however long it is banned or behind (`_still_insisting`). A backward a server gave no answer for (a
-        deadline that passed, a broken stream) is insisted on alike. Forwards give up after max_retries failures;
+        use while it lives (a killed start's journal says it may hold this backward already: it answers it again
+        without adding it), however long it is banned or behind. A backward a server gave no answer for goes to it
+        again alike, within bounds (peer.trainer.insistence). Forwards give up after max_retries failures;
         backwards never do (a later stage has counted the micro-batch already), they wait for a replica instead."""
-        tried, refusers, attempts, pause, insisted = set(), set(), 0, 0.25, time.monotonic()  # refusers: blamed us
+        tried, refusers, attempts, pause = set(), set(), 0, 0.25  # refusers: servers that put the fault on us
+        insist = Insist(insist, time.time(), journal=True) if insist is not None else None
         samples = request.inputs.shape[0] if request.inputs.shape else 1
         kind = f"{method}/{int(request.HasField('targets'))}/{int(getattr(request, 'train', True))}"
         sent = request.ByteSize() + sum(len(p) for p in (payloads or {}).values())  # once: the same every try
         moved = self._call_bytes(stage, method, request, sent)
         while True:
-            insist = self._still_insisting(stage, insist, insisted)
+            insist = self._still_insisting(stage, insist)
             avoid = {pid for pid, r in self.router.servers[stage].items() if (pid, r.incarnation) in (exclude or ())}
             try:
                 if insist is not None:
-                    pid, record = self.router.only(stage, insist)
+                    pid, record = self._insisted(stage, insist)
                 else:
                     pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
             except NoServer:
                 await self._wait_for_server(stage, pause, len(avoid))
                 pause, tried = min(pause * 2, 5.0), set()
                 continue
-            if stage in self._no_server_since:
-                since = self._no_server_since.pop(stage)
-                logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
+            self._served_again(stage)
             timeout = self.router.deadline(pid, record, kind, samples, WORK[method], moved)
             if getattr(request, "step", 0):  # synchronous mode: the server may hold it for its step
                 timeout += self.spec.training.sync_wait
+            if insist is not None and not insist.journal:  # its one more try: all the time a call may take
+                timeout, insist.retried = max(timeout, self.tcfg.request_timeout), True
             if method == "backward":  # before the call: a start after a kill sends it here again first
                 self.journal.sent(request.uid, stage, pid)
-            started, unanswered = time.monotonic(), False
+            started = time.monotonic()
             self._count_bytes("sent", sent)
-            try:
-                answer, reason, blame, unanswered = await self._attempt(
-                    stage, method, request, payloads, pid, record, timeout, kind
-                )
-            except CallerFault as e:
-                answer, reason, blame = None, self._refused_by(stage, method, pid, refusers, e, insist), True
+            journal = insist is not None and insist.journal
+            answer, reason, blame, unanswered, blamed_us = await self._try(
+                stage, method, (request, payloads), pid, record, timeout, kind, refusers, journal
+            )
             if answer is not None:
                 return answer
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
                 tried.add(pid)
-            if unanswered and method == "backward" and not request.dry:  # it may have added it
-                insist, insisted = self._unanswered_by(stage, pid, insist, insisted)
+            if method == "backward" and not request.dry:
+                insist = self._after_failure(stage, pid, insist, unanswered, blamed_us)
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
 
-    def _still_insisting(self, stage: int, insist: str | None, since: float) -> str | None:
-        """The server a backward still goes to only (`insist`, since `since`): None once it is lost (what it held
-        went with it: the backward counts anywhere) or trainer.unanswered_wait s went by (a server that never
-        answers holds no micro-batch for good)."""
-        if insist is None or self.router.lost(insist):
+    def _served_again(self, stage: int) -> None:
+        if stage in self._no_server_since:
+            since = self._no_server_since.pop(stage)
+            logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
+
+    async def _try(self, stage, method, sent, pid, record, timeout, kind, refusers, journal):
+        """`_attempt` with `sent` (request, payloads); a refusal that puts the fault on us is weighed (`_refused_by`):
+        (answer, reason, blame, unanswered, blamed_us)."""
+        try:
+            return (*await self._attempt(stage, method, *sent, pid, record, timeout, kind), False)
+        except CallerFault as e:
+            return None, self._refused_by(stage, method, pid, refusers, e, journal), True, False, True
+
+    def _still_insisting(self, stage: int, insist: Insist | None) -> Insist | None:
+        """`insist`, while the backward still goes to that server only (peer.trainer.insistence): None once it is
+        lost (what it held went with it: the backward counts anywhere) or the wait is over."""
+        if insist is None or self.router.lost(insist.pid):
             return None
-        if time.monotonic() - since <= self.tcfg.unanswered_wait:
+        bound = max(self.tcfg.unanswered_wait, longest_ttl(self.cfg.network) + 1.0 + self.tcfg.refresh_period)
+        if insist.journal or time.time() - insist.since <= bound:
             return insist
-        logger.warning(
-            "stage %d: %s did not answer a backward it may hold for %.0f s; sending it to another replica",
-            stage,
-            insist[-8:],
-            self.tcfg.unanswered_wait,
-        )
+        logger.warning("stage %d: %s held a backward unanswered for %.0f s; sending it on", stage, insist.pid, bound)
         return None
 
-    def _unanswered_by(self, stage: int, pid: str, insist: str | None, since: float) -> tuple[str | None, float]:
-        """(the server to insist on, since when) after `pid` gave a backward no answer: `pid`, from now, as it may
-        have added it (its answer again, or nobody's). Unless we insist on it already and it answered other calls
-        meanwhile: not frozen, but withholding (or too slow for it), it is banned for max_ban s and the backward
-        goes to another replica (where a server that answers only much later has it counted twice)."""
+    def _insisted(self, stage: int, insist: Insist) -> tuple[str, object]:
+        """The insisted server, if the call may go to it now; else NoServer (wait). One that gave no answer gets its
+        one more try once its record was refreshed since (a frozen one cannot), failure bans or not."""
+        if insist.journal:
+            return self.router.only(stage, insist.pid)
+        if not self.router.refreshed_since(insist.pid, insist.since):
+            raise NoServer(f"server {insist.pid} of stage {stage} has not announced itself since it gave no answer")
+        return self.router.only(stage, insist.pid, mind_bans=False)
+
+    def _after_failure(
+        self, stage: int, pid: str, insist: Insist | None, unanswered: bool, blamed_us: bool
+    ) -> Insist | None:
+        """Whom a backward goes to after `pid` failed it: `pid` only, if it gave no answer (it may have added it);
+        after its one more try failed, anyone, and `pid` is avoided if that try got no answer again or one that
+        says the fault is ours (it withholds what it took, or cannot serve it)."""
         if insist is None:
-            return pid, time.monotonic()
-        if insist == pid and self.router.answered_since(pid, since):
-            logger.warning("stage %d: %s answers other calls but not a backward it may hold; sending it on", stage, pid)
+            return Insist(pid, time.time()) if unanswered else None
+        if insist.journal or insist.pid != pid or not insist.retried:
+            return insist
+        if unanswered or blamed_us:
+            logger.warning("stage %d: %s gave no answer to a backward it may hold, twice; avoided", stage, pid)
             self.router.ban(pid)
-            return None, since
-        return insist, since
+        return None
 
     def _refused_by(
-        self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault, insist: str | None
+        self, stage: int, method: str, pid: str, refusers: set[str], fault: CallerFault, journal: bool
     ) -> str:
         """Server `pid` put the fault of a call on us: one server's word, believed
         (MicroBatchFailed) once a second replica says it too, or none other is known, or the call may go to this
-        server alone (`insist`); until then that server is banned like any that failed."""
-        refusers.update([pid, "insisted"] if insist is not None else [pid])  # insisted: it alone may take it
+        server alone (`journal`: a killed start's insist); until then that server is banned like any that failed."""
+        refusers.update([pid, "insisted"] if journal else [pid])  # insisted: it alone may take it
         if len(refusers) >= 2 or len(self.router.servers[stage]) <= len(refusers):
             raise MicroBatchFailed(f"stage {stage} refused our {method}: {fault}") from None
         return str(fault)

@@ -98,7 +98,7 @@ class SpotChecker:
         found = []
         for pid in router.servers[stage]:
             health = router.health.get(pid)
-            if pid not in exclude and (health is None or health.banned_until <= now):
+            if pid not in exclude and (health is None or not health.banned(now)):
                 found.append(pid)
         return found
 
