@@ -33,6 +33,7 @@ class _Health:
     failures: int = 0  # failures in a row
     banned_until: float = 0.0  # time.monotonic(); a good answer ends it
     avoided_until: float = 0.0  # time.monotonic(); a good answer does not end it (`Router.ban`)
+    answered: float = 0.0  # time.time() of its last good answer
 
     def banned(self, now: float) -> bool:
         return max(self.banned_until, self.avoided_until) > now
@@ -100,7 +101,8 @@ class Router:
             for pid, r in records.items():
                 endpoints[pid] = r.endpoint
                 if self.endpoints.get(pid, r.endpoint) != r.endpoint and pid in self.health:
-                    del self.health[pid]  # it moved (to another relay): a ban of its old address does not hold
+                    # it moved (to another relay): a ban of its old address does not hold; an avoidance of it does
+                    self.health[pid] = _Health(avoided_until=self.health[pid].avoided_until)
                 if not expert:  # receipts and incarnations are the trainer's, for stages
                     self.note(pid, r)
                 elif (pid in self.dead or pid in self.leaving) and r.started > self.dead_since.get(pid, 0.0):
@@ -217,10 +219,10 @@ class Router:
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
     def only(self, stage: int, peer_id: str, mind_bans: bool = True) -> tuple[str, ServerRecord]:
-        """Server `peer_id` of `stage`, if it can take a call now (routable, not banned unless `mind_bans` is False;
-        avoided in any case); else NoServer."""
-        record, health, now = self.servers[stage].get(peer_id), self.health.get(peer_id, _Health()), time.monotonic()
-        if record is None or (health.banned(now) if mind_bans else health.avoided_until > now):
+        """Server `peer_id` of `stage`, if it can take a call now (routable, and not banned nor avoided unless
+        `mind_bans` is False); else NoServer."""
+        record, health = self.servers[stage].get(peer_id), self.health.get(peer_id, _Health())
+        if record is None or (mind_bans and health.banned(time.monotonic())):
             raise NoServer(f"server {peer_id} of stage {stage} cannot take a call now")
         return peer_id, record
 
@@ -230,7 +232,7 @@ class Router:
         if peer_id in self.dead or peer_id in self.leaving or peer_id in self.distrusted:
             return True
         record = self.latest.get(peer_id)
-        if record is None:
+        if record is None or record.state == "left":
             return True
         return peer_id not in self.present and time.time() > record.updated + lifetime(record.ttl, self.net) + 1.0
 
@@ -256,7 +258,11 @@ class Router:
         self.latency[key] = seconds if old is None else LATENCY_DECAY * old + (1 - LATENCY_DECAY) * seconds
         health = self.health.setdefault(peer_id, _Health())
         health.failures = 0  # forgiven: it answers again
-        health.banned_until = 0.0
+        health.banned_until, health.answered = 0.0, time.time()
+
+    def answered_since(self, peer_id: str, since: float) -> bool:
+        """Whether `peer_id` gave a good answer after `since` (time.time()): it lives, not frozen."""
+        return self.health.get(peer_id, _Health()).answered > since
 
     def refreshed_since(self, peer_id: str, since: float) -> bool:
         """Whether `peer_id`'s newest record was refreshed after `since` (time.time()): it lives, not frozen."""

@@ -112,14 +112,14 @@ class Calls:
             timeout = self.router.deadline(pid, record, kind, samples, WORK[method], moved)
             if getattr(request, "step", 0):  # synchronous mode: the server may hold it for its step
                 timeout += self.spec.training.sync_wait
-            if insist is not None and not insist.journal:  # its one more try: all the time a call may take
-                timeout, insist.retried = max(timeout, self.tcfg.request_timeout), True
+            if insist is not None and not insist.journal:  # its one more try: what a call may take, within the bound
+                timeout, insist.retried = max(timeout, min(self.tcfg.request_timeout, self._insist_left(insist))), True
             if method == "backward":  # before the call: a start after a kill sends it here again first
                 self.journal.sent(request.uid, stage, pid)
             started = time.monotonic()
             self._count_bytes("sent", sent)
             journal = insist is not None and insist.journal
-            answer, reason, blame, unanswered, blamed_us = await self._try(
+            answer, reason, blame, how = await self._try(
                 stage, method, (request, payloads), pid, record, timeout, kind, refusers, journal
             )
             if answer is not None:
@@ -127,7 +127,7 @@ class Calls:
             if await self._failed(stage, method, pid, record.endpoint, started, reason, blame, request.uid):
                 tried.add(pid)
             if method == "backward" and not request.dry:
-                insist = self._after_failure(stage, pid, insist, unanswered, blamed_us)
+                insist = self._after_failure(stage, pid, insist, how)
             attempts += 1
             if method == "forward" and attempts >= self.tcfg.max_retries:
                 raise MicroBatchFailed(f"stage {stage} {method} failed on {attempts} tries")
@@ -138,46 +138,66 @@ class Calls:
             logger.warning("stage %d is served again after %.0f s", stage, time.time() - since)
 
     async def _try(self, stage, method, sent, pid, record, timeout, kind, refusers, journal):
-        """`_attempt` with `sent` (request, payloads); a refusal that puts the fault on us is weighed (`_refused_by`):
-        (answer, reason, blame, unanswered, blamed_us)."""
+        """`_attempt` with `sent` (request, payloads); a refusal that puts the fault on us is weighed (`_refused_by`)
+        and is "blamed" in the answer: (answer, reason, blame, how)."""
         try:
-            return (*await self._attempt(stage, method, *sent, pid, record, timeout, kind), False)
+            return await self._attempt(stage, method, *sent, pid, record, timeout, kind)
         except CallerFault as e:
-            return None, self._refused_by(stage, method, pid, refusers, e, journal), True, False, True
+            return None, self._refused_by(stage, method, pid, refusers, e, journal), True, "blamed"
 
     def _still_insisting(self, stage: int, insist: Insist | None) -> Insist | None:
         """`insist`, while the backward still goes to that server only (peer.trainer.insistence): None once it is
         lost (what it held went with it: the backward counts anywhere) or the wait is over."""
         if insist is None or self.router.lost(insist.pid):
             return None
-        bound = max(self.tcfg.unanswered_wait, longest_ttl(self.cfg.network) + 1.0 + self.tcfg.refresh_period)
-        if insist.journal or time.time() - insist.since <= bound:
+        if insist.journal or self._insist_left(insist) > 0:
             return insist
-        logger.warning("stage %d: %s held a backward unanswered for %.0f s; sending it on", stage, insist.pid, bound)
+        logger.warning("stage %d: %s held a backward unanswered too long; avoided, and it goes on", stage, insist.pid)
+        self._avoid(stage, insist.pid)
         return None
+
+    def _insist_left(self, insist: Insist) -> float:
+        """Seconds left to insist (peer.trainer.insistence): trainer.unanswered_wait, never less than a frozen
+        server's record may live on."""
+        bound = max(self.tcfg.unanswered_wait, longest_ttl(self.cfg.network) + 1.0 + self.tcfg.refresh_period)
+        return insist.since + bound - time.time()
+
+    def _avoid(self, stage: int, pid: str) -> None:
+        """Avoid `pid` for max_ban s (not the stage's only routable replica: that would stall the stage for nothing)."""
+        if len(self.router.servers[stage]) > 1:
+            self.router.ban(pid)
 
     def _insisted(self, stage: int, insist: Insist) -> tuple[str, object]:
         """The insisted server, if the call may go to it now; else NoServer (wait). One that gave no answer gets its
-        one more try once its record was refreshed since (a frozen one cannot), failure bans or not."""
-        if insist.journal:
-            return self.router.only(stage, insist.pid)
-        if not self.router.refreshed_since(insist.pid, insist.since):
-            raise NoServer(f"server {insist.pid} of stage {stage} has not announced itself since it gave no answer")
+        one more try once it showed it lives (a frozen one cannot): its record refreshed since (by the clocks'
+        tolerance, 1 s), or a good answer to another call; bans or not. After a refusal with a reason, it is asked
+        again once its failure ban ends."""
+        if insist.journal or insist.alive:
+            return self.router.only(stage, insist.pid, mind_bans=insist.journal or insist.refused)
+        if not (
+            self.router.refreshed_since(insist.pid, insist.since + 1.0)
+            or self.router.answered_since(insist.pid, insist.since)
+        ):
+            raise NoServer(f"server {insist.pid} of stage {stage} has not shown it lives since it gave no answer")
+        insist.alive = True
         return self.router.only(stage, insist.pid, mind_bans=False)
 
-    def _after_failure(
-        self, stage: int, pid: str, insist: Insist | None, unanswered: bool, blamed_us: bool
-    ) -> Insist | None:
-        """Whom a backward goes to after `pid` failed it: `pid` only, if it gave no answer (it may have added it);
-        after its one more try failed, anyone, and `pid` is avoided if that try got no answer again or one that
-        says the fault is ours (it withholds what it took, or cannot serve it)."""
+    def _after_failure(self, stage: int, pid: str, insist: Insist | None, how: str) -> Insist | None:
+        """Whom a backward goes to after `pid` failed it (`how`: "unanswered", "refused" with a reason, "bad" answer,
+        "blamed" us): `pid` only, if it gave no answer (it may have added it). Its one more try refused with a reason
+        (busy, late, at another step): asked again later, within the bound. That try failed otherwise: it withholds
+        what it took, or cannot serve it: avoided, and the backward goes to anyone."""
         if insist is None:
-            return Insist(pid, time.time()) if unanswered else None
+            return Insist(pid, time.time()) if how == "unanswered" else None
         if insist.journal or insist.pid != pid or not insist.retried:
             return insist
-        if unanswered or blamed_us:
-            logger.warning("stage %d: %s gave no answer to a backward it may hold, twice; avoided", stage, pid)
-            self.router.ban(pid)
+        if how == "refused":
+            insist.retried, insist.refused = False, True
+            return insist
+        logger.warning(
+            "stage %d: %s failed a backward it may hold twice (%s); avoided, and it goes on", stage, pid, how
+        )
+        self._avoid(stage, pid)
         return None
 
     def _refused_by(
@@ -198,9 +218,10 @@ class Calls:
         return any(layer in blocks for layer in self.spec.moe_layers())
 
     async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
-        """One try on one server: ((response, payloads, pid), "", _, _) on success, else (None, reason, blame,
-        unanswered): blame is False when the failure is not the server's own (its MoE layer's experts did not
-        answer); unanswered is True when no refusal of the server's came back (it may have done the work)."""
+        """One try on one server: ((response, payloads, pid), "", _, "") on success, else (None, reason, blame, how):
+        blame is False when the failure is not the server's own (its MoE layer's experts did not answer); how is
+        "unanswered" when no refusal of the server's came back (it may have done the work), "refused" when one with
+        a reason did, "bad" for an answer that cannot be right."""
         started = time.monotonic()
         try:
             call = self.client.forward if method == "forward" else self.client.backward
@@ -211,7 +232,7 @@ class Calls:
             if method == "backward":
                 self.router.report_answer(pid, response.incarnation, response.stepped_seq)
             self._write_call(stage, method, pid, record.endpoint, started, None, request.uid)
-            return (response, returned, pid), "", True, False
+            return (response, returned, pid), "", True, ""
         except grpc.aio.AioRpcError as e:
             if e.code() in _CALLER_FAULTS:
                 raise CallerFault(f"{e.code().name}: {e.details()}") from None
@@ -222,9 +243,9 @@ class Calls:
                 blame = False  # every replica of the stage would fail alike: wait for the experts instead
             elif reason is None and await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
                 self.router.report_dead(pid)
-            return None, f"{e.code().name}: {e.details()}", blame, reason is None
+            return None, f"{e.code().name}: {e.details()}", blame, "unanswered" if reason is None else "refused"
         except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
-            return None, str(e), True, False
+            return None, str(e), True, "bad"
 
     async def _failed(
         self, stage: int, method: str, pid: str, endpoint: str, started: float, reason: str, blame: bool, uid: str = ""
