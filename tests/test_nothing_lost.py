@@ -345,6 +345,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
             after = lambda s: time.time() - began > s  # noqa: E731
             self.router = SimpleNamespace(
                 servers=[{"hung": record, "other": record}],
+                latest={},  # no endpoint to probe: a frozen server's port takes connections anyway
                 lost=lambda pid: after(lost),
                 only=lambda stage, pid, mind_bans=True: (pid, record),
                 choose=lambda stage, exclude, prefer, kind: (

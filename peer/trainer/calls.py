@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from peer.model.numerics import all_finite
 from peer.net.cadence import longest_ttl
-from peer.net.client import gone_after
+from peer.net.client import gone_after, refuses_connections
 from peer.swarm.router import NoServer
 from peer.trainer.insistence import Insist
 from peer.trainer.ledger import Receipt
@@ -101,7 +101,7 @@ class Calls:
             avoid = {pid for pid, r in self.router.servers[stage].items() if (pid, r.incarnation) in (exclude or ())}
             try:
                 if insist is not None:
-                    pid, record = self._insisted(stage, insist)
+                    pid, record = await self._insisted(stage, insist)
                 else:
                     pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
             except NoServer:
@@ -167,17 +167,21 @@ class Calls:
         if len(self.router.servers[stage]) > 1:
             self.router.ban(pid)
 
-    def _insisted(self, stage: int, insist: Insist) -> tuple[str, object]:
+    async def _insisted(self, stage: int, insist: Insist) -> tuple[str, object]:
         """The insisted server, if the call may go to it now; else NoServer (wait). One that gave no answer gets its
         one more try once it showed it lives (a frozen one cannot): its record refreshed since (by the clocks'
         tolerance, 1 s), or a good answer to another call; bans or not. After a refusal with a reason, it is asked
-        again once its failure ban ends."""
+        again once its failure ban ends. A port that refuses connections meanwhile is a process gone (a killed one's
+        calls break before its port closes): dead, so lost."""
         if insist.journal or insist.alive:
             return self.router.only(stage, insist.pid, mind_bans=insist.journal or insist.refused)
         if not (
             self.router.refreshed_since(insist.pid, insist.since + 1.0)
             or self.router.answered_since(insist.pid, insist.since)
         ):
+            record = self.router.latest.get(insist.pid)
+            if record is not None and await refuses_connections(record.endpoint, self.cfg.network.probe_timeout):
+                self.router.report_dead(insist.pid)
             raise NoServer(f"server {insist.pid} of stage {stage} has not shown it lives since it gave no answer")
         insist.alive = True
         return self.router.only(stage, insist.pid, mind_bans=False)
