@@ -373,7 +373,10 @@ def _beside_a_rotten_third(swarm, rot: str) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "rot",
-    [pytest.param("--weights", id="other-weights"), pytest.param("--moments", id="stalling-moments")],
+    [
+        pytest.param("--weights", id="other-weights"),
+        pytest.param("--moments", id="stalling-moments", marks=pytest.mark.slow),  # 18 s: the README suite's time
+    ],
 )
 def test_a_joiner_loads_no_state_that_the_part_s_other_replicas_did_not_hold(swarm, rot):
     """Stage 0 has three replicas; the third (tests/helpers/rotten.py) gives joiners other weights than it trains
@@ -654,6 +657,7 @@ def test_spot_checks_catch_a_wrong_last_stage_and_a_dodger_and_only_real_trainer
     trainer.signal(signal.SIGTERM)
 
 
+@pytest.mark.slow  # 20 s: the README suite is near its 10 minutes
 def test_two_keys_that_claim_work_and_report_an_honest_server_do_not_get_it_revoked(swarm):
     """Two keys admitted as trainers (free in open admission) announce 10,000 samples done each and report an
     honest last-stage server, as the coordinator needs (admission.revoke_after_reports = 2). The coordinator
