@@ -183,6 +183,28 @@ def test_a_server_that_puts_the_fault_on_its_callers_is_banned_not_believed(swar
 
 
 @pytest.mark.slow
+def test_a_joiner_is_not_held_by_a_donor_that_never_sends_while_another_does(swarm):
+    """One of stage 0's two replicas serves and steps honestly, but every GetState it gets hangs
+    (tests/helpers/liar.py `mute`). A joiner loading from both, with shard deadlines of 10 minutes, asks the
+    honest one for the hung shard once it is overdue (server.state_patience, peer.server.shard_fetch) and serves
+    the stage's step in well under those minutes, never the seed's weights."""
+    _trained_beside_a_liar(swarm, "mute", 40)
+    ends = {peer.name: swarm.endpoint(peer) for peer in swarm.peers if peer.name in ("s0", "liar")}
+    deadline = time.monotonic() + 60
+    while len({info(e).epoch for e in ends.values()}) > 1:  # both at one step: both are donors
+        assert time.monotonic() < deadline, {name: info(e).epoch for name, e in ends.items()}
+        time.sleep(0.2)
+    step = info(ends["s0"]).epoch
+    assert step >= 2
+    slow = ["--set", "server.state_load_timeout=600", "--set", "server.state_shard_floor=600"]
+    joiner = swarm.server("b", 0, slow)
+    joined = joiner.wait_for(r"Serving stage 0 at (\S+) from step (\d+)", 120)
+    assert int(joined.group(2)) == step, joiner.output()[-3000:]
+    assert re.search(r"Loaded the state of stage 0 \(step \d+\) from 2 peers", joiner.output()), joiner.output()
+    assert "starting from the run's seed" not in joiner.output()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["freeze", "hang", "ahead"])
 def test_a_replica_alone_ahead_of_two_others_is_not_followed(swarm, mode):
     """A third replica of stage 0 claims one step past the honest two (tests/helpers/liar.py): `freeze`, in its

@@ -93,6 +93,78 @@ def test_a_transfer_is_led_by_the_parameters_most_donors_held_then_by_those_that
     assert lead_first([b, fast], [None, NS(history=[])], 5, 1e-6) == [fast, b]
 
 
+def test_a_state_comes_in_shards_from_the_donors_that_answer_and_a_donor_that_hangs_is_outrun():
+    """peer.server.shard_fetch: each donor sends a shard at a time; a shard a donor hangs on is asked of an idle
+    donor once it is overdue, the first answer kept and the hung call cancelled; a failed donor's shards go to the
+    others; only when every donor failed does the transfer fail; shards already in are not asked again."""
+    import asyncio
+
+    from peer.server.shard_fetch import ShardFetch
+
+    async def transfer(behaviour: dict, shards: int, have: dict | None = None):
+        asked, cancelled, have = [], [], {} if have is None else have
+
+        async def fetch(donor: str, shard: int):
+            asked.append((donor, shard))
+            try:
+                if behaviour[donor] == "hang":
+                    await asyncio.Event().wait()
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                cancelled.append((donor, shard))
+                raise
+            if behaviour[donor] == "fail":
+                raise ConnectionError(f"{donor} failed")
+            return donor, shard
+
+        fetch_ = ShardFetch(list(behaviour), list(range(shards)), fetch, have, patience=0.2)
+        await asyncio.wait_for(fetch_.run(), 30)  # a hang never outrun fails here, not forever
+        return have, fetch_, asked, cancelled
+
+    have, fetch_, asked, cancelled = asyncio.run(transfer({"hangs": "hang", "b": "ok"}, 4))
+    assert sorted(have) == [0, 1, 2, 3] and all(donor == "b" for donor, _ in have.values())
+    assert asked[0] == ("hangs", 0) and ("b", 0) in asked and cancelled == [("hangs", 0)]
+    assert fetch_.outrun == {0} and fetch_.sent == {1} and not fetch_.failed
+    have, fetch_, asked, _ = asyncio.run(transfer({"fails": "fail", "b": "ok", "c": "ok"}, 6))
+    assert sorted(have) == list(range(6)) and {donor for donor, _ in have.values()} == {"b", "c"}
+    assert set(fetch_.failed) == {0} and [a for a in asked if a[0] == "fails"] == [("fails", 0)]
+    with pytest.raises(ConnectionError):
+        asyncio.run(transfer({"a": "fail", "b": "fail"}, 3))
+    have, _, asked, _ = asyncio.run(transfer({"a": "ok", "b": "ok"}, 3, {1: ("earlier", 1)}))
+    assert have[1] == ("earlier", 1) and sorted(shard for _, shard in asked) == [0, 2]
+
+
+def test_a_struck_replica_s_step_backs_no_step_of_its_own():
+    """A replica that claims the step just past a lagging one (3, beside its 2) while the honest replica is far
+    ahead (9) backs its own step: the lagging one follows it, not the honest one. Once it failed to send that
+    state server.donor_strikes times (struck), its step counts for nothing: the honest one, half of the two left,
+    is followed (peer.server.replica_belief `_backed_only`); the liar's record is then left to `_resync`'s filter."""
+    from types import SimpleNamespace as NS
+
+    from dht.records import ServerRecord
+    from peer.server.replica_belief import StepBelief
+
+    def record(owner: str, epoch: int) -> ServerRecord:
+        r = ServerRecord(stage=0, endpoint=f"{owner}:1", epoch=epoch, throughput=1.0, state="serving")
+        r.owner = owner
+        return r
+
+    class Belief(StepBelief):
+        def __init__(self):
+            self.peers = {"liar": record("liar", 3), "honest": record("honest", 9)}
+            self._distrusted, self._donor_strikes, self._lone, self.label = set(), {}, set(), "stage 0"
+            self.cfg, self.dht = NS(server=NS(donor_strikes=4)), NS(peer_id="me")
+            self.runtime, self.paused = NS(epoch=2), False
+
+    belief = Belief()
+    ahead = list(belief.peers.values())
+    assert [r.owner for r in belief._backed_only(ahead)] == ["liar"]
+    belief._donor_strikes["liar"] = (3, 0.0)
+    assert [r.owner for r in belief._backed_only(ahead)] == ["liar"]
+    belief._donor_strikes["liar"] = (4, 0.0)
+    assert [r.owner for r in belief._backed_only(ahead)] == ["liar", "honest"]
+
+
 def test_a_replica_left_serving_while_its_partner_restarts_is_not_a_majority_for_the_run_s_end():
     """Of stage 0's two replicas, one restarts (its record says joining, at step 0) while the other claims the run's
     last step: counted over the part's live replicas, the claim is half, not more: the run's step does not move."""

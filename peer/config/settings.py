@@ -64,7 +64,14 @@ class ServerConfig:
     # longest request uid accepted (a trainer's are about 30 characters): uids are kept in the caches above
     max_uid_length: int = 128
     fingerprint_history: int = 256  # optimizer steps remembered (parameter sums, group members) for peers to check
-    state_load_timeout: float = 60.0  # s to download a stage's state from a peer
+    state_load_timeout: float = 60.0  # s at most one shard of a part's state may take to come from a peer
+    # a shard's deadline: this many s plus its bytes at state_min_rate (at most state_load_timeout): a donor that
+    # sends nothing holds a small state's transfer seconds, not a minute
+    state_shard_floor: float = 10.0
+    state_min_rate: float = 256 * 1024  # bytes/s: the slowest a donor may send a shard at (past state_shard_floor)
+    # s a shard may be coming before an idle donor is asked for it too (and twice the slowest shard that came):
+    # the first answer is kept, so a donor that hangs delays a transfer this long while another answers
+    state_patience: float = 5.0
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     # most shards a state request may split a part's state into (GetState's num_shards): a shard is at least
     # a tensor, so more only sizes work (a split of 2^32 sets); a joiner asks for at most this many

@@ -17,6 +17,7 @@ from peer.model.fingerprint import first_difference, held_at, tolerance
 from peer.model.part_state import OutOfReach, Poisoned, StateError
 from peer.process.status_lines import say
 from peer.server.replica_belief import forget_own_steps
+from peer.server.shard_fetch import ShardFetch
 from peer.server.transfer_lead import lead_first
 from peer.swarm.consensus import backed
 
@@ -39,6 +40,14 @@ def _of_step(result: tuple[dict, dict], donor: ServerRecord, epoch: int) -> tupl
     return result
 
 
+def _hung(failed: list[tuple[ServerRecord, BaseException]], struck: ServerRecord) -> list[ServerRecord]:
+    """Those of `failed` (donors, why their call failed) whose call ran past its deadline, less `struck`."""
+    deadline = grpc.StatusCode.DEADLINE_EXCEEDED
+    return [
+        r for r, e in failed if r.owner != struck.owner and isinstance(e, grpc.aio.AioRpcError) and e.code() == deadline
+    ]
+
+
 def _lead_order(r: ServerRecord) -> tuple[int, float]:
     """The donor that leads a state's transfer: the furthest step, then the fastest."""
     return r.epoch, r.throughput
@@ -54,7 +63,6 @@ class StateTransfer:
         Shards that came are kept until the whole state is in: a try after a failed one asks only for
         those still missing, when the donors are still at the same step (a big state over a slow link
         would otherwise never finish)."""
-        timeout = self.cfg.server.state_load_timeout
         lead = max(donors, key=_lead_order)
         epoch = await self._lead_step(lead, max(r.epoch for r in donors))
         same = await self._lead_first([lead, *[r for r in donors if r is not lead and r.epoch == epoch]], epoch)
@@ -63,41 +71,38 @@ class StateTransfer:
         if self._partial_state is None or self._partial_state[:2] != (epoch, n):
             self._partial_state = (epoch, n, {})
         have: dict[int, tuple[dict, dict]] = self._partial_state[2]
-        at_once = asyncio.Semaphore(len(same))  # a shard per donor at a time: few shards in memory half-read
+        timeout = self._shard_timeout(n)
 
         async def part(donor: ServerRecord, shard: int):
-            async with at_once:
-                result = await self.client.get_state(
-                    donor.endpoint,
-                    self.run_id,
-                    self.stage,
-                    timeout,
-                    shard,
-                    n,
-                    epoch,
-                    expert=self.part.expert,
-                    peer=donor.owner,
-                )
-            have[shard] = _of_step(result, donor, epoch)
-            return result
+            result = await self.client.get_state(
+                donor.endpoint,
+                self.run_id,
+                self.stage,
+                timeout,
+                shard,
+                n,
+                epoch,
+                expert=self.part.expert,
+                peer=donor.owner,
+            )
+            return _of_step(result, donor, epoch)
 
-        # each donor sends every len(same)-th shard; a shard stays well under the largest message accepted
-        missing = [i for i in range(n) if i not in have]
-        results = await asyncio.gather(*(part(same[i % len(same)], i) for i in missing), return_exceptions=True)
-        for i, result in zip(missing, results, strict=True):
-            for other in same:  # a part whose donor failed comes from another donor
-                if not isinstance(result, BaseException):
-                    break
-                with contextlib.suppress(Exception):
-                    result = await part(other, i)
-            if isinstance(result, BaseException):
-                raise result
-        await self._agree(have, same[0], part)
+        # a shard at a time from each donor, a shard stays well under the largest message accepted; one that hangs
+        # is asked of another after server.state_patience s (peer.server.shard_fetch)
+        fetch = ShardFetch(same, list(range(n)), part, have, self.cfg.server.state_patience)
+        try:
+            await fetch.run()
+        finally:
+            self._transfer_failed = [(same[k], e) for k, e in sorted(fetch.failed.items())]
+        # the lead of what came: the first donor (in lead order) that sent a shard and neither failed nor hung
+        sound = [r for k, r in enumerate(same) if k in fetch.sent and k not in fetch.failed and k not in fetch.outrun]
+        self._transfer_lead = (sound or [same[k] for k in sorted(fetch.sent)] or same)[0]
+        await self._agree(have, self._transfer_lead, part)
         self._partial_state = None
         metadata, tensors = dict(have[0][0]), {}
         # this copy only: whose word the state is (the lead's: co-donors' shards that disagreed came from it again,
         # so a co-donor is asked for its own opinion like any other replica)
-        metadata["donors"] = [same[0].owner]
+        metadata["donors"] = [self._transfer_lead.owner]
         for i in range(n):
             tensors.update(have[i][1])
         if len(tensors) != int(metadata.get("tensor_count", len(tensors))):
@@ -139,6 +144,14 @@ class StateTransfer:
             raise StateError(f"{lead.endpoint} says it is at step {epoch}, behind the step {lead.epoch} it claimed")
         return epoch
 
+    def _shard_timeout(self, shards: int) -> float:
+        """The deadline of one shard's call: server.state_shard_floor s plus its bytes at server.state_min_rate (a
+        donor that sends nothing fails in seconds, not minutes, when the state is small), at most
+        server.state_load_timeout."""
+        server = self.cfg.server
+        state = 5 * sum(p.numel() * p.element_size() for p in self.runtime.params)
+        return min(server.state_load_timeout, server.state_shard_floor + state / max(shards, 1) / server.state_min_rate)
+
     async def _agree(self, have: dict[int, tuple[dict, dict]], lead: ServerRecord, part) -> None:
         """Shards whose donor's parameters differ from the lead's at the same step (by the fingerprints the
         donors sent) come again from the lead: a state is never mixed from replicas that went apart."""
@@ -158,7 +171,7 @@ class StateTransfer:
                 i,
                 lead.endpoint,
             )
-            await part(lead, i)
+            have[i] = await part(lead, i)
 
     def _state_shards(self) -> int:
         """Shards the part's state must come in so that none exceeds half of server.max_message_bytes (the
@@ -171,7 +184,7 @@ class StateTransfer:
         not load is banned as a donor for a while (`_strike`), unless `strike` is False (a resync strikes its
         donor itself)."""
         for attempt in range(attempts):
-            started, self._transfer_lead = time.perf_counter(), None
+            started, self._transfer_lead, self._transfer_failed = time.perf_counter(), None, []
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 self._check_steps(metadata)
@@ -384,12 +397,16 @@ class StateTransfer:
             # a load counts only if it brought the step claimed: one that answers with an older state than its
             # record's (its own step copied from an honest replica) is a failure like a state that never came
             if await self._load_from(donors, attempts=1, strike=False) and self.runtime.epoch >= leader.epoch:
-                for r in donors:
-                    self._donor_strikes.pop(r.owner, None)
+                failed = {r.owner for r, _ in self._transfer_failed}
+                for r in donors:  # one whose call failed meanwhile sent nothing: its strikes stay
+                    if r.owner not in failed:
+                        self._donor_strikes.pop(r.owner, None)
                 if self.runtime.epoch - before > 1:
                     await self.run_torch(self._drop_stale, before)
             else:  # the donor that led the transfer (peer.server.transfer_lead), else the one at the top step
                 self._strike(self._transfer_lead or leader)
+            for r in _hung(self._transfer_failed, self._transfer_lead or leader):
+                self._strike(r)  # a co-donor that sent nothing before its deadline: a donor that hangs
         finally:
             self.stepping = False
 

@@ -13,7 +13,8 @@
 - `freeze`: it claims one step past the least advanced of its partners (tests/helpers/hostile.py), in its
   records and answers, and fails every GetState: honest replicas see a believable replica ahead, which they
   must load from before they step, and it never sends its state; `hang`: the same, but every GetState hangs
-  (it sends nothing and never ends the call) instead of failing at once;
+  (it sends nothing and never ends the call) instead of failing at once; `mute`: it serves and steps honestly,
+  but every GetState hangs, so that a joiner that waited for each donor's call to end would wait its deadline;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
   that wants every trainer to think the run has ended would announce;
 - `ahead`: its records, its state and its answers are honest, except every Round invitation, which it declines
@@ -190,6 +191,8 @@ if __name__ == "__main__":
 
         Replica.publish = claiming(1, 0.0)
         ServicerBase.GetState = failing_state() if sys.argv[1] == "freeze" else hanging_state()
+    elif sys.argv[1] == "mute":
+        ServicerBase.GetState = hanging_state()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
     elif sys.argv[1] == "ahead":
