@@ -60,7 +60,7 @@ class ShardFetch:
                 if asyncio.current_task().cancelling():
                     raise
                 continue  # another donor sent it first (`_done`)
-            except Exception as e:
+            except Exception as e:  # a donor may fail in any way (gone, refused, a state not of the step): no more
                 self.failed[k] = e
             else:
                 if shard not in self.have:
