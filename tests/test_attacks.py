@@ -202,6 +202,8 @@ def test_a_joiner_is_not_held_by_a_donor_that_never_sends_while_another_does(swa
     assert int(joined.group(2)) == step, joiner.output()[-3000:]
     assert re.search(r"Loaded the state of stage 0 \(step \d+\) from 2 peers", joiner.output()), joiner.output()
     assert "starting from the run's seed" not in joiner.output()
+    liar = next(peer for peer in swarm.peers if peer.name == "liar")
+    liar.wait_for("a hung GetState ended", 30)  # it was asked, and the joiner gave its call up (not a deadline)
 
 
 @pytest.mark.slow

@@ -69,8 +69,8 @@ class ServerConfig:
     # sends nothing holds a small state's transfer seconds, not a minute
     state_shard_floor: float = 10.0
     state_min_rate: float = 256 * 1024  # bytes/s: the slowest a donor may send a shard at (past state_shard_floor)
-    # s a shard may be coming before an idle donor is asked for it too (and twice the slowest shard that came):
-    # the first answer is kept, so a donor that hangs delays a transfer this long while another answers
+    # s a shard may be coming before an idle donor is asked for it too (and twice most shards' time, up to half its
+    # deadline): the first answer is kept, so a donor that hangs delays a transfer this long while another answers
     state_patience: float = 5.0
     state_donors: int = 3  # replicas a joiner loads its state from at once, each sending a part
     # most shards a state request may split a part's state into (GetState's num_shards): a shard is at least
@@ -418,6 +418,8 @@ class PeerConfig:
                 f"({self.security.requests_read_period:g} s), got {self.security.requests_rest_read_period:g}"
             )
         require_positive("server.balance_claim_cap", self.server.balance_claim_cap)
+        for name in ("state_load_timeout", "state_shard_floor", "state_min_rate", "state_patience", "state_donors"):
+            require_positive(f"server.{name}", getattr(self.server, name))
         require_positive("server.max_counted_callers", self.server.max_counted_callers)
         require_positive("coordinator.books_max_entries", self.coordinator.books_max_entries)
         require_positive("trainer.max_unstepped_stage_steps", self.trainer.max_unstepped_stage_steps)

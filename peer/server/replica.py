@@ -200,7 +200,7 @@ class Replica(Stepping, Rounds, StateTransfer, StepBelief, Handover, Pushing):
         self.lies = LieReports(self)  # partners its rounds proved to lie, told the coordinator
         # peer -> (failures in a row to send a state that loads, monotonic end of its ban as a donor)
         self._donor_strikes: dict[str, tuple[int, float]] = {}
-        self._transfer_lead, self._transfer_failed = None, []  # the last transfer's lead; (donor, why) of its failures
+        self._transfer_lead, self._transfer_senders = None, set()  # the last transfer's lead, and who sent it shards
         self._fed: dict[str, int] = {}  # peer -> the step of the last state it took from this replica (the newest 64)
         # this process was stopped (or starved) since its last load: its own step does not count in what most
         # replicas say until it loads the stage's state again, as a joiner would

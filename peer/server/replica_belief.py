@@ -40,14 +40,8 @@ class StepBelief:
         more, is its own word: following it (waiting for it, loading its state) let one hostile replica claim a
         step further each time the others loaded it, so that they never stepped, went back to the weights it
         sent, or were led to the run's last step. Of two replicas, either is half; a replica just stopped (it did
-        not see what the others did meanwhile) follows a credible step as before (`_credible`, `_strike`). A struck
-        replica's step counts for nothing here: one that claims the step just past a lagging replica and never sends
-        it would otherwise back itself, so that the lagging one never followed the honest replica ahead."""
-        steps = {
-            pid: r.epoch
-            for pid, r in self.peers.items()
-            if r.state == "serving" and pid not in self._distrusted and not self._struck(pid)
-        }
+        not see what the others did meanwhile) follows a credible step as before (`_credible`, `_strike`)."""
+        steps = {pid: r.epoch for pid, r in self.peers.items() if r.state == "serving" and pid not in self._distrusted}
         steps.update((r.owner, r.epoch) for r in records if r.owner in steps)
         steps[self.dht.peer_id] = self.runtime.epoch
         if self.paused:

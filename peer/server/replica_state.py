@@ -40,14 +40,6 @@ def _of_step(result: tuple[dict, dict], donor: ServerRecord, epoch: int) -> tupl
     return result
 
 
-def _hung(failed: list[tuple[ServerRecord, BaseException]], struck: ServerRecord) -> list[ServerRecord]:
-    """Those of `failed` (donors, why their call failed) whose call ran past its deadline, less `struck`."""
-    deadline = grpc.StatusCode.DEADLINE_EXCEEDED
-    return [
-        r for r, e in failed if r.owner != struck.owner and isinstance(e, grpc.aio.AioRpcError) and e.code() == deadline
-    ]
-
-
 def _lead_order(r: ServerRecord) -> tuple[int, float]:
     """The donor that leads a state's transfer: the furthest step, then the fastest."""
     return r.epoch, r.throughput
@@ -63,7 +55,7 @@ class StateTransfer:
         Shards that came are kept until the whole state is in: a try after a failed one asks only for
         those still missing, when the donors are still at the same step (a big state over a slow link
         would otherwise never finish)."""
-        lead = max(donors, key=_lead_order)
+        lead = self._transfer_lead = max(donors, key=_lead_order)  # the one struck if its step fails
         epoch = await self._lead_step(lead, max(r.epoch for r in donors))
         same = await self._lead_first([lead, *[r for r in donors if r is not lead and r.epoch == epoch]], epoch)
         self._transfer_lead = same[0]
@@ -89,11 +81,11 @@ class StateTransfer:
 
         # a shard at a time from each donor, a shard stays well under the largest message accepted; one that hangs
         # is asked of another after server.state_patience s (peer.server.shard_fetch)
-        fetch = ShardFetch(same, list(range(n)), part, have, self.cfg.server.state_patience)
+        fetch = ShardFetch(same, list(range(n)), part, have, self.cfg.server.state_patience, timeout / 2)
         try:
             await fetch.run()
         finally:
-            self._transfer_failed = [(same[k], e) for k, e in sorted(fetch.failed.items())]
+            self._transfer_senders = {same[k].owner for k in fetch.sent}
         # the lead of what came: the first donor (in lead order) that sent a shard and neither failed nor hung
         sound = [r for k, r in enumerate(same) if k in fetch.sent and k not in fetch.failed and k not in fetch.outrun]
         self._transfer_lead = (sound or [same[k] for k in sorted(fetch.sent)] or same)[0]
@@ -145,12 +137,13 @@ class StateTransfer:
         return epoch
 
     def _shard_timeout(self, shards: int) -> float:
-        """The deadline of one shard's call: server.state_shard_floor s plus its bytes at server.state_min_rate (a
+        """The deadline of one shard's call: server.state_shard_floor s plus its bytes (at least the largest tensor's,
+        with its optimizer state) at server.state_min_rate (a
         donor that sends nothing fails in seconds, not minutes, when the state is small), at most
         server.state_load_timeout."""
-        server = self.cfg.server
-        state = 5 * sum(p.numel() * p.element_size() for p in self.runtime.params)
-        return min(server.state_load_timeout, server.state_shard_floor + state / max(shards, 1) / server.state_min_rate)
+        server, sizes = self.cfg.server, [p.numel() * p.element_size() for p in self.runtime.params]
+        shard = 5 * max(sum(sizes) / max(shards, 1), max(sizes, default=0))  # a shard holds whole tensors
+        return min(server.state_load_timeout, server.state_shard_floor + shard / server.state_min_rate)
 
     async def _agree(self, have: dict[int, tuple[dict, dict]], lead: ServerRecord, part) -> None:
         """Shards whose donor's parameters differ from the lead's at the same step (by the fingerprints the
@@ -184,7 +177,7 @@ class StateTransfer:
         not load is banned as a donor for a while (`_strike`), unless `strike` is False (a resync strikes its
         donor itself)."""
         for attempt in range(attempts):
-            started, self._transfer_lead, self._transfer_failed = time.perf_counter(), None, []
+            started, self._transfer_lead, self._transfer_senders = time.perf_counter(), None, set()
             try:
                 metadata, tensors = await self._fetch_state(donors)
                 self._check_steps(metadata)
@@ -397,16 +390,13 @@ class StateTransfer:
             # a load counts only if it brought the step claimed: one that answers with an older state than its
             # record's (its own step copied from an honest replica) is a failure like a state that never came
             if await self._load_from(donors, attempts=1, strike=False) and self.runtime.epoch >= leader.epoch:
-                failed = {r.owner for r, _ in self._transfer_failed}
-                for r in donors:  # one whose call failed meanwhile sent nothing: its strikes stay
-                    if r.owner not in failed:
+                for r in donors:  # one that sent nothing (it failed, or hung and was outrun) keeps its strikes
+                    if r.owner in self._transfer_senders:
                         self._donor_strikes.pop(r.owner, None)
                 if self.runtime.epoch - before > 1:
                     await self.run_torch(self._drop_stale, before)
             else:  # the donor that led the transfer (peer.server.transfer_lead), else the one at the top step
                 self._strike(self._transfer_lead or leader)
-            for r in _hung(self._transfer_failed, self._transfer_lead or leader):
-                self._strike(r)  # a co-donor that sent nothing before its deadline: a donor that hangs
         finally:
             self.stepping = False
 

@@ -2,7 +2,7 @@
 
 Each donor sends one shard at a time: the next one nobody has asked for yet. A donor whose call fails sends no
 more, and its shard goes to the others. A shard still coming after `patience` seconds (and after twice as long
-as the slowest shard that came) is asked of an idle donor too; the first answer is kept and the other call is
+as most shards that came took, up to half a call's deadline) is asked of an idle donor too; the first answer is kept and the other call is
 cancelled. So a donor that hangs costs a transfer `patience`, not its call's deadline, while another answers.
 
 ShardFetch runs on the replica's event loop; `fetch(donor, shard)` is the one network call."""
@@ -20,9 +20,17 @@ class ShardFetch:
     """One transfer's shards (`shards`, indices) from `donors`, into `have` (shard -> answer)."""
 
     def __init__(
-        self, donors: list, shards: list[int], fetch: Callable[[Any, int], Awaitable], have: dict, patience: float
+        self,
+        donors: list,
+        shards: list[int],
+        fetch: Callable[[Any, int], Awaitable],
+        have: dict,
+        patience: float,
+        longest: float,
     ):
-        self.donors, self.fetch, self.have, self.patience = donors, fetch, have, patience
+        """`longest`: the most patience the shards that came may raise `patience` to (half a call's deadline)."""
+        self.donors, self.fetch, self.have = donors, fetch, have
+        self.patience, self.longest = patience, max(patience, longest)
         self.shards, self.unasked = list(shards), [i for i in shards if i not in have]
         # donor index -> (the shard it is sending, since, the call)
         self.running: dict[int, tuple[int, float, asyncio.Task]] = {}
@@ -59,7 +67,9 @@ class ShardFetch:
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise
-                continue  # another donor sent it first (`_done`)
+                if shard in self.have:
+                    continue  # another donor sent it first (`_done`)
+                self.failed[k] = ConnectionError("its call was cancelled")  # its channel closed under it
             except Exception as e:  # a donor may fail in any way (gone, refused, a state not of the step): no more
                 self.failed[k] = e
             else:
@@ -103,7 +113,9 @@ class ShardFetch:
     def _overdue(self) -> tuple[int | None, float]:
         """The missing shard whose last ask is oldest, if that was longer ago than the patience, and the seconds
         until the next one is (None, seconds) otherwise."""
-        patience, now = max(self.patience, 2 * max(self.took, default=0.0)), time.monotonic()
+        took = sorted(self.took)
+        typical = took[(len(took) - 1) // 2] if took else 0.0  # the lower median: one slow shard moves nothing
+        patience, now = min(max(self.patience, 2 * typical), self.longest), time.monotonic()
         last: dict[int, float] = {}
         for shard, since, _ in self.running.values():
             last[shard] = max(since, last.get(shard, since))

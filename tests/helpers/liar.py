@@ -99,7 +99,12 @@ def hanging_state():
     async def hang(self, request_bytes, context):
         import asyncio
 
-        await asyncio.Event().wait()  # nothing, ever: the caller's deadline ends it
+        print("HUNG a GetState", flush=True)
+        try:
+            await asyncio.Event().wait()  # nothing, ever: the caller's deadline ends it
+        except asyncio.CancelledError:
+            print("a hung GetState ended", flush=True)  # its caller gave up on it (or its deadline passed)
+            raise
         yield b""
 
     return hang
