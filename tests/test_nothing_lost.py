@@ -338,7 +338,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
     class Tries(Calls):
         def __init__(self, answers: list, refreshed=1e9, answered=1e9, lost=1e9) -> None:
             self.tcfg = TrainerConfig(unanswered_wait=0.5, refresh_period=0.1)
-            self.answers, self.tried, self.at, self.avoided = answers, [], [], []
+            self.answers, self.tried, self.at, self.avoided, self.waits = answers, [], [], [], []
             self.cfg = SimpleNamespace(network=NetworkConfig(record_ttl=0.2, rest_announce_period=2.0))
             self.cfg.network.rest_announce_period = self.cfg.network.announce_period  # records live 0.2 s at most
             self._no_server_since, self.journal, began = {}, SimpleNamespace(sent=lambda *a: None), time.time()
@@ -365,6 +365,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
             pass
 
         async def _wait_for_server(self, *a) -> None:
+            self.waits.append(a)
             await asyncio.sleep(0.05)
 
         async def _attempt(self, stage, method, request, payloads, pid, record, timeout, kind):
@@ -386,6 +387,9 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
     for sign in ("refreshed", "answered"):  # frozen, then it shows it lives: asked again then, not before
         answer, tried, avoided, waited = tries(["none", "answer"], **{sign: 0.3})
         assert (answer, tried, avoided) == ("hung", ["hung", "hung"], []) and waited >= 0.25
+    frozen = Tries(["none", "answer"], refreshed=0.3)  # its wait says whom it waits for, and why
+    asyncio.run(frozen._call(0, "backward", stage_pb2.BackwardRequest(uid="u")))
+    assert frozen.waits and all("hung has not shown it lives" in waited[-1] for waited in frozen.waits)
     assert tries(["none", "refused", "answer"], refreshed=0)[:3] == ("hung", ["hung"] * 3, [])
     for again in ("none", "bad", "blame"):  # it lives but withholds (or blames us): avoided, and on
         assert tries(["none", again], refreshed=0)[:3] == ("other", ["hung", "hung", "other"], ["hung"])

@@ -46,9 +46,10 @@ class Calls:
     """Forwards and backwards on the stages' replicas (Trainer inherits it)."""
 
     # ---- calls with rerouting -------------------------------------------------------------
-    async def _wait_for_server(self, stage: int, pause: float, excluded: int = 0) -> None:
+    async def _wait_for_server(self, stage: int, pause: float, excluded: int = 0, insisted: str = "") -> None:
         """No server of `stage` can take the call (none live, or all banned, or the `excluded` ones: a replay
-        avoids the process that lost it): say so (which stage, why, since when), wait, look again."""
+        avoids the process that lost it, or the one server it must go to, `insisted`, cannot take it now, for that
+        reason): say so (which stage, why, since when), wait, look again."""
         since = self._no_server_since.setdefault(stage, time.time())
         waited = time.time() - since
         if not self.router.servers[stage] and self.tcfg.no_server_wait and waited > self.tcfg.no_server_wait:
@@ -57,7 +58,9 @@ class Calls:
             self._said_unserved[stage] = time.monotonic()
             known = len(self.router.servers[stage])
             why = (
-                "has no live server"
+                f"has a backward for the one server that may hold it ({insisted})"
+                if insisted
+                else "has no live server"
                 if not known
                 else f"has {known} server(s), {excluded} of them the process a replay must avoid and the rest banned"
             )
@@ -104,8 +107,8 @@ class Calls:
                     pid, record = await self._insisted(stage, insist)
                 else:
                     pid, record = self.router.choose(stage, avoid | tried, prefer, kind)
-            except NoServer:
-                await self._wait_for_server(stage, pause, len(avoid))
+            except NoServer as e:
+                await self._wait_for_server(stage, pause, len(avoid), str(e) if insist is not None else "")
                 pause, tried = min(pause * 2, 5.0), set()
                 continue
             self._served_again(stage)
@@ -182,7 +185,7 @@ class Calls:
             record = self.router.latest.get(insist.pid)
             if record is not None and await refuses_connections(record.endpoint, self.cfg.network.probe_timeout):
                 self.router.report_dead(insist.pid)
-            raise NoServer(f"server {insist.pid} of stage {stage} has not shown it lives since it gave no answer")
+            raise NoServer(f"{insist.pid} has not shown it lives since it gave no answer")
         insist.alive = True
         return self.router.only(stage, insist.pid, mind_bans=False)
 
