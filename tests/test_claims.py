@@ -164,3 +164,25 @@ def test_a_replica_left_serving_while_its_partner_restarts_is_not_a_majority_for
     found["restarting"] = record(7, "serving")  # back, at the step it loaded: still half
     asyncio.run(router.refresh())
     assert router.max_epoch == 7
+
+
+def test_a_backward_counts_its_caller_s_samples_only_when_it_added_them():
+    """A stage server counts a caller's samples (its row in the run's books, `ServerRecord.counted`, which caps
+    what that trainer's word on its completed samples is worth) for a backward that added them: a retry of a uid
+    already added is answered again with the first addition's number and counts nothing, so a key that sends
+    one micro-batch over and over vouches for it once; a dry backward counts nothing (peer.server.stage)."""
+    from types import SimpleNamespace as NS
+
+    from peer.server.stage import StageServer
+
+    server = NS(runtime=StageRuntime(spec(), 1), _drop_if_expired=lambda: None)
+    x, y = torch.randn(2, 8, 32), torch.randint(0, 256, (2, 8))
+
+    def backward(uid: str, count: bool = True) -> tuple[int, bool]:
+        result, fresh = StageServer._backward_job(server, uid, x, None, y, None, count)
+        return result[3], fresh
+
+    assert backward("a") == (1, True)
+    assert backward("a") == (1, False)  # the retry: the first addition's number, nothing counted
+    assert backward("b", count=False) == (0, False)
+    assert backward("b") == (2, True)

@@ -85,16 +85,20 @@ class StageServer(Replica):
         self.counted_by: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _backward_job(self, uid, inputs, grad_outputs, targets, deadline, count):
+        """Torch thread: the backward's answer, and whether it added something (not dry, not a retry of a uid
+        already added, which is answered again with the first addition's number)."""
         self._drop_if_expired()
         rt = self.runtime
-        epoch = rt.progress
+        epoch, fresh = rt.progress, count and not (uid and uid in rt.counted)
         grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline, count)
-        return grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq
+        return (grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq), fresh
 
     async def backward(self, uid, inputs, grad_outputs, targets, deadline=None, count=True):
-        """`count` False: the input gradients only, nothing added (a dry backward)."""
-        result = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline, count)
-        if count and CALLER.get():
+        """`count` False: the input gradients only, nothing added (a dry backward). A caller's samples are counted
+        (its row in the books, `_count_caller`) only for a backward that added them: a retry answered again, or
+        a key that sends one uid over and over, counts once."""
+        result, fresh = await self.run_torch(self._backward_job, uid, inputs, grad_outputs, targets, deadline, count)
+        if fresh and CALLER.get():
             self._count_caller(CALLER.get(), int(inputs.shape[0]) if inputs is not None and inputs.dim() else 1)
         self._maybe_step()  # queued on the torch thread before this response leaves
         return result
