@@ -122,6 +122,64 @@ def test_a_backward_whose_answer_never_came_goes_to_its_server_again_and_counts_
     books_balance(swarm, samples)
 
 
+def test_a_leaving_server_answers_a_backward_it_added_and_refuses_any_other(swarm):
+    """A server adds a backward but its answer never reaches the caller (a failpoint holds it past the caller's
+    deadline), and then it is told to leave (SIGTERM). Asked again while it leaves, it answers that backward with
+    the first addition's number and adds nothing: its caller settles it by the server's steps (a round under way
+    as it leaves may step it) instead of counting it at another replica as well. A backward it never added is
+    refused as leaving (peer.server.servicer; the trainer's side: test_an_unanswered_backward_goes_...)."""
+    import asyncio
+    import contextlib
+
+    import grpc
+    from helpers.calls import client as admitted_client
+
+    from peer.net import codec
+    from protocols import stage_pb2
+
+    swarm.coordinator(SPEC)
+    grace = ["--set", "server.shutdown_grace=60", "--set", "server.leave_timeout=90"]
+    held = swarm.server("s1", 1, grace, env={"SWARMTRAIN_FAILPOINTS": "backward.unanswered=1"})
+    end = swarm.endpoint(held)
+    x, y = torch.randn(2, 32, 64), torch.randint(0, 256, (2, 32))
+
+    def request(uid: str):
+        return stage_pb2.BackwardRequest(
+            run_id="lost", stage=1, uid=uid, inputs=codec.encode(x), targets=codec.encode(y)
+        )
+
+    async def leaving() -> None:
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(info, end)).state != "leaving":
+            assert time.monotonic() < deadline, held.output()[-3000:]
+            await asyncio.sleep(0.1)
+
+    async def scenario():
+        client = admitted_client(end, 2**20, 2**28)
+        try:
+            first = asyncio.create_task(client.backward(end, request("held"), timeout=20))
+            await asyncio.to_thread(held.wait_for, r"failpoint backward.unanswered: failing on purpose", 30)
+            held.signal(signal.SIGTERM)
+            await leaving()
+            again, _ = await client.backward(end, request("held"), timeout=10)
+            try:
+                await client.backward(end, request("new"), timeout=10)
+                refused = None
+            except grpc.aio.AioRpcError as e:
+                refused = e
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await first
+            return again, refused
+        finally:
+            await client.close()
+
+    again, refused = asyncio.run(scenario())
+    assert again.seq == 1, again
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+    assert "leaving" in refused.details(), refused.details()
+    assert held.wait(120) == 0, held.output()[-3000:]
+
+
 def _ran_again(event: dict) -> bool:
     """A log line of a micro-batch an earlier start left: completed before (recovered) or not (index -1)."""
     return event["type"] == "recovered" or (event["type"] == "micro_batch" and event["index"] == -1)
@@ -293,12 +351,12 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
 
     from dht.records import ServerRecord
     from peer.config import NetworkConfig
-    from peer.swarm.router import Router
+    from peer.swarm.router import NoServer, Router
 
     now = time.time()
     latest = {
         p: ServerRecord(stage=1, endpoint="127.0.0.1:1", throughput=1.0, updated=now)
-        for p in ("live", "missed", "dead")
+        for p in ("live", "missed", "dead", "leaving")
     }
     latest["expired"] = ServerRecord(stage=1, endpoint="127.0.0.1:2", throughput=1.0, updated=now - 60)
     # a resting server's record says it lives longer (peer.net.cadence): 20 s old, it has not expired; one that
@@ -306,11 +364,26 @@ def test_a_server_that_may_hold_a_backward_is_waited_for_until_it_died_left_or_e
     latest["resting"] = ServerRecord(stage=1, endpoint="127.0.0.1:3", throughput=1.0, updated=now - 20, ttl=24.0)
     latest["boaster"] = ServerRecord(stage=1, endpoint="127.0.0.1:4", throughput=1.0, updated=now - 60, ttl=86400.0)
     router = SimpleNamespace(
-        dead={"dead"}, leaving={"left"}, distrusted={"liar"}, latest=latest, present={"live"}, net=NetworkConfig()
+        dead={"dead"},
+        leaving={"left", "leaving"},
+        distrusted={"liar"},
+        latest=latest,
+        present={"live", "leaving"},
+        net=NetworkConfig(),
     )
-    names = ("live", "missed", "dead", "expired", "left", "liar", "unseen", "resting", "boaster")
+    router.vanished = lambda p: Router.vanished(router, p)
+    names = ("live", "missed", "dead", "expired", "left", "leaving", "liar", "unseen", "resting", "boaster")
     lost = {p for p in names if Router.lost(router, p)}
-    assert lost == {"dead", "expired", "left", "liar", "unseen", "boaster"}
+    assert lost == {"dead", "expired", "left", "leaving", "liar", "unseen", "boaster"}
+    # one that says it is leaving, while its record lives, still answers a backward it holds: not vanished
+    assert {p for p in names if Router.vanished(router, p)} == lost - {"leaving"}
+    router.servers, router.health = [{}, {}], {}  # none routable: a leaving one is asked all the same
+    assert Router.only(router, 1, "leaving") == ("leaving", latest["leaving"])
+    for pid in ("live", "left"):
+        with pytest.raises(NoServer):
+            Router.only(router, 1, pid)
+    with pytest.raises(NoServer):  # of another stage than asked
+        Router.only(router, 0, "leaving")
 
 
 def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
@@ -333,6 +406,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
         "none": (None, "DEADLINE_EXCEEDED", True, "unanswered"),
         "refused": (None, "RESOURCE_EXHAUSTED", True, "refused"),
         "bad": (None, "a tensor that cannot be right", True, "bad"),
+        "leaving": (None, "UNAVAILABLE: this server is leaving the swarm", True, "leaving"),
     }
 
     class Tries(Calls):
@@ -347,6 +421,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
                 servers=[{"hung": record, "other": record}],
                 latest={},  # no endpoint to probe: a frozen server's port takes connections anyway
                 lost=lambda pid: after(lost),
+                vanished=lambda pid: after(lost),
                 only=lambda stage, pid, mind_bans=True: (pid, record),
                 choose=lambda stage, exclude, prefer, kind: (
                     "hung" if "hung" not in {*exclude, *self.avoided} and not after(lost) else "other",
@@ -397,6 +472,8 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
     answer, tried, avoided, waited = tries(["none"])  # frozen past the bound (1.3 s): avoided, and on
     assert (answer, tried, avoided) == ("other", ["hung", "other"], ["hung"]) and waited >= 1.2
     assert tries(["refused"])[1] == ["hung", "other"]  # a refusal with a reason added nothing
+    # leaving, it answers what it holds (peer.server.servicer): refused as leaving, it holds none: anywhere
+    assert tries(["none", "leaving"], refreshed=0)[:3] == ("other", ["hung", "hung", "other"], [])
     assert tries(["none"], dry=True)[1] == ["hung", "other"]
 
 

@@ -382,17 +382,18 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "this is a stage server; it holds no experts")
         return self.server
 
-    def _check_route(self, run_id: str, stage: int) -> None:
-        self._check_run(run_id)
+    def _check_route(self, run_id: str, stage: int, leaving: bool = False) -> None:
+        self._check_run(run_id, leaving)
         if stage != self.server.stage:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION, f"this server serves stage {self.server.stage}, not stage {stage}"
             )
 
     # ---- forward / backward ---------------------------------------------------------------
-    def _routed_inputs(self, request, payloads: dict):
-        """Check a forward/backward request is for this run and stage; its decoded inputs."""
-        self._check_route(request.run_id, request.stage)
+    def _routed_inputs(self, request, payloads: dict, leaving: bool = False):
+        """Check a forward/backward request is for this run and stage (and this server not `leaving`, unless
+        allowed); its decoded inputs."""
+        self._check_route(request.run_id, request.stage, leaving)
         inputs = self._decode(request.inputs, "inputs", request.HasField("inputs"), payloads)
         if inputs is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: missing")
@@ -419,7 +420,11 @@ class StageServicer(ServicerBase, stage_pb2_grpc.StageServicer):
         return stage_pb2.ForwardResponse(outputs=header, epoch=epoch), {"outputs": payload}
 
     async def _backward(self, request: stage_pb2.BackwardRequest, payloads: dict, deadline: float | None):
-        inputs = self._routed_inputs(request, payloads)
+        # leaving, it still answers a backward it added (a retry of one whose answer never came), adding nothing:
+        # its caller learns the addition's number and settles it by this server's steps, instead of counting it
+        # elsewhere as well (a round under way while it leaves may step it); any other is refused as leaving
+        added = bool(request.uid) and not request.dry and request.uid in self.runtime.counted
+        inputs = self._routed_inputs(request, payloads, leaving=added)
         grad_outputs = self._decode(request.grad_outputs, "grad_outputs", request.HasField("grad_outputs"), payloads)
         targets = self._decode(request.targets, "targets", request.HasField("targets"), payloads)
         if request.step:

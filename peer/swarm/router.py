@@ -219,9 +219,13 @@ class Router:
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
     def only(self, stage: int, peer_id: str, mind_bans: bool = True) -> tuple[str, ServerRecord]:
-        """Server `peer_id` of `stage`, if it can take a call now (routable, and not banned nor avoided unless
-        `mind_bans` is False); else NoServer."""
+        """Server `peer_id` of `stage`, if it can take a call now (routable, or leaving: it still answers a
+        backward it holds; and not banned nor avoided unless `mind_bans` is False); else NoServer."""
         record, health = self.servers[stage].get(peer_id), self.health.get(peer_id, _Health())
+        latest = self.latest.get(peer_id)
+        said = peer_id in self.leaving or (latest is not None and latest.state == "leaving")  # in an answer, or record
+        if record is None and said and latest is not None and latest.stage == stage and not self.vanished(peer_id):
+            record = latest
         if record is None or (mind_bans and health.banned(time.monotonic())):
             raise NoServer(f"server {peer_id} of stage {stage} cannot take a call now")
         return peer_id, record
@@ -229,7 +233,11 @@ class Router:
     def lost(self, peer_id: str) -> bool:
         """Whether `peer_id` died or left, or its record expired (or was never seen): what it held is gone.
         A peer caught lying counts as lost too: nothing it says it holds is taken on trust."""
-        if peer_id in self.dead or peer_id in self.leaving or peer_id in self.distrusted:
+        return peer_id in self.leaving or self.vanished(peer_id)
+
+    def vanished(self, peer_id: str) -> bool:
+        """`lost`, but for a server that is leaving and not yet gone: it still answers a backward it holds."""
+        if peer_id in self.dead or peer_id in self.distrusted:
             return True
         record = self.latest.get(peer_id)
         if record is None or record.state == "left":

@@ -151,7 +151,7 @@ class Calls:
     def _still_insisting(self, stage: int, insist: Insist | None) -> Insist | None:
         """`insist`, while the backward still goes to that server only (peer.trainer.insistence): None once it is
         lost (what it held went with it: the backward counts anywhere) or the wait is over."""
-        if insist is None or self.router.lost(insist.pid):
+        if insist is None or self.router.vanished(insist.pid):  # a leaving one still answers what it holds
             return None
         if insist.journal or self._insist_left(insist) > 0:
             return insist
@@ -190,12 +190,14 @@ class Calls:
         return self.router.only(stage, insist.pid, mind_bans=False)
 
     def _after_failure(self, stage: int, pid: str, insist: Insist | None, how: str) -> Insist | None:
-        """Whom a backward goes to after `pid` failed it (`how`: "unanswered", "refused" with a reason, "bad" answer,
-        "blamed" us): `pid` only, if it gave no answer (it may have added it). Its one more try refused with a reason
+        """Whom a backward goes to after `pid` failed it (`how`: "unanswered", "refused" with a reason, "leaving" (a
+        refusal that says it holds no such backward), "bad" answer, "blamed" us): `pid` only, if it gave no answer (it may have added it). Its one more try refused with a reason
         (busy, late, at another step): asked again later, within the bound. That try failed otherwise: it withholds
         what it took, or cannot serve it: avoided, and the backward goes to anyone."""
         if insist is None:
             return Insist(pid, time.time()) if how == "unanswered" else None
+        if how == "leaving" and insist.pid == pid:
+            return None  # a leaving server answers a backward it holds (peer.server.servicer): it holds none
         if insist.journal or insist.pid != pid or not insist.retried:
             return insist
         if how == "refused":
@@ -250,7 +252,8 @@ class Calls:
                 blame = False  # every replica of the stage would fail alike: wait for the experts instead
             elif reason is None and await gone_after(e, record.endpoint, self.cfg.network.probe_timeout):
                 self.router.report_dead(pid)
-            return None, f"{e.code().name}: {e.details()}", blame, "unanswered" if reason is None else "refused"
+            how = "unanswered" if reason is None else "leaving" if reason == Reason.LEAVING else "refused"
+            return None, f"{e.code().name}: {e.details()}", blame, how
         except (BadAnswer, codec.TensorDecodeError, framing.FramingError, DecodeError) as e:
             return None, str(e), True, "bad"
 
