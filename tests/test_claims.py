@@ -170,19 +170,36 @@ def test_a_backward_counts_its_caller_s_samples_only_when_it_added_them():
     """A stage server counts a caller's samples (its row in the run's books, `ServerRecord.counted`, which caps
     what that trainer's word on its completed samples is worth) for a backward that added them: a retry of a uid
     already added is answered again with the first addition's number and counts nothing, so a key that sends
-    one micro-batch over and over vouches for it once; a dry backward counts nothing (peer.server.stage)."""
+    one micro-batch over and over vouches for it once; a dry backward counts nothing. Leaving, the server still
+    answers a backward it added, and refuses any other as leaving (peer.server.stage)."""
+    import asyncio
+    from collections import OrderedDict
     from types import SimpleNamespace as NS
 
+    from peer.net.guard import CALLER
+    from peer.net.refusal import Refused
     from peer.server.stage import StageServer
 
-    server = NS(runtime=StageRuntime(spec(), 1), _drop_if_expired=lambda: None)
+    server = NS(runtime=StageRuntime(spec(), 1), leaving=False, counted_by=OrderedDict())
+    server.cfg, server._drop_if_expired, server._maybe_step = NS(server=NS(max_counted_callers=8)), int, int
+    server._backward_job = lambda *a: StageServer._backward_job(server, *a)
+    server._count_caller = lambda *a: StageServer._count_caller(server, *a)
+
+    async def run_torch(job, *args):
+        return job(*args)
+
+    server.run_torch = run_torch
     x, y = torch.randn(2, 8, 32), torch.randint(0, 256, (2, 8))
 
-    def backward(uid: str, count: bool = True) -> tuple[int, bool]:
-        result, fresh = StageServer._backward_job(server, uid, x, None, y, None, count)
-        return result[3], fresh
+    def backward(uid: str, count: bool = True) -> int:
+        CALLER.set("trainer")
+        return asyncio.run(StageServer.backward(server, uid, x, None, y, None, count))[3]
 
-    assert backward("a") == (1, True)
-    assert backward("a") == (1, False)  # the retry: the first addition's number, nothing counted
-    assert backward("b", count=False) == (0, False)
-    assert backward("b") == (2, True)
+    assert backward("a") == 1 and server.counted_by == {"trainer": 2}
+    assert backward("a") == 1 and server.counted_by == {"trainer": 2}  # the retry: nothing counted
+    assert backward("b", count=False) == 0 and server.counted_by == {"trainer": 2}
+    assert backward("b") == 2 and server.counted_by == {"trainer": 4}
+    server.leaving = True
+    assert backward("a") == 1 and server.counted_by == {"trainer": 4}  # leaving, it answers what it added
+    with pytest.raises(Refused, match="leaving"):
+        backward("c")

@@ -24,6 +24,7 @@ from dht.records import ServerRecord
 from peer.config import PeerConfig, RunSpec
 from peer.model.runtime import StageRuntime
 from peer.net.guard import CALLER
+from peer.net.refusal import Refused
 from peer.net.relay import add_relay, offered_relay
 from peer.net.serving import announce_host, grpc_server, listen
 from peer.net.uplink import Uplink
@@ -33,6 +34,7 @@ from peer.server.averaging import GradientAverager
 from peer.server.replica import Part, Replica
 from peer.server.servicer import StageServicer, add_to_server
 from peer.swarm.balance import plan_move, stage_totals
+from protocols.failures import Reason
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class StageServer(Replica):
         self._drop_if_expired()
         rt = self.runtime
         epoch, fresh = rt.progress, count and not (uid and uid in rt.counted)
+        if self.leaving and (fresh or not count):  # checked again here: the servicer looked before it was queued
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "this server is leaving the swarm", Reason.LEAVING)
         grad_inputs, loss, seq = rt.backward(uid, inputs, grad_outputs, targets, deadline, count)
         return (grad_inputs, loss, epoch, seq, rt.incarnation, rt.stepped_seq), fresh
 

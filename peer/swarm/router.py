@@ -34,6 +34,7 @@ class _Health:
     banned_until: float = 0.0  # time.monotonic(); a good answer ends it
     avoided_until: float = 0.0  # time.monotonic(); a good answer does not end it (`Router.ban`)
     answered: float = 0.0  # time.time() of its last good answer
+    said_leaving: float = 0.0  # time.time() of its last refusal as leaving
 
     def banned(self, now: float) -> bool:
         return max(self.banned_until, self.avoided_until) > now
@@ -269,8 +270,10 @@ class Router:
         health.banned_until, health.answered = 0.0, time.time()
 
     def answered_since(self, peer_id: str, since: float) -> bool:
-        """Whether `peer_id` gave a good answer after `since` (time.time()): it lives, not frozen."""
-        return self.health.get(peer_id, _Health()).answered > since
+        """Whether `peer_id` gave a good answer after `since` (time.time()), or a refusal as leaving: it lives, not
+        frozen (a leaving server refreshes its record seldom)."""
+        health = self.health.get(peer_id, _Health())
+        return max(health.answered, health.said_leaving) > since
 
     def refreshed_since(self, peer_id: str, since: float) -> bool:
         """Whether `peer_id`'s newest record was refreshed after `since` (time.time()): it lives, not frozen."""
@@ -342,8 +345,11 @@ class Router:
         self._unroute(peer_id)
 
     def report_leaving(self, peer_id: str) -> None:
+        """It refused a call as leaving: not routed to, and it lives (`answered_since`: it still answers a backward
+        it holds, peer.trainer.insistence)."""
         self.leaving.add(peer_id)
         self.dead_since[peer_id] = time.time()
+        self.health.setdefault(peer_id, _Health()).said_leaving = time.time()
         self._unroute(peer_id)
 
     def distrust(self, peer_id: str) -> None:

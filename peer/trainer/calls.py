@@ -229,8 +229,8 @@ class Calls:
     async def _attempt(self, stage: int, method: str, request, payloads, pid: str, record, timeout: float, kind: str):
         """One try on one server: ((response, payloads, pid), "", _, "") on success, else (None, reason, blame, how):
         blame is False when the failure is not the server's own (its MoE layer's experts did not answer); how is
-        "unanswered" when no refusal of the server's came back (it may have done the work), "refused" when one with
-        a reason did, "bad" for an answer that cannot be right."""
+        "unanswered" when no refusal of the server's came back (it may have done the work), "leaving" for a refusal
+        as leaving (a leaving server answers what it holds), "refused" when another with a reason did, "bad" for an answer that cannot be right."""
         started = time.monotonic()
         try:
             call = self.client.forward if method == "forward" else self.client.backward

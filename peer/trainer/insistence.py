@@ -17,9 +17,12 @@ passed, a broken stream; a refusal with a reason added nothing) goes to that ser
   until it is lost); a server still not lost then is avoided too. The stage's only routable replica is never
   avoided (that would stall the stage for nothing).
 
+A leaving server (its answer or record says so) is asked too: it still answers a backward it added, adding nothing,
+and refuses any other as leaving (then the backward goes anywhere); its refusal as leaving shows it lives.
+
 Still counted twice: an honest server that freezes again during its one more try for longer than it (and its
 record lives on); one that refuses every ask with a reason until the bound; one that added the backward, stepped it
-and left before it was asked again (a leaving server refuses new calls).
+and left before it was asked again (gone, it answers nothing).
 
 A killed start's journal names the server it sent a backward to and got no answer from (peer.trainer.trainer): that
 one is insisted on while it lives, however long it is banned or behind."""
