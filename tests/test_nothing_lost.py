@@ -134,8 +134,7 @@ def test_a_leaving_server_answers_a_backward_it_added_and_refuses_any_other(swar
     import grpc
     from helpers.calls import client as admitted_client
 
-    from peer.net import codec
-    from protocols import stage_pb2
+    from protocols import codec, stage_pb2
 
     swarm.coordinator(SPEC)
     grace = ["--set", "server.shutdown_grace=60", "--set", "server.leave_timeout=90"]
