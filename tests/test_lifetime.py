@@ -11,9 +11,11 @@ import contextlib
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -212,6 +214,30 @@ def test_a_peer_killed_as_it_starts_leaves_no_runtime_dir(tmp_path):
         while runtime_dir.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not runtime_dir.exists(), f"{runtime_dir} left behind"
+
+
+def test_torch_s_shared_memory_works_in_the_runtime_dir_of_any_temporary_directory():
+    """torch's shared-memory manager binds a unix socket in the runtime dir (hivemind shares tensors through it):
+    with a temporary directory of 32-48 chars and the longest tag, its path once passed the 107 chars a socket's
+    path may have (bind: EINVAL, every peer of a test with a short name failed to start). Each length of
+    temporary directory gives a runtime dir where it fits."""
+    program = (
+        "import torch, torch.multiprocessing as mp\n"
+        "from peer.process.lifetime import start_reaper\n"
+        "print(start_reaper(), flush=True)\n"
+        "mp.set_sharing_strategy('file_system')\n"
+        "torch.empty(8, dtype=torch.uint8).share_memory_()\n"
+    )
+    for length in (20, 31, 32, 36, 37, 42, 48, 60):
+        base = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
+        tmpdir = base / ("d" * (length - len(str(base)) - 1))
+        tmpdir.mkdir()
+        env = dict(os.environ, TMPDIR=str(tmpdir), SWARMTRAIN_RUNTIME_TAG="t" * 20)
+        try:
+            out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+            assert out.returncode == 0, (length, out.stderr[-2000:])
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_peer_killed_before_its_reaper_exists_leaves_a_dir_that_names_it_and_its_parent_s_reaper_sweeps(tmp_path):

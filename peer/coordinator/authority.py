@@ -65,6 +65,7 @@ class Authority:
         self._grant_pool = concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant")
         self._published = 0.0
         self._revoked_mtime = -1.0
+        self._unsaid: list[str] = []  # revocations and pardons read from the file, said once the list is published
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
         self._requests_due = self._reports_due = 0.0  # monotonic: the next full read of requests, of reports
         self.referee = Referee(spec, cfg, dht)  # probes a reported server before it is revoked
@@ -264,10 +265,8 @@ class Authority:
                 found, self.pardoned = data.get("revoked", {}), data.get("pardoned", {})
                 new, gone = sorted(set(found) - set(self.revoked)), sorted(set(self.revoked) - set(found))
                 self.revoked = found
-                for peer in new:
-                    say(f"Revoked peer {peer}: {found[peer].get('reason', '')}")
-                for peer in gone:
-                    say(f"Pardoned peer {peer}: it may take part again")
+                self._unsaid += [f"Revoked peer {peer}: {found[peer].get('reason', '')}" for peer in new]
+                self._unsaid += [f"Pardoned peer {peer}: it may take part again" for peer in gone]
                 if new or gone:
                     self._published = 0.0
         if self.dht.gate is not None and self.dht.gate.revoked != frozenset(self.revoked):
@@ -278,6 +277,11 @@ class Authority:
             record = RevocationList(peers=sorted(self.revoked), updated=time.time())
             if self.dht.store(keys.revocations_key(self.spec.name), record, ttl):
                 self._published = time.monotonic()
+                for words in self._unsaid:  # said once published: what starts from now on reads it
+                    say(words)
+                self._unsaid = []
+            elif self._unsaid:
+                logger.warning("the revocation list was not stored in the DHT; trying again")
 
     def read_reports(self) -> None:
         """Revoke a server reported by admission.revoke_after_reports trainers (only trainers' reports are read:

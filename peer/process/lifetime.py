@@ -45,8 +45,11 @@ from peer.process import reaper
 PR_SET_PDEATHSIG = 1
 REAPER_ENV = reaper.REAPER_ENV  # "<reaper pid>:<runtime dir>" of the reaper that watches this process
 USER_TMPDIR_ENV = "SWARMTRAIN_USER_TMPDIR"  # the temporary directory before the runtime dir replaced it
-MAX_RUNTIME_BASE = 48  # chars: unix sockets made in the runtime dir (torch's) must fit in 108 bytes
 RUNTIME_PREFIX = "swarmtrain-peer-"  # a peer's runtime dir: RUNTIME_PREFIX + tag + random, in _runtime_base()
+MAX_TAG = 16  # chars of RUNTIME_TAG_ENV kept in the runtime dir's name
+# chars: a unix socket's path fits in 107 (108 bytes with its NUL); the longest one made in the runtime dir is torch's
+# shared-memory manager's, "/torch-shm-dir-XXXXXX/manager.sock", and the dir adds "/" PREFIX TAG "-" and 8 random chars
+MAX_RUNTIME_BASE = 107 - len("/torch-shm-dir-XXXXXX/manager.sock") - (1 + len(RUNTIME_PREFIX) + MAX_TAG + 1 + 8)
 # a tag for the runtime dirs of every peer started below a process that sets it (a test session names its own)
 RUNTIME_TAG_ENV = "SWARMTRAIN_RUNTIME_TAG"
 OWNER_FILE = "owner"  # in a runtime dir: "<peer pid> <its start> <reaper pid> <its start>" (start: clock ticks)
@@ -162,7 +165,7 @@ def _owned_runtime_dir() -> str:
     """A new runtime dir that names this process as its owner from the moment it has its name: made hidden,
     owned, then renamed (a peer killed between making it and forking its reaper left an ownerless dir, kept for
     OWNERLESS_GRACE; a hidden one it may still leave is swept like the rest)."""
-    tag = "".join(c for c in os.environ.get(RUNTIME_TAG_ENV, "") if c.isalnum())[:16]
+    tag = "".join(c for c in os.environ.get(RUNTIME_TAG_ENV, "") if c.isalnum())[:MAX_TAG]
     hidden = Path(
         tempfile.mkdtemp(prefix=f".{RUNTIME_PREFIX}{tag}-" if tag else f".{RUNTIME_PREFIX}", dir=_runtime_base())
     )
