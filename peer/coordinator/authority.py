@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
+import math
 import os
 import threading
 import time
@@ -63,7 +64,7 @@ class Authority:
         self._threads: list[threading.Thread] = []
         # stores grants a few at a time, for the life of the authority (not a pool per pass)
         self._grant_pool = concurrent.futures.ThreadPoolExecutor(GRANT_STORES, thread_name_prefix="grant")
-        self._published = 0.0
+        self._published = -math.inf  # monotonic time the list was last stored; never yet
         self._revoked_mtime = -1.0
         self._unsaid: list[str] = []  # revocations and pardons read from the file, said once the list is published
         self._requests_stamp: tuple | None = None  # what the coordinator's own DHT node held of them, last pass
@@ -268,7 +269,7 @@ class Authority:
                 self._unsaid += [f"Revoked peer {peer}: {found[peer].get('reason', '')}" for peer in new]
                 self._unsaid += [f"Pardoned peer {peer}: it may take part again" for peer in gone]
                 if new or gone:
-                    self._published = 0.0
+                    self._published = -math.inf
         if self.dht.gate is not None and self.dht.gate.revoked != frozenset(self.revoked):
             self.dht.gate.revoked = frozenset(self.revoked)  # the coordinator's own gate: its list, first hand
         ttl = max(self.cfg.security.revocations_ttl, 4 * self.admission.refresh)
