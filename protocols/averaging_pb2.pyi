@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Contribution(_message.Message):
-    __slots__ = ("peer_id", "samples", "incarnation", "seq", "norm", "nonce")
+    __slots__ = ("peer_id", "samples", "incarnation", "seq", "norm", "nonce", "reference")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     samples: int
     incarnation: int
     seq: int
     norm: float
     nonce: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., samples: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., norm: _Optional[float] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    reference: float
+    def __init__(self, peer_id: _Optional[str] = ..., samples: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., norm: _Optional[float] = ..., nonce: _Optional[bytes] = ..., reference: _Optional[float] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
     __slots__ = ("run_id", "stage", "expert", "epoch", "attempt", "group", "sender", "total_elements")

@@ -369,7 +369,7 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
     refused once it passes 100x. A round with one claimant is held to the references of the last rounds with
     several (not to its word). A claim of 0 refuses the round (as poison does); members without samples, and
     claims absent or not finite numbers >= 0, do not count."""
-    from peer.server.averaging import GradientAverager, claimed_norms
+    from peer.server.averaging import GradientAverager, claimed_norms, stated_references
     from protocols import averaging_pb2
 
     averager, mean, taken = _judge(), 1.0, 0
@@ -379,25 +379,57 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
     assert 100 < mean <= 150 and averager.refused_in_a_row == 1
     # of two claimants, the lower claim: the other's huge one does not raise it
     assert not GradientAverager._plausible(_judge(), [torch.tensor([150.0])], 3, ["a", "b"], [1.0, 1e9])
-    # one claimant (it alone brought samples: the mean is its vector) is held to the last references of rounds
-    # with two claimants or more, not to its own word; its round adds no reference
+    # rounds with two claimants or more add their reference to what a replica states for rounds with one
     assert len(averager.references) == taken
-    assert not GradientAverager._plausible(averager, [torch.tensor([1e6])], 3, ["a", "b"], [1e6])
-    assert GradientAverager._plausible(averager, [torch.tensor([50.0])], 3, ["a", "b"], [50.0])
+    assert GradientAverager.own_reference(averager) == sorted(averager.references)[taken // 2]
+    # one claimant (it alone brought samples: the mean is its vector) is held to the lower median of the
+    # references its members stated, not to its own word nor to each replica's own history; its round adds none
+    assert not GradientAverager._plausible(averager, [torch.tensor([1e6])], 3, ["a", "b"], [1e6], [1.0, 1e9])
+    assert GradientAverager._plausible(averager, [torch.tensor([50.0])], 3, ["a", "b"], [50.0], [1.0, 2.0])
+    assert not GradientAverager._plausible(_judge(), [torch.tensor([160.0])], 3, ["a", "b", "c"], [1.0], [1, 1.5, 1e9])
     assert len(averager.references) == taken
+    # none stated (every member has fewer than 4 references): the claim (unchecked, as a first round is)
+    assert GradientAverager._plausible(_judge(), [torch.tensor([1e6])], 3, ["a", "b"], [1e6], [])
     # a replica that never averaged with two claimants holds its own norms (when it brought samples) as references
     veteran = _judge()
-    for norm, samples in ((1.0, 4), (2.0, 8), (1e9, 0), (float("nan"), 4), (1.5, 4), (1.0, 4)):
+    for norm, samples in ((1.0, 4), (2.0, 8), (1e9, 0), (float("nan"), 4)):
+        GradientAverager.remember_own(veteran, norm, samples)
+    assert GradientAverager.own_reference(veteran) is None  # 2 references: too few to state one
+    for norm, samples in ((1.5, 4), (1.0, 4)):
         GradientAverager.remember_own(veteran, norm, samples)
     assert list(veteran.references) == [1.0, 2.0, 1.5, 1.0]
-    assert not GradientAverager._plausible(veteran, [torch.tensor([1e6])], 3, ["a", "b"], [1e6])
+    assert GradientAverager.own_reference(veteran) == 1.5
     gathered = [
         averaging_pb2.Contribution(peer_id=p, samples=s, norm=n)
         for p, s, n in (("a", 4, 2.0), ("b", 4, float("nan")), ("c", 0, 5.0), ("d", 4, -1.0), ("e", 4, 1e9))
     ]
     gathered.append(averaging_pb2.Contribution(peer_id="f", samples=4))  # said no norm
     assert claimed_norms(gathered) == [2.0, 1e9]
+    stating = [
+        averaging_pb2.Contribution(peer_id=p, reference=r) for p, r in (("a", 1.5), ("b", float("inf")), ("c", -2.0))
+    ]
+    assert stated_references([*stating, averaging_pb2.Contribution(peer_id="d")]) == [1.5]
     assert not GradientAverager._plausible(_judge(), [torch.tensor([1e-3])], 3, ["a", "b"], [0.0, 1.0])
+
+
+def test_members_with_different_histories_judge_a_round_with_one_claimant_alike():
+    """A fresh-clone CI run: of three replicas, one had stepped alone (its references were its own norms, about
+    1.36) while the two others had averaged (larger ones); a round where one member alone brought samples, of norm
+    138, was refused by the first and stepped by the others, and the refuser could then load nobody's state (both
+    had stepped the group it refused). Now each member states its reference with its contribution and all judge
+    by the lower median of the statements, the same for all."""
+    from peer.server.averaging import GradientAverager
+
+    judges = [_judge() for _ in range(3)]
+    for judge, norm in zip(judges, (1.36, 150.0, 160.0), strict=True):
+        for _ in range(4):
+            GradientAverager.remember_own(judge, norm, 8)
+    stated = [GradientAverager.own_reference(judge) for judge in judges]
+    for mean, expected in ((138.0, True), (2e4, False)):
+        verdicts = {
+            GradientAverager._plausible(j, [torch.tensor([mean])], 3, ["a", "b", "c"], [mean], stated) for j in judges
+        }
+        assert verdicts == {expected}, (mean, verdicts)
 
 
 def _lying_owner(member, verdict_of=None, altered=None):

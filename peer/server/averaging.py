@@ -57,9 +57,9 @@ class GradientAverager:
         # loaded another's state (it resynced past a step) starts anew: its old rounding is of another trajectory
         self.residual_epoch = -1
         self.refused_in_a_row = 0  # means refused as implausible since the last one taken
-        # what a round with one claimant is held to (`_plausible`; that one member's word is no reference): the
-        # references of the last rounds taken with two claimants or more, and this replica's own norms when it
-        # brought samples (its own word is honest to itself)
+        # what this replica states a round with one claimant should be held to (`own_reference`; the group judges
+        # by the lower median of its members' statements): the references of the last rounds taken with two
+        # claimants or more, and this replica's own norms when it brought samples (its own word is honest to itself)
         self.references: collections.deque[float] = collections.deque(maxlen=16)
         # step after the round -> its group's members, for the last rounds whose mean was refused: a replica
         # that stepped such a group took poison (peer.server.replica_state will not take its state)
@@ -92,6 +92,7 @@ class GradientAverager:
             seq=covers[1],
             norm=_norm(gradients),
             nonce=os.urandom(NONCE_BYTES),  # this round's alone (peer.server.slice_word)
+            reference=self.own_reference(),
         )
         self.remember_own(me.norm, samples)
         try:
@@ -108,8 +109,9 @@ class GradientAverager:
             self.unstep(epoch)
             return None
         averaged = outcome.averaged
-        if not self._plausible(averaged, epoch, members, claimed_norms(outcome.gathered)):
-            # with two claimants or more every member judges alike (with one, each by its own references): the
+        gathered = outcome.gathered
+        if not self._plausible(averaged, epoch, members, claimed_norms(gathered), stated_references(gathered)):
+            # every member judges alike (the same claims and references, from the owners' verdicts): the
             self.unstep(epoch)  # next round at this step is a new one
             return None
         coverage = {c.peer_id: (int(c.incarnation), int(c.seq)) for c in outcome.gathered}
@@ -151,22 +153,23 @@ class GradientAverager:
             residual = torch.zeros(0)
         return _shaped(rounded, gradients), (_shaped(residual, gradients) if residual.numel() else [])
 
-    def _plausible(self, averaged, epoch: int, members: list[str], claims: list[float]) -> bool:
+    def _plausible(self, averaged, epoch: int, members: list[str], claims: list[float], stated=()) -> bool:
         """Whether a group's mean may be stepped: finite, and its norm within averaging.max_norm_ratio of a reference.
         With two claims or more (`claimed_norms`: the norms the members with samples said they sent, the same in
         every member's verdicts), the lower median of the claims: one member can lower it (its rounds are refused
         then, as when it sends poison), never raise it above an honest claimant's own norm while honest members
         are at least half of the claimants; a reference of past means let one member raise it round by round,
-        100x every ~9 rounds. With one claim (one member brought samples: the mean is its vector), the median of
-        `references` (the last such references, and this replica's own norms: `remember_own`) once there are 4;
-        before, that claim (as before, a lone member's mean went unchecked then). Replicas judge such rounds by
-        their own references, which differ a little: one may step a mean another refuses (the refuser never
-        takes the stepper's state: `refused_groups`)."""
+        100x every ~9 rounds. With one claim (one member brought samples: the mean is its vector), the lower
+        median of the references its members `stated` (`stated_references`: each member's `own_reference`), which
+        one member can lower but not raise above an honest one's while honest members are at least half; with
+        none stated, that claim (a lone member's mean goes unchecked then). Each replica once held such rounds to
+        its own references: they differ, one stepped a poison-sized mean another refused, and the refuser could
+        load nobody's state (`refused_groups`) while the others stepped on."""
         ratio, norm = self.cfg.max_norm_ratio, _norm(averaged)
         if len(claims) >= 2:
             reference = sorted(claims)[(len(claims) - 1) // 2]
-        elif len(self.references) >= 4:
-            reference = sorted(self.references)[len(self.references) // 2]
+        elif stated:
+            reference = sorted(stated)[(len(stated) - 1) // 2]
         else:
             reference = claims[0] if claims else math.inf
         # a mean that is not finite is no honest group's (NaN compares False with everything: checked first)
@@ -177,8 +180,8 @@ class GradientAverager:
                 self.refused_groups.popitem(last=False)
             logger.warning(
                 "refused the mean of the averaging group for step %d (%s): its norm %.3g is %.0f times the "
-                "reference %.3g, of the norms its members said they sent (averaging.max_norm_ratio); a member "
-                "sent poison",
+                "reference %.3g, of the norms its members said they sent or (one sent samples) of the references "
+                "they stated (averaging.max_norm_ratio); a member sent poison",
                 epoch,
                 ", ".join(members),
                 norm,
@@ -190,6 +193,13 @@ class GradientAverager:
         if len(claims) >= 2:
             self.references.append(reference)
         return True
+
+    def own_reference(self) -> float | None:
+        """What this replica holds a round with one claimant to, stated with its contribution: the median of its
+        references once it has 4 (None before)."""
+        if len(self.references) < 4:
+            return None
+        return sorted(self.references)[len(self.references) // 2]
 
     def remember_own(self, norm: float, samples: int) -> None:
         """This replica's own contribution's norm, a reference for rounds with one claimant, when it brought samples."""
@@ -204,6 +214,12 @@ def claimed_norms(gathered) -> list[float]:
     """The norms the members that brought samples said they sent; a member that said none, or no finite number
     >= 0, claims nothing (it cannot lower the reference by leaving its claim out)."""
     return [x for c in gathered if c.samples > 0 and (x := norm_claim(c)) is not None]
+
+
+def stated_references(gathered) -> list[float]:
+    """The references the members stated (`GradientAverager.own_reference`): absent, or no finite number >= 0,
+    states nothing."""
+    return [x for c in gathered if (x := norm_claim(c, "reference")) is not None]
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -24,15 +24,16 @@ MAX_QUEUED = 2  # pieces of one member read ahead of the reduction
 
 def contribution_key(c: averaging_pb2.Contribution) -> tuple:
     """What owners must report alike of a member's contribution: a member that told them differently is left out."""
-    return c.peer_id, c.samples, c.incarnation, c.seq, norm_claim(c), bytes(c.nonce)
+    return c.peer_id, c.samples, c.incarnation, c.seq, norm_claim(c), bytes(c.nonce), norm_claim(c, "reference")
 
 
-def norm_claim(c: averaging_pb2.Contribution) -> float | None:
-    """The norm a member says it sent, as the plausibility check reads it (peer.server.averaging): None when it
-    said none, or nothing that is a finite number >= 0."""
-    if not c.HasField("norm") or not math.isfinite(c.norm) or c.norm < 0:
+def norm_claim(c: averaging_pb2.Contribution, field: str = "norm") -> float | None:
+    """The norm a member says it sent (or, `field` "reference", the one it holds a lone claimant to), as the
+    plausibility check reads it (peer.server.averaging): None when it said none, or nothing that is a finite
+    number >= 0."""
+    if not c.HasField(field) or not math.isfinite(value := getattr(c, field)) or value < 0:
         return None
-    return float(c.norm)
+    return float(value)
 
 
 @dataclass

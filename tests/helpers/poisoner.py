@@ -2,7 +2,8 @@
 
 `python poisoner.py VALUE peer-arguments...` runs `peer ARGS` with two changes: the gradients it sends to
 every averaging round are VALUE everywhere (its weight, its sample count, stays as it was), and it takes
-whatever mean comes back. An admitted replica that does this is what averaging must withstand. It prints
+whatever mean comes back; it states a reference of 1e30 for rounds with one member bringing samples (the
+lower median of the members' statements is what counts). An admitted replica that does this is what averaging must withstand. It prints
 `POISONER sent step N with S samples` for each round it poisoned (with no samples its values weigh nothing).
 
 `python poisoner.py --ratchet FACTOR peer-arguments...` sends its honest gradients instead, times FACTOR more
@@ -26,6 +27,7 @@ def poisoning(value: float):
 
     def poisoned(self, gradients, me, epoch, group):
         print(f"POISONER sent step {epoch} with {me.samples} samples", flush=True)
+        me.reference = 1e30  # and says a round it alone brings samples to may be held to anything
         return send(self, [torch.full_like(g, value) for g in gradients], me, epoch, group)
 
     return poisoned
