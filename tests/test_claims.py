@@ -203,3 +203,50 @@ def test_a_backward_counts_its_caller_s_samples_only_when_it_added_them():
     assert backward("a") == 1 and server.counted_by == {"trainer": 4}  # leaving, it answers what it added
     with pytest.raises(Refused, match="leaving"):
         backward("c")
+
+
+def test_a_state_of_a_step_no_other_replica_reached_is_its_donor_s_word_alone():
+    """A transfer's lead may answer Info one step past its record (an honest donor that just stepped): the state of
+    that step is loaded only if another replica vouches for it (its recent steps hold these parameters at that
+    step), or none of the part's others could say (gone, or the step is beyond what they recall). When every other
+    replica that answered is behind that step, it is the donor's word alone and is refused (StateError: a lead
+    that answered a step ahead each time was loaded unchecked, and led each next load a step further)
+    (peer.server.replica_state `_second_opinion`)."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from dht.records import ServerRecord
+    from peer.model.part_state import StateError
+    from peer.server.replica_state import StateTransfer
+
+    def record(owner: str, epoch: int) -> ServerRecord:
+        r = ServerRecord(stage=0, endpoint=f"{owner}:1", epoch=epoch, throughput=1.0, state="serving")
+        r.owner = owner
+        return r
+
+    fingerprint = [1.0, 2.0]
+
+    class Loader(StateTransfer):
+        def __init__(self, others: dict):  # owner -> (its Info epoch, the steps it recalls with these parameters)
+            self.peers = {owner: record(owner, epoch) for owner, (epoch, _) in others.items()}
+            self.cfg = NS(server=NS(second_opinions=4), network=NS(dht_request_timeout=1.0))
+            self.spec, self.part = NS(compression=NS(averaging="none")), NS(expert="")
+
+            async def info(endpoint, timeout, expert, peer):
+                epoch, steps = others[peer]
+                return NS(epoch=epoch, history=[NS(epoch=s, values=fingerprint) for s in steps])
+
+            self.client = NS(info=info)
+
+        def _credible(self, records):
+            return records
+
+    def check(others: dict, epoch: int = 6) -> None:
+        metadata = {"epoch": epoch, "fingerprint": fingerprint, "donors": ["lead"]}
+        asyncio.run(Loader(others)._second_opinion(metadata, [record("lead", 5)]))
+
+    check({"b": (6, [5, 6])})  # another replica holds these parameters at 6: vouched
+    check({})  # nobody else to ask
+    with pytest.raises(StateError, match="donor's word alone"):
+        check({"b": (5, [4, 5]), "c": (5, [5])})  # both behind: the lead alone says 6
+    check({"b": (5, [4, 5]), "c": (6, [6])})  # one of them reached it with these parameters

@@ -126,7 +126,10 @@ class StateTransfer:
         if lead.state == "archive":  # a resumed run's checkpoint (peer.coordinator.archive): one copy, at its step
             return lead.epoch
         timeout = self.cfg.network.dht_request_timeout
-        info = await self.client.info(lead.endpoint, timeout=timeout, expert=self.part.expert, peer=lead.owner)
+        try:
+            info = await self.client.info(lead.endpoint, timeout=timeout, expert=self.part.expert, peer=lead.owner)
+        except grpc.aio.AioRpcError as e:  # unloadable: tried from the lead alone once, then struck as a donor
+            raise StateError(f"{lead.endpoint}, the transfer's lead, did not say its step ({why(e)})") from None
         epoch = info.epoch
         if epoch > self._step_limit():  # its answer, not its record: the record was what was held to the limit
             raise Poisoned(f"{lead.endpoint} says it is at step {epoch}, past the part's credible step")
@@ -239,25 +242,31 @@ class StateTransfer:
         against them) are those the part's other replicas held at that step, by their recent steps (Info): refused
         when more of them held other parameters than held these, the donor counted with these (of two replicas,
         either one's word stands; of three, two outvote a liar). Replicas that have not reached that step, or
-        cannot say, count for neither."""
+        cannot say, count for neither; but a step none of them reached (each says a step behind it) is its donor's
+        word alone, not loaded now: a lead that answered Info one step past its record was loaded unchecked, each
+        load letting it lead the next one a step further."""
         epoch, owners = int(metadata["epoch"]), set(metadata.get("donors") or [r.owner for r in donors])
         if any(r.state == "archive" for r in donors):
             return  # the coordinator's checkpoint, vetted as it was written (peer.coordinator.vetting)
         others = [r for r in self._credible([r for r in self.peers.values() if r.state == "serving"])]
-        others = [r for r in others if r.owner not in owners and r.epoch >= epoch][: self.cfg.server.second_opinions]
+        others = sorted((r for r in others if r.owner not in owners), key=lambda r: -r.epoch)  # likeliest there first
+        others = others[: self.cfg.server.second_opinions]
         if not others:
             return
         values, tol = [float(x) for x in metadata.get("fingerprint") or []], tolerance(self.spec.compression.averaging)
 
-        async def held(r: ServerRecord) -> bool | None:
+        async def held(r: ServerRecord) -> tuple[int | None, bool | None]:
             timeout = self.cfg.network.dht_request_timeout
             try:
                 info = await self.client.info(r.endpoint, timeout=timeout, expert=self.part.expert, peer=r.owner)
             except Exception:  # gone or busy: no word
-                return None
-            return held_at(info.history, epoch, values, tol)
+                return None, None
+            return info.epoch, held_at(info.history, epoch, values, tol)
 
-        said = await asyncio.gather(*(held(r) for r in others))
+        answers = await asyncio.gather(*(held(r) for r in others))
+        said, reached = [w for _, w in answers], [e for e, _ in answers if e is not None]
+        if reached and max(reached) < epoch and True not in said:
+            raise StateError(f"its step {epoch} is its donor's word alone: the part's others are at {max(reached)}")
         agree, differ = said.count(True) + 1, said.count(False)
         if differ > agree:  # two or more against the donor's word: not a replica that just went apart
             raise Poisoned(f"{differ} of the part's other replicas held other parameters at step {epoch}")
