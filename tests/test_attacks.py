@@ -207,6 +207,40 @@ def test_a_joiner_is_not_held_by_a_donor_that_never_sends_while_another_does(swa
 
 
 @pytest.mark.slow
+def test_a_joiner_is_not_held_by_a_lead_that_never_says_its_step(swarm):
+    """One of stage 0's two replicas serves and steps honestly and announces the highest throughput, so it leads
+    every transfer, but fails every Info (tests/helpers/liar.py `silent`): the step a transfer is pinned to is its
+    lead's own answer. A joiner tried that lead again at each failure and never loaded; now a lead that does not
+    say its step makes the transfer unloadable, tried from it alone once, then it is struck as a donor: the
+    joiner loads from the honest replica."""
+    _trained_beside_a_liar(swarm, "silent", 40)
+    joiner = swarm.server("b", 0)
+    joiner.wait_for(r"Loaded the state of stage 0 \(step \d+\) from 1 peer", 120)
+    assert "did not say its step" in joiner.output(), joiner.output()[-3000:]
+    assert "starting from the run's seed" not in joiner.output()
+
+
+@pytest.mark.slow
+def test_a_joiner_does_not_load_a_step_its_lead_alone_says_it_reached(swarm):
+    """One of stage 0's two replicas leads every transfer (the highest throughput) and answers Info one step past
+    its own, with a sound state of that step: its own parameters moved a little (tests/helpers/liar.py `relabel`).
+    The other replica, asked for a second opinion, is behind that step, so nobody vouched for it: it was loaded
+    all the same (only replicas at that step were asked), and a lead could take each joiner a step further on its
+    word alone. Now such a state is refused, the lead struck, and the joiner loads the honest replica's state."""
+    _trained_beside_a_liar(swarm, "relabel", 40)
+    joiner = swarm.server("b", 0)
+    joined = joiner.wait_for(r"Loaded the state of stage 0 \(step (\d+)\) from", 120)
+    liar = next(peer for peer in swarm.peers if peer.name == "liar")
+    assert "LIAR sent step" in liar.output(), liar.output()[-3000:]
+    step, honest = int(joined.group(1)), swarm.endpoint(next(p for p in swarm.peers if p.name == "s0"))
+    held = {h.epoch: list(h.values) for h in info(honest).history}  # the trainer is done: nobody steps now
+    assert step in held, f"the joiner loaded step {step}, which the honest replica never reached: {sorted(held)}"
+    mine = {h.epoch: list(h.values) for h in info(swarm.endpoint(joiner)).history}
+    assert mine[step] == pytest.approx(held[step], rel=1e-6), step  # the liar's state of its step differs
+    assert "donor's word alone" in joiner.output(), joiner.output()[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["freeze", "hang", "ahead"])
 def test_a_replica_alone_ahead_of_two_others_is_not_followed(swarm, mode):
     """A third replica of stage 0 claims one step past the honest two (tests/helpers/liar.py): `freeze`, in its

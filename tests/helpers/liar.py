@@ -15,6 +15,12 @@
   must load from before they step, and it never sends its state; `hang`: the same, but every GetState hangs
   (it sends nothing and never ends the call) instead of failing at once; `mute`: it serves and steps honestly,
   but every GetState hangs, so that a joiner that waited for each donor's call to end would wait its deadline;
+- `silent`: it serves and steps honestly, and announces itself as the fastest replica by far, but fails every Info
+  (a replica's own word on its step): a joiner that asked it, the transfer's lead, for its step, and tried again
+  whenever it failed to answer, never loaded;
+- `relabel`: it serves and steps honestly and announces itself as the fastest replica, but answers every Info one
+  step past its own, and a request for the state of that step with its own parameters times 1.001 under that
+  step's number (fingerprinted as they are, so the state is sound): a step nobody else reached, its word alone;
 - `far`: it serves honestly, but its record's training step is 10^9, beside its true epoch: what a replica
   that wants every trainer to think the run has ended would announce;
 - `ahead`: its records, its state and its answers are honest, except every Round invitation, which it declines
@@ -173,6 +179,49 @@ def splitting():
     return split
 
 
+def silent():
+    record = Replica.record
+
+    def fastest(self):
+        announced = record(self)
+        announced.throughput = 1e9
+        return announced
+
+    async def unavailable(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "busy, try again")
+
+    return fastest, unavailable
+
+
+def relabelling():
+    from peer.model.part import PartRuntime
+    from peer.model.part_state import state_fingerprint
+
+    record, info, snapshot = Replica.record, ServicerBase.Info, PartRuntime.snapshot
+
+    def fastest(self):
+        announced = record(self)
+        announced.throughput = 1e9
+        return announced
+
+    async def ahead(self, request, context):
+        response = await info(self, request, context)
+        response.epoch += 1
+        return response
+
+    def relabelled(self, shard=0, num_shards=1, epoch=None):
+        if epoch is None or epoch != self.epoch + 1:
+            return snapshot(self, shard, num_shards, epoch)
+        metadata, tensors = snapshot(self, shard, num_shards, None)
+        moved = {n: t * 1.001 if n.startswith("param/") else t for n, t in self.state_tensors().items()}
+        everything = {n: t.detach().cpu() for n, t in moved.items()}
+        fingerprint = state_fingerprint(everything, self.param_names, False)
+        print(f"LIAR sent step {epoch} of its own", flush=True)
+        return dict(metadata, epoch=epoch, fingerprint=fingerprint), {n: everything[n] for n in tensors}
+
+    return fastest, ahead, relabelled
+
+
 def far_step():
     record = Replica.record
 
@@ -198,6 +247,12 @@ if __name__ == "__main__":
         ServicerBase.GetState = failing_state() if sys.argv[1] == "freeze" else hanging_state()
     elif sys.argv[1] == "mute":
         ServicerBase.GetState = hanging_state()
+    elif sys.argv[1] == "silent":
+        Replica.record, ServicerBase.Info = silent()
+    elif sys.argv[1] == "relabel":
+        from peer.model.part import PartRuntime
+
+        Replica.record, ServicerBase.Info, PartRuntime.snapshot = relabelling()
     elif sys.argv[1] == "far":
         Replica.record = far_step()
     elif sys.argv[1] == "ahead":
