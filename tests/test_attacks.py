@@ -228,11 +228,16 @@ def test_a_joiner_does_not_load_a_step_its_lead_alone_says_it_reached(swarm):
     all the same (only replicas at that step were asked), and a lead could take each joiner a step further on its
     word alone. Now such a state is refused, the lead struck, and the joiner loads the honest replica's state."""
     _trained_beside_a_liar(swarm, "relabel", 40)
+    ends = {peer.name: swarm.endpoint(peer) for peer in swarm.peers if peer.name in ("s0", "liar")}
+    deadline = time.monotonic() + 60
+    while info(ends["s0"]).epoch != info(ends["liar"]).epoch - 1:  # one step: the liar, the faster, leads
+        assert time.monotonic() < deadline, {name: info(e).epoch for name, e in ends.items()}
+        time.sleep(0.2)
     joiner = swarm.server("b", 0)
     joined = joiner.wait_for(r"Loaded the state of stage 0 \(step (\d+)\) from", 120)
     liar = next(peer for peer in swarm.peers if peer.name == "liar")
     assert "LIAR sent step" in liar.output(), liar.output()[-3000:]
-    step, honest = int(joined.group(1)), swarm.endpoint(next(p for p in swarm.peers if p.name == "s0"))
+    step, honest = int(joined.group(1)), ends["s0"]
     held = {h.epoch: list(h.values) for h in info(honest).history}  # the trainer is done: nobody steps now
     assert step in held, f"the joiner loaded step {step}, which the honest replica never reached: {sorted(held)}"
     mine = {h.epoch: list(h.values) for h in info(swarm.endpoint(joiner)).history}

@@ -366,8 +366,8 @@ def test_one_member_cannot_ratchet_the_norm_bound_up_round_by_round():
     round's mean 1.5x the last was never refused (the median trails the newest by 1.5^8 = 26x, under the 100x
     bound), up to float overflow. The reference is now the lower median of the norms the members with samples
     said they sent: two honest members at norm 1 keep it at 1 whatever the third claims, and the growing mean is
-    refused once it passes 100x. A round with one claimant is held to the references of the last rounds with
-    several (not to its word). A claim of 0 refuses the round (as poison does); members without samples, and
+    refused once it passes 100x. A round with one claimant is held to the lower median of the references its
+    members stated (each from its last rounds with several and its own norms), not to its word. A claim of 0 refuses the round (as poison does); members without samples, and
     claims absent or not finite numbers >= 0, do not count."""
     from peer.server.averaging import GradientAverager, claimed_norms, stated_references
     from protocols import averaging_pb2

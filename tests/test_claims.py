@@ -209,7 +209,8 @@ def test_a_state_of_a_step_no_other_replica_reached_is_its_donor_s_word_alone():
     """A transfer's lead may answer Info one step past its record (an honest donor that just stepped): the state of
     that step is loaded only if another replica vouches for it (its recent steps hold these parameters at that
     step), or none of the part's others could say (gone, or the step is beyond what they recall). When every other
-    replica that answered is behind that step, it is the donor's word alone and is refused (StateError: a lead
+    replica that answered is behind that step, and no donor's record holds it, it is the donor's word alone and is
+    refused (StateError: a lead
     that answered a step ahead each time was loaded unchecked, and led each next load a step further)
     (peer.server.replica_state `_second_opinion`)."""
     import asyncio
@@ -227,13 +228,13 @@ def test_a_state_of_a_step_no_other_replica_reached_is_its_donor_s_word_alone():
     fingerprint = [1.0, 2.0]
 
     class Loader(StateTransfer):
-        def __init__(self, others: dict):  # owner -> (its Info epoch, the steps it recalls with these parameters)
-            self.peers = {owner: record(owner, epoch) for owner, (epoch, _) in others.items()}
+        def __init__(self, others: dict):  # owner -> (its record's step, its Info's, the steps it recalls with these)
+            self.peers = {owner: record(owner, at) for owner, (at, _, _) in others.items()}
             self.cfg = NS(server=NS(second_opinions=4), network=NS(dht_request_timeout=1.0))
             self.spec, self.part = NS(compression=NS(averaging="none")), NS(expert="")
 
             async def info(endpoint, timeout, expert, peer):
-                epoch, steps = others[peer]
+                _, epoch, steps = others[peer]
                 return NS(epoch=epoch, history=[NS(epoch=s, values=fingerprint) for s in steps])
 
             self.client = NS(info=info)
@@ -241,12 +242,18 @@ def test_a_state_of_a_step_no_other_replica_reached_is_its_donor_s_word_alone():
         def _credible(self, records):
             return records
 
-    def check(others: dict, epoch: int = 6) -> None:
+    def check(others: dict, epoch: int = 6, lead_at: int = 5) -> None:
         metadata = {"epoch": epoch, "fingerprint": fingerprint, "donors": ["lead"]}
-        asyncio.run(Loader(others)._second_opinion(metadata, [record("lead", 5)]))
+        asyncio.run(Loader(others)._second_opinion(metadata, [record("lead", lead_at)]))
 
-    check({"b": (6, [5, 6])})  # another replica holds these parameters at 6: vouched
+    check({"b": (5, 6, [5, 6])})  # another replica holds these parameters at 6: vouched
     check({})  # nobody else to ask
     with pytest.raises(StateError, match="donor's word alone"):
-        check({"b": (5, [4, 5]), "c": (5, [5])})  # both behind: the lead alone says 6
-    check({"b": (5, [4, 5]), "c": (6, [6])})  # one of them reached it with these parameters
+        check({"b": (5, 5, [4, 5]), "c": (5, 5, [5])})  # both behind: the lead alone says 6, past its record's 5
+    check({"b": (5, 5, [4, 5]), "c": (6, 6, [6])})  # one of them reached it with these parameters
+    # a step a donor's record holds: one replica saying it is behind vetoes nothing (a hostile one would get the
+    # honest donor struck)
+    check({"b": (5, 5, [4, 5])}, lead_at=6)
+    # an answer behind the replica's own record is no word: the lead alone says 6
+    with pytest.raises(StateError, match="donor's word alone"):
+        check({"b": (6, 4, [4]), "c": (5, 5, [5])})

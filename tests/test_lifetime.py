@@ -228,7 +228,7 @@ def test_torch_s_shared_memory_works_in_the_runtime_dir_of_any_temporary_directo
         "mp.set_sharing_strategy('file_system')\n"
         "torch.empty(8, dtype=torch.uint8).share_memory_()\n"
     )
-    for length in (20, 31, 32, 36, 37, 42, 48, 60):
+    for length in (20, 31, 32, 48, 60):
         base = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
         tmpdir = base / ("d" * (length - len(str(base)) - 1))
         tmpdir.mkdir()

@@ -129,6 +129,8 @@ class StateTransfer:
         try:
             info = await self.client.info(lead.endpoint, timeout=timeout, expert=self.part.expert, peer=lead.owner)
         except grpc.aio.AioRpcError as e:  # unloadable: tried from the lead alone once, then struck as a donor
+            if self.dht.security is not None:
+                self.dht.security.refused(e)  # refused as not admitted: is this peer revoked? (its list says)
             raise StateError(f"{lead.endpoint}, the transfer's lead, did not say its step ({why(e)})") from None
         epoch = info.epoch
         if epoch > self._step_limit():  # its answer, not its record: the record was what was held to the limit
@@ -242,9 +244,11 @@ class StateTransfer:
         against them) are those the part's other replicas held at that step, by their recent steps (Info): refused
         when more of them held other parameters than held these, the donor counted with these (of two replicas,
         either one's word stands; of three, two outvote a liar). Replicas that have not reached that step, or
-        cannot say, count for neither; but a step none of them reached (each says a step behind it) is its donor's
-        word alone, not loaded now: a lead that answered Info one step past its record was loaded unchecked, each
-        load letting it lead the next one a step further."""
+        cannot say (or answer a step below their own record's: a step never goes back), count for neither; but a
+        step past every donor's record that none of them reached (each says a step behind it) is its lead's word
+        alone, not loaded now: a lead that answered Info one step past its record was loaded unchecked, each load
+        letting it lead the next one a step further. (A step some donor's record holds is not refused so: one
+        hostile replica answering "behind" would veto an honest state, and get its honest donor struck.)"""
         epoch, owners = int(metadata["epoch"]), set(metadata.get("donors") or [r.owner for r in donors])
         if any(r.state == "archive" for r in donors):
             return  # the coordinator's checkpoint, vetted as it was written (peer.coordinator.vetting)
@@ -261,11 +265,14 @@ class StateTransfer:
                 info = await self.client.info(r.endpoint, timeout=timeout, expert=self.part.expert, peer=r.owner)
             except Exception:  # gone or busy: no word
                 return None, None
+            if info.epoch < r.epoch:  # behind its own record: no word
+                return None, None
             return info.epoch, held_at(info.history, epoch, values, tol)
 
         answers = await asyncio.gather(*(held(r) for r in others))
         said, reached = [w for _, w in answers], [e for e, _ in answers if e is not None]
-        if reached and max(reached) < epoch and True not in said:
+        past = epoch > max((r.epoch for r in donors), default=-1)  # no donor's record holds it: the lead's answer
+        if past and reached and max(reached) < epoch and True not in said:
             raise StateError(f"its step {epoch} is its donor's word alone: the part's others are at {max(reached)}")
         agree, differ = said.count(True) + 1, said.count(False)
         if differ > agree:  # two or more against the donor's word: not a replica that just went apart
