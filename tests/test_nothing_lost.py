@@ -397,6 +397,7 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
 
     from peer.config import NetworkConfig
     from peer.config.settings import TrainerConfig
+    from peer.swarm.router import NoServer
     from peer.trainer.calls import CallerFault, Calls
     from protocols import stage_pb2
 
@@ -409,21 +410,28 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
     }
 
     class Tries(Calls):
-        def __init__(self, answers: list, refreshed=1e9, answered=1e9, lost=1e9) -> None:
+        def __init__(self, answers: list, refreshed=1e9, answered=1e9, lost=1e9, moved=1e9) -> None:
             self.tcfg = TrainerConfig(unanswered_wait=0.5, refresh_period=0.1)
             self.answers, self.tried, self.at, self.avoided, self.waits = answers, [], [], [], []
             self.cfg = SimpleNamespace(network=NetworkConfig(record_ttl=0.2, rest_announce_period=2.0))
             self.cfg.network.rest_announce_period = self.cfg.network.announce_period  # records live 0.2 s at most
             self._no_server_since, self.journal, began = {}, SimpleNamespace(sent=lambda *a: None), time.time()
             after = lambda s: time.time() - began > s  # noqa: E731
+
+            def only(stage, pid, mind_bans=True):
+                if pid == "hung" and after(moved):  # under no record of this stage now
+                    raise NoServer(f"server {pid} of stage {stage} cannot take a call now")
+                return pid, record
+
             self.router = SimpleNamespace(
                 servers=[{"hung": record, "other": record}],
                 latest={},  # no endpoint to probe: a frozen server's port takes connections anyway
                 lost=lambda pid: after(lost),
                 vanished=lambda pid: after(lost),
-                only=lambda stage, pid, mind_bans=True: (pid, record),
+                only=only,
+                elsewhere=lambda pid, stage: pid == "hung" and after(moved),
                 choose=lambda stage, exclude, prefer, kind: (
-                    "hung" if "hung" not in {*exclude, *self.avoided} and not after(lost) else "other",
+                    "hung" if "hung" not in {*exclude, *self.avoided} and not after(min(lost, moved)) else "other",
                     record,
                 ),
                 deadline=lambda *a: 1.0,
@@ -453,9 +461,10 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
         async def _failed(self, *a) -> bool:
             return True
 
-    def tries(answers: list, dry: bool = False, **when) -> tuple:
+    def tries(answers: list, dry: bool = False, insist: str | None = None, **when) -> tuple:
         calls = Tries(answers, **when)
-        answer = asyncio.run(calls._call(0, "backward", stage_pb2.BackwardRequest(uid="u", dry=dry)))[2]
+        request = stage_pb2.BackwardRequest(uid="u", dry=dry)
+        answer = asyncio.run(calls._call(0, "backward", request, insist=insist))[2]
         return answer, calls.tried, calls.avoided, calls.at[-1] - calls.at[0]
 
     for sign in ("refreshed", "answered"):  # frozen, then it shows it lives: asked again then, not before
@@ -474,6 +483,10 @@ def test_an_unanswered_backward_goes_to_its_server_again_while_it_may_hold_it():
     # leaving, it answers what it holds (peer.server.servicer): refused as leaving, it holds none: anywhere
     assert tries(["none", "leaving"], refreshed=0)[:3] == ("other", ["hung", "hung", "other"], [])
     assert tries(["none"], dry=True)[1] == ["hung", "other"]
+    # a killed start's journal names it: insisted on while it lives, however long; but once it serves another
+    # stage (under no record of this one) it holds nothing of this stage: the backward goes on
+    assert tries(["none", "none", "answer"], insist="hung", refreshed=0)[:3] == ("hung", ["hung"] * 3, [])
+    assert tries([], insist="hung", moved=0)[:2] == ("other", ["other"])
 
 
 def trained_then_emptied(swarm, extra: list[str] = ()) -> tuple[int, str, object]:

@@ -236,6 +236,11 @@ class Router:
         A peer caught lying counts as lost too: nothing it says it holds is taken on trust."""
         return peer_id in self.leaving or self.vanished(peer_id)
 
+    def elsewhere(self, peer_id: str, stage: int) -> bool:
+        """Whether `peer_id`'s latest record is of another stage (it moved: what it held of `stage` went with it)."""
+        record = self.latest.get(peer_id)
+        return record is not None and not record.expert and record.stage != stage
+
     def vanished(self, peer_id: str) -> bool:
         """`lost`, but for a server that is leaving and not yet gone: it still answers a backward it holds."""
         if peer_id in self.dead or peer_id in self.distrusted:

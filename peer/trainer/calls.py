@@ -150,8 +150,14 @@ class Calls:
 
     def _still_insisting(self, stage: int, insist: Insist | None) -> Insist | None:
         """`insist`, while the backward still goes to that server only (peer.trainer.insistence): None once it is
-        lost (what it held went with it: the backward counts anywhere) or the wait is over."""
+        lost (what it held went with it: the backward counts anywhere), moved to another stage (a journal's insist
+        waited for it for ever: it is under no record of this stage), or the wait is over."""
         if insist is None or self.router.vanished(insist.pid):  # a leaving one still answers what it holds
+            return None
+        if self.router.elsewhere(insist.pid, stage):
+            logger.warning(
+                "stage %d: %s, which may hold a backward, serves another stage now; it goes on", stage, insist.pid
+            )
             return None
         if insist.journal or self._insist_left(insist) > 0:
             return insist

@@ -25,7 +25,7 @@ record lives on); one that refuses every ask with a reason until the bound; one 
 and left before it was asked again (gone, it answers nothing).
 
 A killed start's journal names the server it sent a backward to and got no answer from (peer.trainer.trainer): that
-one is insisted on while it lives, however long it is banned or behind."""
+one is insisted on while it lives and serves that stage, however long it is banned or behind."""
 
 from __future__ import annotations
 
