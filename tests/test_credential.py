@@ -139,3 +139,17 @@ def test_a_record_counts_only_from_a_role_that_may_publish_it():
         for role, (peer_id, cert) in certs.items():
             assert gate.may_write(peer_id, cert, record.writers()) == (role in allowed[name]), (name, role)
         assert gate.may_write(coordinator.peer_id, None, record.writers())  # the run's authority writes any
+
+
+def test_the_revocation_list_outlives_every_credential_it_revokes():
+    """A revoked peer's last credential stays valid up to admission.credential_ttl; the list once lived
+    security.revocations_ttl (120 s) only, so a peer that started while the coordinator had been away longer read no
+    list while that credential was still good. It now lives a credential's lifetime at least, and is stored again,
+    unchanged, as often as before (a third of revocations_ttl, or of 4 refreshes)."""
+    from peer.config import PeerConfig, RunSpec
+    from peer.net.security import revocation_periods
+
+    spec, cfg = RunSpec(), PeerConfig()
+    assert revocation_periods(spec, cfg) == (spec.admission.credential_ttl, cfg.security.revocations_ttl / 3)
+    spec.admission.refresh, spec.admission.credential_ttl = 60.0, 100.0
+    assert revocation_periods(spec, cfg) == (240.0, 80.0)  # 4 refreshes, past the credential's life

@@ -37,6 +37,7 @@ from dht.records import CredentialGrant, CredentialRequest, LieProofs, Revocatio
 from peer.config import PeerConfig, RunSpec
 from peer.coordinator.admission_files import PEER_ROLES, invite_taken, invite_takers, read_json, revoke, take_invite
 from peer.coordinator.referee import Referee
+from peer.net.security import revocation_periods
 from peer.process.status_lines import say
 from peer.server.slice_word import proves_a_lie
 
@@ -272,9 +273,8 @@ class Authority:
                     self._published = -math.inf
         if self.dht.gate is not None and self.dht.gate.revoked != frozenset(self.revoked):
             self.dht.gate.revoked = frozenset(self.revoked)  # the coordinator's own gate: its list, first hand
-        ttl = max(self.cfg.security.revocations_ttl, 4 * self.admission.refresh)
-        # unchanged, the list is stored again at a third of its lifetime (a change resets `_published`)
-        if time.monotonic() - self._published >= max(self.admission.refresh / 2, ttl / 3):
+        ttl, every = revocation_periods(self.spec, self.cfg)
+        if time.monotonic() - self._published >= every:  # unchanged, stored again (a change resets `_published`)
             record = RevocationList(peers=sorted(self.revoked), updated=time.time())
             if self.dht.store(keys.revocations_key(self.spec.name), record, ttl):
                 self._published = time.monotonic()

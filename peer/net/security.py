@@ -51,6 +51,17 @@ class AdmissionRefused(UserError, RuntimeError):
     """The coordinator did not admit this peer; the message says why."""
 
 
+def revocation_periods(spec: RunSpec, cfg: PeerConfig) -> tuple[float, float]:
+    """(lifetime, restore period) of the coordinator's revocation list in the DHT. It lives as long as a credential
+    at least (admission.credential_ttl): a revoked peer's last credential runs out before the list does, even when
+    the coordinator is away meanwhile (a list of security.revocations_ttl once expired while such a credential was
+    still valid, and a peer starting then read none). Unchanged, it is stored again every third of
+    security.revocations_ttl (at least 4 refreshes), at least half a refresh apart."""
+    refresh = spec.admission.refresh
+    base = max(cfg.security.revocations_ttl, 4 * refresh)
+    return max(base, spec.admission.credential_ttl), max(refresh / 2, base / 3)
+
+
 def gate_for(spec: RunSpec, coordinator: str, dht: SwarmDHT | None = None) -> Gate | None:
     """A reader's gate for the run (None when admission is off); with `dht`, holding the revocation list now."""
     if spec.admission.mode == "off":
@@ -214,10 +225,8 @@ class Security:
 
     def _restored_within(self) -> float:
         """How long a node among the revocation list's nearest goes without the coordinator storing it again there:
-        it stores the list at a third of its lifetime (peer.coordinator.authority), plus two refresh periods."""
-        refresh = self.spec.admission.refresh
-        ttl = max(self.cfg.security.revocations_ttl, 4 * refresh)
-        return max(refresh / 2, ttl / 3) + 2 * refresh
+        its restore period (`revocation_periods`, peer.coordinator.authority), plus two refresh periods."""
+        return revocation_periods(self.spec, self.cfg)[1] + 2 * self.spec.admission.refresh
 
     # ---- TLS -------------------------------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials:
