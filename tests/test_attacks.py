@@ -795,3 +795,46 @@ def _accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_the_referee_clears_a_server_one_partner_agrees_with():
+    """Four keys: two reporters and two servers of the reported one's stage that answer the coordinator's probe
+    alike (and wrong). The referee picked two partners at random: when it picked the two hostile ones, they agreed,
+    the honest server agreed with neither, and it was revoked though honest partners were there. It now asks up to
+    security.probe_partners (4): one partner that agrees with the reported server clears it. A partner that does
+    not answer, or answers at another step, counts for neither side; with fewer than two left, it cannot tell."""
+    import asyncio
+
+    import torch
+
+    from dht.records import ServerRecord
+    from peer.config import PeerConfig, RunSpec
+    from peer.coordinator.referee import Referee
+
+    right, wrong = torch.ones(4), torch.full((4,), 3.0)
+
+    class Probed(Referee):
+        def __init__(self, answers: dict):  # peer id -> (answer, step), or an exception to raise
+            super().__init__(RunSpec(), PeerConfig(), dht=type("D", (), {"security": None})())
+            self.answers = answers
+            self.cfg.security.probe_wait = 0.0
+
+        async def _stage_of(self, accused):
+            return 1, {pid: ServerRecord(stage=1, endpoint=f"{pid}:1", throughput=1.0) for pid in self.answers}
+
+        async def _ask(self, client, endpoint, pid, request, payloads):
+            answer = self.answers[pid]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    def verdict(**answers) -> tuple:
+        return asyncio.run(Probed(answers)._verdict("honest"))
+
+    hostile = {"h1": (wrong, 5), "h2": (wrong, 5)}
+    assert verdict(honest=(right, 5), **hostile, o1=(right, 5), o2=(right, 5))[0] is False
+    # asked again while an honest partner is at another step; one there at every try, or silent, vouches for nothing
+    assert verdict(honest=(right, 5), **hostile, o1=(right, 6), o2=TimeoutError())[0] is True
+    assert verdict(honest=(wrong, 5), h1=(right, 5), h2=(right, 5), o1=(right, 5))[0] is True  # a cheater
+    assert verdict(honest=(right, 5), h1=(wrong, 5), o1=TimeoutError())[0] is None  # one partner: cannot tell
+    assert verdict(honest=(right, 5), h1=(wrong, 5), o1=(3 * wrong, 5))[0] is None  # partners disagree too

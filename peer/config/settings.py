@@ -330,9 +330,11 @@ class SecurityConfig:
     # s between the coordinator's DHT reads of credential requests at rest: after a read that finds none waiting,
     # the read period doubles from requests_read_period up to this; a request seen makes it short again
     requests_rest_read_period: float = 20.0
-    # before it revokes a reported server, the coordinator probes it and two other replicas of its stage
-    # (peer.coordinator.referee): s each probe call may take; tries while they answer at different steps, and s
-    # between those tries; s before a server it could not judge, or found right, is probed again
+    # before it revokes a reported server, the coordinator probes it and up to probe_partners (at least 2) other
+    # replicas of its stage (peer.coordinator.referee): s each probe call may take; tries while fewer than two
+    # partners answer at its step, and s between those tries; s before a server it could not judge, or found
+    # right, is probed again
+    probe_partners: int = 4
     probe_timeout: float = 10.0
     probe_tries: int = 3
     probe_wait: float = 0.5

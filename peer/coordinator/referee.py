@@ -2,12 +2,14 @@
 
 A report (dht.records.SpotCheckReport) is a trainer's word, and a trainer's key costs nothing in open
 admission: two throwaway keys that claim work done could report every honest server. So the reports
-only make the coordinator look: it asks the reported server and two other replicas of its stage, at
-one step, the same request a spot check sends (a training forward of random inputs under a fresh uid;
-on the last stage a dry backward, whose loss and gradients are compared), and revokes only when the
-two others agree with each other and the reported one agrees with neither. When it cannot tell (fewer
-than two other replicas, one does not answer, they never meet at one step), nobody is revoked: the
-trainers that caught the server keep it banned, and the reports are looked at again later.
+only make the coordinator look: it asks the reported server and up to security.probe_partners other
+replicas of its stage the same request a spot check sends (a training forward of random inputs under a fresh
+uid; on the last stage a dry backward, whose loss and gradients are compared), and revokes only when none of
+the others that answered at the reported one's step agrees with it and two of them agree with each other.
+Two partners picked at random once let two hostile servers that answer alike (four keys, with two reporters)
+get an honest one revoked while honest partners were there to vouch for it. When it cannot tell (fewer than
+two others answering at its step, the reported one does not answer), nobody is revoked: the trainers that
+caught the server keep it banned, and the reports are looked at again later.
 
 The requests come from the coordinator's key: a server that answers wrong only to others is not
 revoked by this (docs/security.md), but no honest server is revoked on reports alone.
@@ -16,6 +18,7 @@ revoked by this (docs/security.md), but no honest server is revoked on reports a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import secrets
 
@@ -50,7 +53,7 @@ class Referee:
         others = [pid for pid in records if pid != accused]
         if len(others) < 2:
             return None, f"stage {stage} has {len(others)} other replica(s) to compare it with, not two"
-        asked = [accused, *self.rng.sample(others, 2)]
+        asked = [accused, *self.rng.sample(others, min(len(others), max(2, self.cfg.security.probe_partners)))]
         client = StageClient.for_server(self.cfg.server, self.dht.security)
         try:
             answers = await self._at_one_step(client, stage, [records[pid] for pid in asked], asked)
@@ -59,11 +62,15 @@ class Referee:
         if isinstance(answers, str):
             return None, answers
         (theirs, epoch), tol = answers, self.cfg.trainer.spot_check_tolerance
-        if not agree(theirs[1], theirs[2], tol):
-            return None, f"the two other replicas of stage {stage} disagree too at step {epoch}"
-        if agree(theirs[0], theirs[1], tol) or agree(theirs[0], theirs[2], tol):
+        mine, partners = theirs[0], theirs[1:]
+        if any(agree(mine, other, tol) for other in partners):
             return False, f"its answer to the coordinator's probe at step {epoch} agrees with its partners'"
-        return True, f"its answer to the coordinator's probe at step {epoch} differs from two partners that agree"
+        if not any(agree(a, b, tol) for a, b in itertools.combinations(partners, 2)):
+            return None, f"the {len(partners)} other replicas of stage {stage} disagree too at step {epoch}"
+        return True, (
+            f"its answer to the coordinator's probe at step {epoch} differs from all {len(partners)} partners', "
+            "two of which agree"
+        )
 
     async def _stage_of(self, accused: str) -> tuple[int, dict[str, ServerRecord]] | None:
         """The stage the accused serves and its credible serving replicas there (by their records)."""
@@ -76,23 +83,29 @@ class Referee:
         return None
 
     async def _at_one_step(self, client, stage: int, records: list[ServerRecord], pids: list[str]):
-        """(answers, step) of the replicas to one probe, asked again while they answer at different steps (one
-        just stepped), up to security.probe_tries times; a string saying why not if they never meet or one
-        does not answer."""
-        sec = self.cfg.security
-        for _ in range(sec.probe_tries):
+        """(answers, step): the accused's (first) answer to one probe and those of its partners that answered at
+        its step, once two of them did; asked again while fewer did (one just stepped), up to
+        security.probe_tries times (also while a partner that answered is at another step: a hostile pair that
+        always answers at its step must not outvote honest partners that just stepped); a string saying why not if
+        the accused does not answer or too few partners meet it (a partner that does not answer, or answers at
+        another step in the last try, counts for neither side)."""
+        sec, said = self.cfg.security, ""
+        for attempt in range(sec.probe_tries):
             request, payloads = self._probe(stage)
             tries = [
                 self._ask(client, r.endpoint, pid, request, payloads) for r, pid in zip(records, pids, strict=True)
             ]
             answers = await asyncio.gather(*tries, return_exceptions=True)
-            failed = [pid for pid, a in zip(pids, answers, strict=True) if isinstance(a, BaseException)]
-            if failed:
-                return f"{', '.join(failed)} did not answer the coordinator's probe"
-            if len({epoch for _, epoch in answers}) == 1:
-                return [a for a, _ in answers], answers[0][1]
+            if isinstance(answers[0], BaseException):
+                return f"{pids[0]} did not answer the coordinator's probe"
+            epoch, answered = answers[0][1], [x for x in answers[1:] if not isinstance(x, BaseException)]
+            met = [a for a, e in answered if e == epoch]
+            # every partner that answered, at its step (else asked again: one just stepped), or the last try's
+            if len(met) >= 2 and (len(met) == len(answered) or attempt == sec.probe_tries - 1):
+                return [answers[0][0], *met], epoch
+            said = f"{len(met)} of its {len(pids) - 1} partners answered the coordinator's probe at its step {epoch}"
             await asyncio.sleep(sec.probe_wait)
-        return f"the replicas never answered at one step in {sec.probe_tries} tries"
+        return f"{said}, in {sec.probe_tries} tries"
 
     async def _ask(self, client, endpoint: str, pid: str, request, payloads) -> tuple[object, int]:
         again = type(request)()
