@@ -402,24 +402,3 @@ def test_the_demo_continues_a_held_out_snippet_with_its_last_checkpoint(tmp_path
     whole = from_bytes(held_out.validation, t.seq_len, 2, len(held_out.validation), "held out").batches
     assert math.isclose(final, evaluate(model, whole), rel_tol=1e-5), (final, evaluate(model, whole))
     assert "Final validation on the whole held-out set" in out.getvalue()
-
-
-def test_a_part_s_new_state_is_held_to_the_previous_checkpoint_s_copy_of_it():
-    """Two hostile replicas that second each other's fingerprint pass every other check of a checkpoint (sound
-    values, a second replica's word): their weights went into it, and into every resume after it. A part's new
-    state is now held to the previous checkpoint's copy: its parameters move no further than the steps between,
-    plus coordinator.checkpoint_reach_slack, could (server.max_update_per_step x lr, plus weight decay). Nothing
-    to compare with (no previous copy, a negative slack) checks nothing."""
-    from peer.coordinator.vetting import reach
-
-    spec = RunSpec.from_dict({"training": {"lr": 1e-3, "weight_decay": 0.0}})
-    old = {"param/w": torch.zeros(4), "optim/w/exp_avg": torch.zeros(4)}
-    before = ({"epoch": 10}, old)
-    step = spec.training.lr * 4.0  # one step's reach per element, at server.max_update_per_step 4
-    within = {"param/w": torch.full((4,), 2.9 * step)}  # 10 -> 12, plus a slack of 1: 3 steps
-    assert reach(spec, before, {"epoch": 12}, within, 1, 4.0) == ""
-    beyond = {"param/w": torch.tensor([0.0, 0.0, 0.0, 3.5 * step])}
-    assert "moves w by" in reach(spec, before, {"epoch": 12}, beyond, 1, 4.0)
-    assert "previous checkpoint's step 10" in reach(spec, before, {"epoch": 12}, beyond, 1, 4.0)
-    assert reach(spec, None, {"epoch": 12}, beyond, 1, 4.0) == ""
-    assert reach(spec, before, {"epoch": 12}, beyond, -1, 4.0) == ""

@@ -255,10 +255,6 @@ class CoordinatorConfig:
     checkpoint_every_minutes: float = 30.0  # a checkpoint when this long has passed since the last; 0: not by time
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are removed
     checkpoint_timeout: float = 120.0  # s to download one part's state from a server
-    # steps of slack when a part's new state is held to the previous checkpoint's copy of it (its parameters move
-    # no further than the steps between, plus these, could move them: server.max_update_per_step): the two may come
-    # from replicas that were apart; -1: no such check
-    checkpoint_reach_slack: int = 16
     # s the run's last checkpoint waits, once a stage has reached training.total_steps, for every other stage to get
     # there too (its parts then all hold the last step); after that it is taken with the stages where they are
     end_checkpoint_wait: float = 30.0

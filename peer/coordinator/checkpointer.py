@@ -74,7 +74,7 @@ class Checkpointer:
                 found.append((f"expert {uid}", self.spec.stage_of_block(layer), uid))
         return found
 
-    async def _pull(self, client: StageClient, stage: int, expert: str, before: dict) -> checkpoint.Part | None:
+    async def _pull(self, client: StageClient, stage: int, expert: str) -> checkpoint.Part | None:
         key = keys.expert_key(self.spec.name, expert) if expert else keys.servers_key(self.spec.name, stage)
         records = await self.dht.aget(key, ServerRecord)
         # a leaving server still gives its state (the last one of a part waits for this: peer.server.replica_handover)
@@ -83,19 +83,15 @@ class Checkpointer:
         limit = credible_limit((r.epoch for _, r in holders), self.cfg.server.max_resync_jump)
         holders = [(pid, r) for pid, r in holders if r.epoch <= limit]
         ranked = sorted(holders, key=lambda item: (-item[1].epoch, item[1].state != "serving", -item[1].throughput))
-        name = f"expert {expert}" if expert else f"stage {stage}"
-        previous = await self._previous_copy(name, before) if ranked else None
         for pid, record in ranked:
             try:
                 metadata, tensors = await self._whole_state(client, record.endpoint, stage, expert, pid)
             except Exception as e:  # a replica that went away: the next one
                 logger.warning("checkpoint: %s did not give its state: %s", record.endpoint, e)
                 continue
+            name = f"expert {expert}" if expert else f"stage {stage}"
             others = [(p, r) for p, r in holders if p != pid]
             why = await self._unsound(client, stage, expert, metadata, tensors, limit, others)
-            if not why:
-                slack, per_step = self.ccfg.checkpoint_reach_slack, self.cfg.server.max_update_per_step
-                why = await asyncio.to_thread(vetting.reach, self.spec, previous, metadata, tensors, slack, per_step)
             if not why and metadata["epoch"] < record.epoch:  # an older step that others still remember: a revert
                 why = f"it gave the state of step {metadata['epoch']}, behind its record's {record.epoch}"
             if why:
@@ -105,16 +101,6 @@ class Checkpointer:
                 continue
             return checkpoint.Part(name, metadata, tensors, peer=pid)
         return None
-
-    async def _previous_copy(self, name: str, before: dict) -> tuple[dict, dict] | None:
-        """The previous checkpoint's copy of part `name` (metadata, tensors), to hold its new state to; None if none."""
-        if name not in before or self.previous is None or self.ccfg.checkpoint_reach_slack < 0:
-            return None
-        try:
-            return await asyncio.to_thread(checkpoint.load_part, self.previous, {"parts": before}, name)
-        except Exception as e:  # gone or unreadable: nothing to compare with (written again by this checkpoint)
-            logger.warning("checkpoint: the previous copy of %s cannot be read (%s)", name, e)
-            return None
 
     async def _unsound(self, client, stage: int, expert: str, metadata, tensors, limit: int, others) -> str:
         """Why a replica's state of a part must not go into a checkpoint ("" if it may): it is not a sound state
@@ -165,7 +151,7 @@ class Checkpointer:
         try:
             pulled = []
             for name, stage, expert in self.parts():
-                part = self._newest(name, await self._pull(client, stage, expert, before), before)
+                part = self._newest(name, await self._pull(client, stage, expert), before)
                 if part is None:
                     logger.warning("checkpoint at step %d skipped: no serving replica of %s gave its state", step, name)
                     return None

@@ -7,9 +7,7 @@ shapes, values an optimizer step can leave (finite, second moments never negativ
 least one), and the parameters' fingerprint, computed here, which must match the one the donor gave
 and be held at the same step by a second replica (`seconds`, from its recent steps, asked by Info).
 A part with two or more replicas is taken only from a seconded one; a part with a single replica has
-nobody to compare with (its one server computes it anyway). Then its parameters must be within reach of the
-previous checkpoint's copy of the part (`reach`): two keys that second each other skew a checkpoint by no more
-than training could in the steps between.
+nobody to compare with (its one server computes it anyway).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from peer.model.part_state import (
     check_moments,
     check_optimizer_slot,
     inherited_steps,
-    out_of_reach,
     state_fingerprint,
 )
 from peer.model.pretrained import expected_shapes
@@ -117,25 +114,3 @@ def _known_names(shapes: dict[str, list[int]], local: bool) -> set[str]:
     kinds = ("param", "outer/anchor", "outer/momentum") if local else ("param",)
     names = {f"{kind}/{name}" for name in shapes for kind in kinds}
     return names | {f"optim/{name}/{slot}" for name in shapes for slot in OPTIMIZER_SLOTS}
-
-
-def reach(
-    spec: RunSpec, previous: tuple[dict, dict] | None, metadata: dict, tensors: dict, slack: int, per_step: float
-) -> str:
-    """Why a part's new state moved its parameters further from the previous checkpoint's copy of it (`previous`:
-    its metadata and tensors) than the steps between, plus `slack`, could ("" if not, or nothing to compare: no
-    previous copy, a negative slack, local mode, whose outer steps move by other rules): two replicas that second
-    each other's poison once put any weights into a checkpoint, and into every resume after it."""
-    if previous is None or slack < 0 or spec.local_updates:
-        return ""
-    before, old = previous
-    params = {name[len("param/") :]: t for name, t in old.items() if name.startswith("param/")}
-    if not params or any(f"param/{name}" not in tensors for name in params):
-        return ""
-    steps = int(metadata["epoch"]) - int(before.get("epoch", 0)) + slack
-    why = out_of_reach(params, tensors, steps, spec.training, per_step)
-    return (
-        f"its state of step {metadata['epoch']} {why} from the previous checkpoint's step {before.get('epoch')}"
-        if why
-        else ""
-    )

@@ -223,11 +223,23 @@ class PartState:
         if self.local or self.tp_degree != 1 or not self.initialized or self.epoch <= 0:
             return
         # both sides may have moved since they last stepped together: `apart` steps each
-        steps = int(metadata["epoch"]) - self.epoch + 1 + 2 * max(apart, 0)
-        mine = dict(zip(self.param_names, self.params, strict=True))
-        why = out_of_reach(mine, tensors, steps, self.spec.training, per_step)
-        if why:
-            raise OutOfReach(f"the state of step {metadata['epoch']} {why} from this replica's step {self.epoch}")
+        steps, t = int(metadata["epoch"]) - self.epoch + 1 + 2 * max(apart, 0), self.spec.training
+        for name, p in zip(self.param_names, self.params, strict=True):
+            bound = max(steps, 1) * t.lr * (per_step + t.weight_decay * float(p.abs().max()))
+            moved = max(
+                (
+                    float((new.to(old.device) - old).abs().max())
+                    for new, old in zip(
+                        tensors[f"param/{name}"].reshape(-1).split(1 << 20), p.reshape(-1).split(1 << 20), strict=True
+                    )
+                ),
+                default=0.0,
+            )
+            if moved > bound:
+                raise OutOfReach(
+                    f"the state of step {metadata['epoch']} moves {name} by {moved:.3g} from this replica's step "
+                    f"{self.epoch}, more than {steps} steps could ({bound:.3g}, server.max_update_per_step)"
+                )
 
     @torch.no_grad()
     def load_state(self, metadata: dict, tensors: dict[str, torch.Tensor], me: str = "") -> None:
@@ -272,24 +284,6 @@ class PartState:
 
 
 @torch.no_grad()
-@torch.no_grad()
-def out_of_reach(
-    old: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], steps: int, training, per_step: float
-) -> str:
-    """Why a state's parameters (`tensors`, "param/NAME") are further from `old` (NAME -> tensor) than `steps` AdamW
-    steps could move them ("" if they are not): one step moves an element by at most about `per_step` x lr, plus
-    lr x weight decay of it (server.max_update_per_step)."""
-    for name, p in old.items():
-        bound = max(steps, 1) * training.lr * (per_step + training.weight_decay * float(p.abs().max()))
-        chunks = zip(tensors[f"param/{name}"].reshape(-1).split(1 << 20), p.reshape(-1).split(1 << 20), strict=True)
-        moved = max((float((new.to(was.device) - was).abs().max()) for new, was in chunks), default=0.0)
-        if moved > bound:
-            return (
-                f"moves {name} by {moved:.3g}, more than {steps} steps could ({bound:.3g}, server.max_update_per_step)"
-            )
-    return ""
-
-
 def state_fingerprint(tensors: dict[str, torch.Tensor], names: list[str], local: bool) -> list[float]:
     """A state's fingerprint (`tensor_fingerprint`s): each parameter's, in `names` order; then, per parameter, its
     AdamW state's (`OPTIMIZER_SLOTS`, [0, 0] where the optimizer holds none yet). In local mode the anchor's, then
